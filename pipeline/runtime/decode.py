@@ -1,0 +1,83 @@
+"""One entry point for every decoding method, so the CLI, the Triton model and the benchmarks agree.
+
+`Bundle` holds what a deployment loaded (target, and the draft / Medusa heads when built);
+`decode(bundle, method, requests)` runs one batch with the named method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.runtime.generate import Emit, Request, Result, generate
+from pipeline.runtime.model import Transformer
+
+METHODS = ("baseline", "draft_target", "prompt_lookup", "medusa")
+
+
+@dataclass
+class Bundle:
+    target: Transformer
+    tokenizer: Any
+    config: dict
+    draft: Transformer | None = None
+    medusa: Any = None
+    options: dict = field(default_factory=dict)
+
+    def methods(self) -> list[str]:
+        out = ["baseline"]
+        if self.draft is not None:
+            out.append("draft_target")
+        if self.config["build_config"].get("max_draft_len", 0) > 0:
+            out.append("prompt_lookup")
+        if self.medusa is not None:
+            out.append("medusa")
+        return out
+
+    @property
+    def max_draft_len(self) -> int:
+        return int(self.config["build_config"].get("max_draft_len", 0))
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        return tuple(self.target.cfg.eos_token_id or ())
+
+
+def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] = METHODS,
+                verify: bool = True) -> Bundle:
+    """Load engines/<name>/{target,draft,medusa} as far as they exist."""
+    from pipeline.engine import load_engine, load_model_dir
+
+    eng = load_engine(engine_dir / "target", device, verify=verify)
+    b = Bundle(eng.model, eng.tokenizer, eng.config)
+    if "draft_target" in methods and (engine_dir / "draft" / "config.json").is_file():
+        b.draft, b.options["draft_config"] = load_model_dir(engine_dir / "draft", device, verify=verify)
+    if "medusa" in methods and (engine_dir / "medusa" / "config.json").is_file():
+        from pipeline.runtime.medusa import load_medusa_engine
+
+        b.medusa = load_medusa_engine(engine_dir / "medusa", b.target, verify=verify)
+    return b
+
+
+def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = None,
+           num_draft_tokens: int | None = None, **opts) -> list[Result]:
+    """Run `reqs` as one batch with `method`; raise ValueError naming the method when it is unavailable."""
+    if method not in b.methods():
+        raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
+    if method == "baseline":
+        return generate(b.target, reqs, on_emit)
+    k = num_draft_tokens or b.options.get("num_draft_tokens", 4)
+    if k > b.max_draft_len:
+        raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {b.max_draft_len}")
+    if method == "draft_target":
+        from pipeline.runtime.speculative import draft_target
+
+        return draft_target(b.target, b.draft, reqs, k, on_emit, **opts)
+    if method == "prompt_lookup":
+        from pipeline.runtime.speculative import prompt_lookup
+
+        return prompt_lookup(b.target, reqs, k, on_emit, max_ngram=b.options.get("prompt_lookup_max_ngram", 3), **opts)
+    from pipeline.runtime.medusa import medusa_generate
+
+    return medusa_generate(b.target, b.medusa, reqs, on_emit, **opts)

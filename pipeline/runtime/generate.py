@@ -1,0 +1,149 @@
+"""Plain (baseline) decoding and the request bookkeeping every method shares.
+
+A method produces tokens for each row; `Sequence.extend` applies the stopping rules (EOS, stop
+word sequences, token budget) identically whether tokens arrive one at a time or k+1 at a time,
+so speculative output can equal baseline output token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from pipeline.runtime.model import KVCache, Transformer
+from pipeline.runtime.sampling import SamplingParams, next_token
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[list[int]] = field(default_factory=list)
+    end_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    finish_reason: str
+    num_input_tokens: int
+    steps: int = 0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    first_token_s: float = 0.0
+    elapsed_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (0 when nothing was proposed)."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per target forward pass after prefill (accepted drafts + the target's own)."""
+        return len(self.tokens) / self.steps if self.steps else 0.0
+
+
+Emit = Callable[[int, list[int]], None]
+
+
+class Sequence:
+    """One row's output so far and its stopping rules."""
+
+    def __init__(self, req: Request):
+        self.req = req
+        self.tokens: list[int] = []
+        self.done = False
+        self.finish_reason = ""
+        self.first_token_at = 0.0
+
+    def extend(self, new: list[int]) -> list[int]:
+        """Append tokens up to the first stop condition; return the ones actually emitted."""
+        out = []
+        for t in new:
+            if self.done:
+                break
+            if t in self.req.end_ids:
+                self.done, self.finish_reason = True, "eos"
+                break
+            self.tokens.append(t)
+            out.append(t)
+            if any(s and self.tokens[-len(s):] == s for s in self.req.stop):
+                self.done, self.finish_reason = True, "stop"
+            elif len(self.tokens) >= self.req.max_new_tokens:
+                self.done, self.finish_reason = True, "length"
+        if out and not self.first_token_at:
+            self.first_token_at = time.perf_counter()
+        return out
+
+
+def cache_length(reqs: list[Request], extra: int) -> int:
+    """Slots needed: the longest prompt plus its output plus a verify window, rounded up."""
+    n = max(len(r.prompt) + r.max_new_tokens for r in reqs) + extra + 1
+    return (n + 63) // 64 * 64
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> Tensor:
+    """Run the prompts (right-padded, left-aligned at slot 0); return each row's last hidden state [B, H]."""
+    dev = model.embed.weight.device
+    B, S = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    pos = torch.arange(S).expand(B, S)
+    hidden = model(tokens.to(dev), pos.to(dev), cache)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+    return hidden[torch.arange(B, device=dev), last]
+
+
+def finish(seqs: list[Sequence], start: float, stats: list[dict] | None = None) -> list[Result]:
+    end = time.perf_counter()
+    out = []
+    for i, s in enumerate(seqs):
+        r = Result(tokens=s.tokens, finish_reason=s.finish_reason or "length", num_input_tokens=len(s.req.prompt),
+                   first_token_s=(s.first_token_at - start) if s.first_token_at else 0.0, elapsed_s=end - start)
+        if stats:
+            for k, v in stats[i].items():
+                setattr(r, k, v)
+        out.append(r)
+    return out
+
+
+@torch.inference_mode()
+def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None) -> list[Result]:
+    """Baseline decoding: one target forward per token, all rows of the batch in step."""
+    start = time.perf_counter()
+    dev = model.embed.weight.device
+    seqs = [Sequence(r) for r in reqs]
+    gens = [r.params.generator() for r in reqs]
+    cache = model.new_cache(len(reqs), cache_length(reqs, 0))
+    logits = model.logits(prefill(model, cache, [r.prompt for r in reqs]))
+    cur = [len(r.prompt) for r in reqs]
+    while True:
+        nxt = []
+        for b, s in enumerate(seqs):
+            if s.done:
+                nxt.append(0)
+                continue
+            t = next_token(logits[b], s.req.params, gens[b])
+            emitted = s.extend([t])
+            if emitted and on_emit:
+                on_emit(b, emitted)
+            nxt.append(t)
+        if all(s.done for s in seqs):
+            break
+        active = [b for b, s in enumerate(seqs) if not s.done]
+        pos = torch.tensor([[min(c, cache.length - 1)] for c in cur], device=dev)
+        hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)
+        logits = model.logits(hidden[:, 0])
+        for b in active:
+            cur[b] += 1
+    return finish(seqs, start, [{"steps": len(s.tokens)} for s in seqs])

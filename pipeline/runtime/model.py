@@ -1,0 +1,247 @@
+"""A compact Llama-family transformer with a static KV cache where position is the only state.
+
+One call, `Transformer.forward`, serves prefill, single-token decode, k+1-token verification and
+tree verification: the caller passes per-row positions (RoPE), per-row cache slots (where K/V is
+written) and, for trees, an explicit attention mask. Rows of a batch advance independently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.runtime.kernels import linear
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Read a transformers LlamaConfig dict; refuse features this runtime does not implement."""
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+            raise ValueError(f"rope type {rope} is not supported by the torch runtime; use a model without rope scaling")
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError("attention_bias/mlp_bias models are not supported by the torch runtime")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=[eos] if isinstance(eos, int) else eos,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, length: int, device=None) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [length, head_dim] in the half-rotation layout Hugging Face checkpoints use."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    t = torch.arange(length, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class KVCache:
+    """Static per-layer K/V buffers [B, H_kv, S_max, D]; writes are indexed by slot, nothing else is tracked."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, length: int, dtype: torch.dtype, device):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, length, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = length
+        self.batch = batch
+
+    def compact(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Copy slots `src` [n, m] to `dst` [n, m] for batch rows `rows` [n] in every layer (tree acceptance)."""
+        r = rows[:, None]
+        for buf in (self.k, self.v):
+            picked = buf[:, r, :, src]
+            buf[:, r, :, dst] = picked
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        self.wo = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, rows: Tensor,
+                slots: Tensor, mask: Tensor, kv_len: int) -> Tensor:
+        cfg = self.cfg
+        B, S, _ = x.shape
+        D = cfg.head_dim
+        qkv = linear(self.attn_norm(x), self.wqkv.weight)
+        q, k, v = qkv.split([cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.view(B, S, cfg.num_heads, D), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D), cos, sin)
+        kc[rows, :, slots] = k.to(kc.dtype)
+        vc[rows, :, slots] = v.view(B, S, cfg.num_kv_heads, D).to(vc.dtype)
+        keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + linear(o.transpose(1, 2).reshape(B, S, cfg.num_heads * D), self.wo.weight)
+        gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2.weight)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope_len = 0
+
+    def _rope(self, length: int, device) -> tuple[Tensor, Tensor]:
+        if length > self._rope_len:
+            n = 1 << max(10, math.ceil(math.log2(length)))
+            self.rope_cos, self.rope_sin = rope_tables(self.cfg, n, device)
+            self._rope_len = n
+        return self.rope_cos, self.rope_sin
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Activations (and the KV cache) are fp32 on CPU, where bf16 weights are widened in the kernel."""
+        p = self.embed.weight
+        return torch.float32 if p.device.type == "cpu" else p.dtype
+
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        return KVCache(self.cfg, batch, length, self.compute_dtype, self.embed.weight.device)
+
+    def forward(self, tokens: Tensor, pos: Tensor, cache: KVCache, *, slots: Tensor | None = None,
+                mask: Tensor | None = None, kv_len: int | None = None) -> Tensor:
+        """Run new tokens [B, S] at RoPE positions `pos` [B, S]; return normed hidden states [B, S, H].
+
+        K/V go to cache `slots` (default: `pos`). Without `mask`, a query sees every slot up to its
+        own: stale entries past a row's position are invisible, so rejecting drafts costs nothing.
+        `mask` [B, S, kv_len] (True = attend) overrides that for trees. `kv_len` bounds the slots
+        read; it defaults to one past the largest slot written.
+        """
+        slots = pos if slots is None else slots
+        if kv_len is None:
+            kv_len = int(slots.max()) + 1
+        if mask is None:
+            mask = torch.arange(kv_len, device=tokens.device)[None, None, :] <= slots[:, :, None]
+        mask = mask[:, None]
+        cos, sin = self._rope(int(pos.max()) + 1, tokens.device)
+        cos, sin = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        x = self.embed(tokens).to(self.compute_dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos.to(x.dtype), sin.to(x.dtype), cache.k[i], cache.v[i], rows, slots, mask, kv_len)
+        return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return linear(hidden, self.lm_head.weight).float()
+
+
+def hf_to_runtime(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Map a transformers Llama state dict to this runtime's layout (fused QKV and gate/up)."""
+    out = {"embed.weight": state["model.embed_tokens.weight"], "norm.weight": state["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attn_norm.weight"] = state[p + "input_layernorm.weight"]
+        out[f"layers.{i}.ffn_norm.weight"] = state[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.wqkv.weight"] = torch.cat(
+            [state[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+        out[f"layers.{i}.wo.weight"] = state[p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.w13.weight"] = torch.cat(
+            [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0)
+        out[f"layers.{i}.w2.weight"] = state[p + "mlp.down_proj.weight"]
+    return out
+
+
+def runtime_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Inverse of hf_to_runtime, for saving trained drafts as ordinary Hugging Face checkpoints."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    out["lm_head.weight"] = state.get("lm_head.weight", state["embed.weight"])
+    for i in range(cfg.num_layers):
+        p, r = f"model.layers.{i}.", f"layers.{i}."
+        out[p + "input_layernorm.weight"] = state[r + "attn_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = state[r + "ffn_norm.weight"]
+        wq, wk, wv = state[r + "wqkv.weight"].split([q, kv, kv], dim=0)
+        out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = wq, wk
+        out[p + "self_attn.v_proj.weight"] = wv
+        out[p + "self_attn.o_proj.weight"] = state[r + "wo.weight"]
+        gate, up = state[r + "w13.weight"].chunk(2, dim=0)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+        out[p + "mlp.down_proj.weight"] = state[r + "w2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device) -> Transformer:
+    """Construct on the meta device and assign weights, so nothing is initialised twice."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if cfg.tie_embeddings:
+        state.setdefault("lm_head.weight", state["embed.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval().requires_grad_(False)

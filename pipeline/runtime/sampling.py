@@ -1,0 +1,77 @@
+"""Sampling: one warping function (temperature, top-k, top-p) shared by plain and speculative decoding.
+
+Greedy is temperature 0 and is decided by argmax, never by dividing by a tiny temperature.
+Speculative methods must warp the draft and the target with the same function, or the
+rejection rule stops preserving the target's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError naming the bad field."""
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: got {self.temperature}; must be 0 (greedy) or positive")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: got {self.top_p}; must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: got {self.top_k}; must be 0 (off) or positive")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed: got {self.seed}; must be non-negative")
+
+    def generator(self, device="cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def warp(logits: Tensor, p: SamplingParams) -> Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p; one-hot at the argmax when greedy."""
+    logits = logits.float()
+    if p.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, g: torch.Generator) -> Tensor:
+    """One token per row of probs [N, V] (or [V]) from generator g."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=g).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+def next_token(logits: Tensor, p: SamplingParams, g: torch.Generator) -> int:
+    """Pick the next token from logits [V] for one request."""
+    if p.greedy:
+        return int(logits.argmax())
+    return int(sample(warp(logits, p), g))

