@@ -126,15 +126,15 @@ class Block(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         D = cfg.head_dim
-        qkv = linear(self.attn_norm(x), self.wqkv.weight)
-        q, k, v = qkv.split([cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.view(B, S, cfg.num_heads, D), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, S, cfg.num_kv_heads, D), cos, sin)
-        kc[rows, :, slots] = k.to(kc.dtype)
-        vc[rows, :, slots] = v.view(B, S, cfg.num_kv_heads, D).to(vc.dtype)
+        Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
+        qkv = linear(self.attn_norm(x), self.wqkv.weight).view(B, S, Hq + 2 * Hkv, D)
+        qk = apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)
+        q = qk[:, :, :Hq].transpose(1, 2)
+        kc[rows, :, slots] = qk[:, :, Hq:]
+        vc[rows, :, slots] = qkv[:, :, Hq + Hkv:]
         keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + linear(o.transpose(1, 2).reshape(B, S, cfg.num_heads * D), self.wo.weight)
+        x = x + linear(o.transpose(1, 2).reshape(B, S, Hq * D), self.wo.weight)
         gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)
 

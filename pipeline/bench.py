@@ -1,0 +1,310 @@
+"""In-process benchmark: our methods against transformers on the same model, prompts and dtype, in one run.
+
+Writes reports/<name>/bench.json and bench.md. Runs are interleaved prompt by prompt (every method
+on prompt i before prompt i+1) after a separate warm-up, so machine noise hits all methods alike;
+figures are medians over prompts and speedups are ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from pipeline.spec import Spec
+
+
+def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
+    """Sustained read bandwidth: sum a buffer much larger than the caches."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    x.sum()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def load_prompts(spec: Spec, n: int) -> list[str]:
+    lines = spec.path(spec.validate.prompts).read_text().splitlines()
+    out = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    if not out:
+        raise ValueError(f"validate.prompts: {spec.validate.prompts} has no prompts")
+    return out[:n] if n else out
+
+
+def hf_model(model, dtype: torch.dtype):
+    """A transformers LlamaForCausalLM holding exactly our engine's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.runtime.model import runtime_to_hf
+
+    c = model.cfg
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+                      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_embeddings,
+                      max_position_embeddings=c.max_position_embeddings)
+    hf = LlamaForCausalLM(cfg).to(dtype)
+    state = {k: v.to(dtype) for k, v in runtime_to_hf(model.state_dict(), c).items()}
+    hf.load_state_dict(state, strict=False)
+    return hf.eval()
+
+
+def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4) -> tuple[float, list[list[int]]]:
+    """Greedy transformers generate for exactly `new` tokens; returns (seconds, tokens per row)."""
+    pad = 0
+    S = max(len(r) for r in ids)
+    x = torch.tensor([[pad] * (S - len(r)) + r for r in ids])
+    att = torch.tensor([[0] * (S - len(r)) + [1] * len(r) for r in ids])
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad, eos_token_id=None)
+    if assistant is not None:
+        assistant.generation_config.num_assistant_tokens = k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0
+        kw["assistant_model"] = assistant
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(x, attention_mask=att, **kw)
+    return time.perf_counter() - t, out[:, S:].tolist()
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
+    from pipeline.cli import chat_ids
+    from pipeline.runtime import kernels
+    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.generate import Request
+    from pipeline.runtime.sampling import SamplingParams
+
+    n_prompts, new = (2, 16) if quick else (4, 128)
+    b = load_bundle(spec.engine_dir, spec.device)
+    prompts = load_prompts(spec, n_prompts + 1)
+    ids = [chat_ids(b.tokenizer, p) for p in prompts]
+    warm, ids = ids[0], ids[1:]
+    methods = b.methods()
+    log(f"bench {spec.name}: methods {methods}, {len(ids)} prompts x {new} new tokens, batch 1, greedy")
+
+    def run(method: str, prompt: list[int], params=None, **opts):
+        req = Request(prompt, new, params or SamplingParams())
+        t = time.perf_counter()
+        (res,) = decode(b, method, [req], **opts)
+        return time.perf_counter() - t, res
+
+    hf32 = hf_model(b.target, torch.float32)
+    draft_hf = None
+    if "draft_target" in methods and (spec.engine_dir / "draft_hf").is_dir():
+        from transformers import AutoModelForCausalLM
+
+        draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=torch.float32).eval()
+    k = b.options.get("num_draft_tokens", 4)
+
+    for m in methods:
+        run(m, warm)
+    _hf_generate(hf32, [warm], 8)
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
+    base_tokens = []
+    for i, p in enumerate(ids):
+        for m in methods:
+            dt, res = run(m, p)
+            rows[m].append({"s": dt, "tokens": res.tokens, "proposed": res.draft_proposed,
+                            "accepted": res.draft_accepted, "steps": res.steps})
+        base_tokens.append(rows["baseline"][-1]["tokens"])
+        dt, out = _hf_generate(hf32, [p], new)
+        peers["hf_generate"].append(new / dt)
+        if draft_hf is not None:
+            dt, _ = _hf_generate(hf32, [p], new, assistant=draft_hf, k=k)
+            peers["hf_assisted"].append(new / dt)
+        log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
+            f"{m} {len(rows[m][-1]['tokens']) / rows[m][-1]['s']:.1f}" for m in methods)
+            + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
+
+    report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
+                    "methods": {}, "peers": {}}
+    base_tps = [len(r["tokens"]) / r["s"] for r in rows["baseline"]]
+    for m, rs in rows.items():
+        tps = [len(r["tokens"]) / r["s"] for r in rs]
+        proposed, accepted = sum(r["proposed"] for r in rs), sum(r["accepted"] for r in rs)
+        entry = {
+            "tokens_per_s": _median(tps),
+            "speedup": _median([a / b_ for a, b_ in zip(tps, base_tps)]),
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_len": sum(len(r["tokens"]) for r in rs) / max(sum(r["steps"] for r in rs), 1),
+            "greedy_identical": sum(r["tokens"] == bt for r, bt in zip(rs, base_tokens)),
+            "greedy_total": len(rs),
+        }
+        if m in ("draft_target", "prompt_lookup"):
+            entry["num_draft_tokens"] = k
+        if m == "medusa":
+            entry["tree"] = b.medusa.choices if hasattr(b.medusa, "choices") else None
+            entry["head_accuracy"] = getattr(b.medusa, "head_accuracy", None)
+        report["methods"][m] = entry
+    report["peers"]["hf_generate"] = {"tokens_per_s": _median(peers["hf_generate"])}
+    report["methods"]["baseline"]["vs_hf_generate"] = (
+        _median([a / h for a, h in zip(base_tps, peers["hf_generate"])]))
+    if peers["hf_assisted"]:
+        report["peers"]["hf_assisted"] = {"tokens_per_s": _median(peers["hf_assisted"]), "num_assistant_tokens": k}
+        report["methods"]["draft_target"]["vs_hf_assisted"] = (
+            report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
+
+    # Memory-bandwidth roofline for batch-1 decoding.
+    bw = measure_bandwidth_gbs(128 if quick else 512)
+    wbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in b.target.parameters()}.values())
+    wbytes -= b.target.embed.weight.numel() * b.target.embed.weight.element_size() * (
+        0 if b.target.cfg.tie_embeddings else 1)
+    limit = bw * 1e9 / wbytes
+    report["roofline"] = {"bandwidth_gbs": bw, "weight_bytes_read_per_token": wbytes, "limit_tokens_per_s": limit,
+                          "fraction_of_limit": report["methods"]["baseline"]["tokens_per_s"] / limit,
+                          "skinny_kernel": kernels.available()}
+
+    # Verify cost: one target forward over S new tokens, relative to S = 1.
+    report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
+
+    # Sampling at temperature 0.7: baseline vs each speculative method; Medusa typical (lossy) vs exact.
+    hot = SamplingParams(temperature=0.7, seed=1234)
+    sampled: dict[str, dict] = {}
+    variants = [("baseline", {})] + [(m, {}) for m in methods if m in ("draft_target", "prompt_lookup")]
+    if "medusa" in methods:
+        variants += [("medusa", {"acceptance": "exact"}), ("medusa", {"acceptance": "typical"})]
+    for m, opts in variants:
+        label = m + (f"_{opts['acceptance']}" if opts else "")
+        tps, toks, steps = [], 0, 0
+        for p in ids[: max(2, len(ids) // 2)]:
+            dt, res = run(m, p, hot, **opts)
+            tps.append(len(res.tokens) / dt)
+            toks, steps = toks + len(res.tokens), steps + res.steps
+        sampled[label] = {"tokens_per_s": _median(tps), "mean_accepted_len": toks / max(steps, 1)}
+        if label.endswith("typical"):
+            sampled[label]["lossy"] = True
+    for v in sampled.values():
+        v["speedup"] = v["tokens_per_s"] / sampled["baseline"]["tokens_per_s"]
+    report["temperature_0.7"] = sampled
+
+    # bf16 weights and batch-8 throughput (baseline), with transformers alongside.
+    report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
+    report["batch8"] = batch_compare(b, hf32, ids, 8, 8 if quick else 32)
+    report["environment"] = environment(spec)
+    out = spec.report_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(bench_markdown(report))
+    log(bench_markdown(report))
+    log(f"wrote {out / 'bench.json'}")
+    return report
+
+
+def verify_cost_curve(model, max_s: int) -> list[dict]:
+    """Median time of one forward over S new tokens at a realistic context length."""
+    cache = model.new_cache(1, 512)
+    ctx = 128
+    with torch.inference_mode():
+        model(torch.zeros(1, ctx, dtype=torch.long), torch.arange(ctx)[None], cache)
+        out = []
+        for s in range(1, max_s + 1):
+            toks = torch.zeros(1, s, dtype=torch.long)
+            pos = torch.arange(ctx, ctx + s)[None]
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                model.logits(model(toks, pos, cache))
+                ts.append(time.perf_counter() - t)
+            out.append({"tokens": s, "ms": 1000 * statistics.median(ts)})
+    base = out[0]["ms"]
+    for r in out:
+        r["relative"] = r["ms"] / base
+    return out
+
+
+def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
+    from pipeline.engine import load_model_dir
+    from pipeline.runtime.generate import Request, generate
+
+    model16, _ = load_model_dir(spec.engine_dir / "target", spec.device, dtype="bfloat16", verify=False)
+    hf16 = hf_model(b.target, torch.bfloat16)
+    ours, theirs = [], []
+    generate(model16, [Request(ids[0], 4)])
+    for p in ids:
+        t = time.perf_counter()
+        generate(model16, [Request(p, new)])
+        ours.append(new / (time.perf_counter() - t))
+        dt, _ = _hf_generate(hf16, [p], new)
+        theirs.append(new / dt)
+    log(f"  bf16: ours {_median(ours):.1f} tokens/s, transformers {_median(theirs):.1f}")
+    return {"new_tokens": new, "baseline_tokens_per_s": _median(ours), "hf_generate_tokens_per_s": _median(theirs),
+            "ratio": _median(ours) / _median(theirs), "note": "ours: bf16 weights widened to fp32 in the kernel"}
+
+
+def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
+    from pipeline.runtime.generate import Request, generate
+
+    rows = [ids[i % len(ids)] for i in range(batch)]
+    t = time.perf_counter()
+    generate(b.target, [Request(r, new) for r in rows])
+    ours = batch * new / (time.perf_counter() - t)
+    dt, _ = _hf_generate(hf, rows, new)
+    return {"batch": batch, "new_tokens": new, "baseline_tokens_per_s": ours, "hf_generate_tokens_per_s": batch * new / dt,
+            "ratio": ours / (batch * new / dt)}
+
+
+def environment(spec: Spec) -> dict:
+    import importlib.metadata as md
+
+    pk = {}
+    for name in ("torch", "transformers", "numpy", "tritonclient", "nvidia-pytriton", "tokenizers"):
+        try:
+            pk[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pk[name] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from pipeline.spec import to_dict
+
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+            "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}
+
+
+def bench_markdown(r: dict) -> str:
+    lines = [f"# Benchmark: {r['spec']} ({r['dtype']}, batch {r['batch']}, {r['new_tokens']} new tokens, "
+             f"{r['prompts']} prompts, greedy)", "",
+             "| method | tokens/s | speedup vs baseline | acceptance | mean accepted len | greedy identical |",
+             "|---|---|---|---|---|---|"]
+    for m, e in r["methods"].items():
+        lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
+                     f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} |")
+    for name, e in r["peers"].items():
+        lines.append(f"| transformers {name} | {e['tokens_per_s']:.1f} | | | | |")
+    rf = r["roofline"]
+    lines += ["", f"Baseline vs transformers generate: {r['methods']['baseline']['vs_hf_generate']:.2f}x. "
+              f"Bandwidth {rf['bandwidth_gbs']:.1f} GB/s; {rf['weight_bytes_read_per_token'] / 1e6:.0f} MB read per "
+              f"token gives a limit of {rf['limit_tokens_per_s']:.1f} tokens/s; baseline reaches "
+              f"{100 * rf['fraction_of_limit']:.0f}% of it (skinny kernel: {rf['skinny_kernel']}).", "",
+              "Verify cost (one forward over S new tokens, relative to S=1): "
+              + ", ".join(f"{c['tokens']}: {c['relative']:.2f}" for c in r["verify_cost_ms"]), "",
+              "## Temperature 0.7", "", "| method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|"]
+    for m, e in r["temperature_0.7"].items():
+        lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "
+                     f"{e['mean_accepted_len']:.2f} |")
+    bf, b8 = r["bf16"], r["batch8"]
+    lines += ["", f"bf16: ours {bf['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
+              f"{bf['hf_generate_tokens_per_s']:.1f} ({bf['ratio']:.2f}x).",
+              f"Batch {b8['batch']}: ours {b8['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
+              f"{b8['hf_generate_tokens_per_s']:.1f} ({b8['ratio']:.2f}x).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""Engine build: TensorRT-LLM-shaped config.json, no-op rebuilds, atomic writes, the generate verb."""
+
+import json
+import os
+
+import pytest
+
+from pipeline import engine as E
+from pipeline import spec as specmod
+from pipeline.cli import main
+
+
+def test_config_json_has_tensorrt_llm_shape(tiny_engine):
+    cfg = json.loads((tiny_engine / "config.json").read_text())
+    assert set(cfg) >= {"version", "pretrained_config", "build_config", "files", "input_hash"}
+    bc = cfg["build_config"]
+    assert {"max_batch_size", "max_input_len", "max_seq_len", "max_draft_len", "speculative_decoding_mode"} <= set(bc)
+    assert bc["max_draft_len"] == 8 and bc["speculative_decoding_mode"] == "draft_tokens_external"
+    assert cfg["pretrained_config"]["num_key_value_heads"] == 2
+    assert "model.safetensors" in cfg["files"] and (tiny_engine / "tokenizer.json").is_file()
+
+
+def test_unchanged_rebuild_is_a_no_op(tiny_root, tiny_engine):
+    s = specmod.load(tiny_root / "build" / "tiny.yaml")
+    before = os.stat(tiny_engine / "model.safetensors").st_mtime_ns
+    logs = []
+    E.build_target(s, log=logs.append)
+    assert os.stat(tiny_engine / "model.safetensors").st_mtime_ns == before
+    assert any("up to date" in m for m in logs)
+
+
+def test_failed_write_leaves_no_engine_and_no_temp_dir(tmp_path):
+    dest = tmp_path / "engines" / "x" / "target"
+
+    def write(tmp):
+        (tmp / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        E.write_atomic(dest, write)
+    assert not dest.exists()
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_stale_temp_dirs_are_never_loaded_as_engines(tmp_path):
+    stale = tmp_path / ".target.tmp-abc"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(E.EngineError, match="not a built engine"):
+        E.read_config(tmp_path / "target")
+
+
+def test_bf16_engine_stores_bf16_weights_and_generates(tmp_path, tiny_root):
+    import yaml
+
+    data = yaml.safe_load((tiny_root / "build" / "tiny.yaml").read_text())
+    data.update(name="tiny-bf16", dtype="bfloat16")
+    data["target"]["source"] = str(tiny_root / "models" / "target")
+    p = tiny_root / "build" / "tiny-bf16.yaml"
+    p.write_text(yaml.safe_dump(data))
+    s = specmod.load(p)
+    d = E.build_target(s, log=lambda *a: None)
+    eng = E.load_engine(d)
+    assert eng.model.embed.weight.dtype.is_floating_point and str(eng.model.embed.weight.dtype) == "torch.bfloat16"
+    assert main(["generate", str(p), "--prompt", "Why is the sky blue?", "--max-tokens", "5"]) == 0
+
+
+def test_generate_verb_prints_text_and_speed(tiny_root, tiny_engine, capsys):
+    assert main(["generate", str(tiny_root / "build" / "tiny.yaml"), "--prompt", "Describe the water cycle.",
+                 "--max-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    assert "tokens/s" in out.err and out.out.strip()
+
+
+def test_missing_source_is_a_clear_error(tmp_path):
+    from tests.conftest import write_spec
+
+    p = write_spec(tmp_path, name="nosrc", target={"source": "models/absent"})
+    assert main(["engine", str(p)]) == 2

@@ -1,0 +1,94 @@
+"""Spec validation: the embedded default and the GPU examples load; errors name the key path."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import spec as specmod
+from pipeline.spec import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_embedded_default_spec_validates():
+    s = specmod.load(ROOT / "build" / "smollm2.yaml")
+    assert (s.name, s.backend, s.device, s.dtype) == ("smollm2", "torch", "cpu", "float32")
+    assert s.target.source == "smollm2"
+    assert Path(s.root) == ROOT
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "build").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_spec_validates(path):
+    specmod.load(path)
+
+
+def _err(data) -> str:
+    with pytest.raises(SpecError) as e:
+        specmod.parse(data)
+    return str(e.value)
+
+
+def test_unknown_key_names_its_path_and_the_valid_keys():
+    msg = _err({"name": "x", "limits": {"max_batch": 4}})
+    assert msg.startswith("limits.max_batch: unknown key")
+    assert "max_batch_size" in msg
+
+
+def test_wrong_type_names_path_value_and_expected_type():
+    msg = _err({"name": "x", "limits": {"max_seq_len": "long"}})
+    assert "limits.max_seq_len" in msg and "'long'" in msg and "integer" in msg
+
+
+def test_bad_enum_lists_the_choices():
+    msg = _err({"name": "x", "backend": "vllm"})
+    assert "backend" in msg and "'torch'" in msg and "'tensorrt_llm'" in msg
+
+
+def test_missing_name_is_reported():
+    assert _err({}).startswith("name: required key is missing")
+
+
+def test_cross_field_limits_are_checked():
+    msg = _err({"name": "x", "limits": {"max_input_len": 4096, "max_seq_len": 2048}})
+    assert msg.startswith("limits.max_input_len") and "max_seq_len" in msg
+
+
+def test_draft_length_above_max_draft_len_names_the_fix():
+    msg = _err({"name": "x", "limits": {"max_draft_len": 2}, "speculation": {"num_draft_tokens": 5}})
+    assert "speculation.num_draft_tokens" in msg and "max_draft_len" in msg
+
+
+def test_torch_backend_refuses_tensor_parallelism():
+    assert "parallel" in _err({"name": "x", "parallel": {"tp": 2}})
+
+
+def test_medusa_choices_with_missing_prefix_name_the_path():
+    msg = _err({"name": "x", "medusa": {"source": "train", "num_heads": 3, "choices": [[0], [1, 0], [0, 0]]}})
+    assert "medusa.choices" in msg and "[1, 0]" in msg and "prefix [1]" in msg
+
+
+def test_list_items_are_checked_with_their_index():
+    msg = _err({"name": "x", "validate": {"concurrency": [1, "two"]}})
+    assert "validate.concurrency[1]" in msg
+
+
+def test_yaml_syntax_error_is_a_spec_error(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        specmod.load(p)
+
+
+def test_missing_file_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        specmod.load(tmp_path / "nope.yaml")
+
+
+def test_check_verb_exits_2_with_the_message(tmp_path, capsys):
+    from pipeline.cli import main
+
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump({"name": "x", "dtype": "fp8"}))
+    assert main(["check", str(p)]) == 2
+    assert "dtype" in capsys.readouterr().err
