@@ -11,7 +11,7 @@ import json
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -252,8 +252,9 @@ def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
     generate(b.target, [Request(r, new) for r in rows])
     ours = batch * new / (time.perf_counter() - t)
     dt, _ = _hf_generate(hf, rows, new)
-    return {"batch": batch, "new_tokens": new, "baseline_tokens_per_s": ours, "hf_generate_tokens_per_s": batch * new / dt,
-            "ratio": ours / (batch * new / dt)}
+    theirs = batch * new / dt
+    return {"batch": batch, "new_tokens": new, "baseline_tokens_per_s": ours, "hf_generate_tokens_per_s": theirs,
+            "ratio": ours / theirs}
 
 
 def environment(spec: Spec) -> dict:
@@ -275,7 +276,7 @@ def environment(spec: Spec) -> dict:
         pass
     from pipeline.spec import to_dict
 
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+    return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
             "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from pipeline import spec as specmod
 
@@ -68,7 +67,7 @@ def chat_ids(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 def cmd_generate(args) -> int:
     s = _spec(args)
     _setup_threads(s)
-    from pipeline.runtime.decode import load_bundle, decode
+    from pipeline.runtime.decode import decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
 

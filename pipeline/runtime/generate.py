@@ -8,8 +8,8 @@ so speculative output can equal baseline output token for token.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor

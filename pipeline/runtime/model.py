@@ -34,11 +34,12 @@ class ModelConfig:
     eos_token_id: list[int] | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         """Read a transformers LlamaConfig dict; refuse features this runtime does not implement."""
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(f"rope type {rope} is not supported by the torch runtime; use a model without rope scaling")
+            raise ValueError(f"rope type {rope} is not supported by the torch runtime; "
+                             "use a model without rope scaling")
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError("attention_bias/mlp_bias models are not supported by the torch runtime")

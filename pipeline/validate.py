@@ -1,0 +1,460 @@
+"""Validation through gRPC: exactness, acceptance, speed, the concurrency curve, peers, advice.
+
+`python -m pipeline validate SPEC` starts the server if it is not up (and stops it again if it
+started it), drives it over gRPC with the project's prompt set (chat template applied client-side),
+and writes reports/<name>/validate.json, validate.md and PNG plots. Every figure in the report is
+computed from measurements taken in this run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pipeline.spec import Spec
+
+SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
+
+
+def _request(url: str, text: str, max_tokens: int, method: str, temperature: float = 0.0, seed: int | None = None,
+             stream: bool = True) -> dict:
+    from pipeline import client
+
+    return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
+                           temperature=temperature, seed=seed, return_perf_metrics=True)
+
+
+def chat_text(tokenizer, prompt: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def divergence(bundle, prompt_ids: list[int], base: list[int], other: list[int], near_tie: float) -> dict | None:
+    """Where two greedy outputs first differ, and the target's top-2 logit margin there."""
+    n = next((i for i, (a, b) in enumerate(zip(base, other)) if a != b), None)
+    if n is None:
+        if len(base) == len(other):
+            return None
+        n = min(len(base), len(other))
+    from pipeline.runtime.generate import prefill
+
+    ctx = prompt_ids + base[:n]
+    m = bundle.target
+    cache = m.new_cache(1, (len(ctx) + 64) // 64 * 64)
+    with torch.inference_mode():
+        logits = m.logits(prefill(m, cache, [ctx]))[0]
+    top = torch.topk(logits, 2)
+    margin = float(top.values[0] - top.values[1])
+    return {"position": n, "baseline_token": base[n] if n < len(base) else None,
+            "method_token": other[n] if n < len(other) else None, "top2_margin": margin,
+            "classification": "numeric near-tie" if margin <= near_tie else "real disagreement"}
+
+
+def tokens_of(tok, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
+    from pipeline.bench import _hf_generate, environment, hf_model, load_prompts
+    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.generate import Request
+    from pipeline.triton import server
+
+    v = spec.validate
+    started = None
+    if server.running_pid(spec) is None or not server.is_ready(spec):
+        log("starting the Triton server ...")
+        started = server.start(spec, log=log)
+    url = server.grpc_url(spec)
+    try:
+        bundle = load_bundle(spec.engine_dir, spec.device)
+        tok = bundle.tokenizer
+        methods = bundle.methods()
+        prompts = load_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
+        warm, prompts = prompts[0], prompts[1:]
+        texts = [chat_text(tok, p) for p in prompts]
+        new = v.max_new_tokens
+        log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
+        for m in methods:
+            _request(url, chat_text(tok, warm), 8, m)
+        report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
+                        "acceptance_definition": "acceptance_rate = accepted draft tokens / proposed draft tokens; "
+                        "mean_accepted_len = tokens emitted per target forward pass",
+                        "methods": {}, "peers": {}}
+
+        # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for i, text in enumerate(texts):
+            for m in methods:
+                runs[m].append(_request(url, text, new, m))
+            log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
+                f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods) + " tokens/s")
+        base = runs["baseline"]
+        base_tps = [r["tokens_per_s"] for r in base]
+        for m, rs in runs.items():
+            tps = [r["tokens_per_s"] for r in rs]
+            proposed = sum(r.get("total_draft_tokens", 0) for r in rs)
+            accepted = sum(r.get("total_accepted_draft_tokens", 0) for r in rs)
+            divs = []
+            for i, (r, b) in enumerate(zip(rs, base)):
+                if r["text"] != b["text"]:
+                    pid = tokens_of(tok, texts[i])
+                    d = divergence(bundle, pid, tokens_of(tok, b["text"]), tokens_of(tok, r["text"]),
+                                   v.near_tie_margin)
+                    divs.append({"prompt": i, **(d or {"classification": "detokenization only"})})
+            lat = [r["latency_s"] * 1000 for r in rs]
+            report["methods"][m] = {
+                "tokens_per_s": statistics.median(tps),
+                "speedup": statistics.median([a / b for a, b in zip(tps, base_tps)]),
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "mean_accepted_len": _mean_accepted(rs),
+                "greedy_identical": sum(r["text"] == b["text"] for r, b in zip(rs, base)),
+                "greedy_total": len(rs),
+                "divergences": divs,
+                "latency_ms": {"p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95)},
+                "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
+                "total_draft_tokens": proposed, "total_accepted_draft_tokens": accepted,
+            }
+        report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
+        report["suspicious"] = suspicious(report, bundle)
+
+        # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
+        hf = hf_model(bundle.target, torch.float32)
+        ids = [tokens_of(tok, t) for t in texts[: max(2, len(texts) // 2)]]
+        report["peers"]["hf_generate"] = {"tokens_per_s": statistics.median(
+            [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids)}
+        draft_dir = spec.engine_dir / "draft_hf"
+        if draft_dir.is_dir():
+            from transformers import AutoModelForCausalLM
+
+            d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+            k = bundle.options.get("num_draft_tokens", 4)
+            report["peers"]["hf_assisted"] = {"tokens_per_s": statistics.median(
+                [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
+                "num_assistant_tokens": k}
+        else:
+            report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
+        del hf
+
+        # 3b. Concurrency curve.
+        report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, 64), log)
+        report["crossover"] = crossover(report["batch_curve"], methods)
+
+        # 3c. Temperatures: exact methods vs Medusa typical (lossy).
+        report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
+
+        # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
+        report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples,
+                                                   tok, log)
+        report["advice"] = advice(report, methods)
+        report["environment"] = environment(spec)
+        write_report(spec, report)
+        log(f"wrote {spec.report_dir / 'validate.json'}")
+        return report
+    finally:
+        if started is not None:
+            started.stop()
+
+
+def _mean_accepted(rs: list[dict]) -> float:
+    """Tokens per target forward: every forward emits its accepted drafts plus one token of its own."""
+    out = sum(r.get("num_output_tokens", 0) for r in rs)
+    acc = sum(r.get("total_accepted_draft_tokens", 0) for r in rs)
+    return out / (out - acc) if out > acc else 1.0
+
+
+def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Request) -> dict:
+    """Per-draft-position acceptance, measured in-process on the same engines (the gRPC contract has no field)."""
+    from pipeline.cli import chat_ids
+
+    out = {}
+    for m in bundle.methods():
+        if m == "baseline":
+            continue
+        acc, prop = [], []
+        for p in prompts:
+            (r,) = decode(bundle, m, [Request(chat_ids(bundle.tokenizer, p), new, end_ids=bundle.end_ids)])
+            for i, (a, q) in enumerate(zip(r.accepted_per_position, r.proposed_per_position)):
+                if i >= len(acc):
+                    acc.append(0)
+                    prop.append(0)
+                acc[i] += a
+                prop[i] += q
+        out[m] = [a / q if q else 0.0 for a, q in zip(acc, prop)]
+    return out
+
+
+def suspicious(report: dict, bundle) -> list[str]:
+    """Flag acceptance figures pinned at 0, at one token, or at the maximum."""
+    flags = []
+    for m, e in report["methods"].items():
+        if m == "baseline":
+            continue
+        if e["total_draft_tokens"] == 0:
+            flags.append(f"{m}: no draft tokens were proposed")
+            continue
+        if e["acceptance_rate"] == 0.0:
+            flags.append(f"{m}: acceptance exactly 0 (drafter broken or mismatched tokenizer?)")
+        if e["acceptance_rate"] == 1.0:
+            flags.append(f"{m}: acceptance exactly 1 (draft identical to target or acceptance not checked?)")
+        if abs(e["mean_accepted_len"] - 1.0) < 1e-9:
+            flags.append(f"{m}: mean accepted length exactly 1 token")
+    return flags
+
+
+def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
+    def one(i: int) -> dict:
+        return _request(url, texts[i % len(texts)], new, method)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(c) as ex:
+        rs = list(ex.map(one, range(c)))
+    wall = time.perf_counter() - t
+    return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
+            "latency_ms_p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5)}
+
+
+def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:
+    out = []
+    for c in levels:
+        for m in methods:
+            r = _burst(url, texts, m, c, new)
+            out.append({"concurrency": c, "method": m, **r})
+        log(f"  concurrency {c}: " + ", ".join(f"{e['method']} {e['tokens_per_s']:.1f}" for e in out[-len(methods):]))
+    return out
+
+
+def crossover(curve: list[dict], methods: list[str]) -> dict:
+    """Per method, the lowest concurrency at which it is no faster than baseline (None: always faster)."""
+    by = {(e["concurrency"], e["method"]): e["tokens_per_s"] for e in curve}
+    levels = sorted({e["concurrency"] for e in curve})
+    return {m: next((c for c in levels if by[(c, m)] <= by[(c, "baseline")]), None)
+            for m in methods if m != "baseline"}
+
+
+def temperatures(url: str, texts: list[str], methods: list[str], temps: list[float], new: int) -> list[dict]:
+    out = []
+    variants = [(m, m) for m in methods if m != "medusa"]
+    if "medusa" in methods:
+        variants += [("medusa", "medusa"), ("medusa_typical", "medusa_typical")]
+    for t in temps:
+        base = None
+        for label, m in variants:
+            if t == 0.0 and label == "medusa_typical":
+                continue
+            rs = [_request(url, x, new, m, temperature=t, seed=7 + i) for i, x in enumerate(texts)]
+            tps = statistics.median([r["tokens_per_s"] for r in rs])
+            base = tps if label == "baseline" else base
+            out.append({"temperature": t, "method": label, "tokens_per_s": tps,
+                        "speedup": tps / base if base else None, "mean_accepted_len": _mean_accepted(rs),
+                        "lossy": label == "medusa_typical"})
+    return out
+
+
+def distribution_test(url: str, text: str, methods: list[str], n: int, tok, log) -> dict:
+    """Two-sample chi-square on the first two sampled tokens: each exact method vs baseline, seeded."""
+    out = {}
+
+    def sample(method: str) -> list[tuple]:
+        def one(seed: int) -> tuple:
+            r = _request(url, text, 2, method, temperature=1.0, seed=seed, stream=False)
+            return tuple(tokens_of(tok, r["text"])[:2])
+
+        with ThreadPoolExecutor(8) as ex:
+            return list(ex.map(one, range(1000, 1000 + n)))
+
+    base = sample("baseline")
+    for m in methods:
+        if m == "baseline":
+            continue
+        other = sample(m)
+        stat, dof, p = chi2_two_sample(base, other)
+        out[m] = {"samples": n, "chi2": stat, "dof": dof, "p_value": p, "consistent": p > 0.001}
+        log(f"  distribution {m} vs baseline: chi2 {stat:.1f} (dof {dof}), p = {p:.3g}")
+    return out
+
+
+def chi2_two_sample(a: list, b: list, min_count: int = 5) -> tuple[float, int, float]:
+    """Chi-square homogeneity test; rare categories are pooled so expected counts stay reasonable."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cats = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
+    big = [k for k in cats if ca[k] + cb[k] >= min_count]
+    rows = [(ca[k], cb[k]) for k in big]
+    rest = (sum(ca[k] for k in cats if k not in big), sum(cb[k] for k in cats if k not in big))
+    if sum(rest):
+        rows.append(rest)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp if exp else 0.0
+    dof = max(len(rows) - 1, 1)
+    return stat, dof, chi2_sf(stat, dof)
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square distribution (regularised upper incomplete gamma)."""
+    from math import exp, lgamma, log
+
+    a, z = k / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    if z < a + 1:
+        term = s = 1.0 / a
+        n = a
+        for _ in range(500):
+            n += 1
+            term *= z / n
+            s += term
+        return max(0.0, 1.0 - s * exp(-z + a * log(z) - lgamma(a)))
+    b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)
+    h = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1 / d if d else 1e300
+        c = b + an / c
+        h *= d * c
+    return min(1.0, exp(-z + a * log(z) - lgamma(a)) * h)
+
+
+def advice(report: dict, methods: list[str]) -> dict:
+    exact = [m for m in methods if m != "baseline"
+             and all(d.get("classification") == "numeric near-tie" for d in report["methods"][m]["divergences"])]
+    best = max(exact, key=lambda m: report["methods"][m]["tokens_per_s"], default="baseline")
+    if best != "baseline" and report["methods"][best]["speedup"] <= 1.0:
+        best = "baseline"
+    off = report["crossover"].get(best) if best != "baseline" else None
+    return {"recommended_method": best,
+            "speedup_at_concurrency_1": report["methods"][best]["speedup"],
+            "switch_off_speculation_at_concurrency": off,
+            "why": (f"{best} is the fastest greedy-exact method at concurrency 1"
+                    + (f"; at {off} concurrent requests baseline is as fast or faster" if off else
+                       "; it stayed faster at every measured concurrency") if best != "baseline"
+                    else "no speculative method beat baseline")}
+
+
+def write_report(spec: Spec, report: dict) -> None:
+    out = spec.report_dir
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validate.json").write_text(json.dumps(report, indent=2, default=str))
+    plots(report, out)
+    (out / "validate.md").write_text(markdown(report))
+
+
+def plots(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = list(report["methods"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    vals = [report["methods"][m]["tokens_per_s"] for m in ms]
+    ax.bar(ms + list(report["peers"]), vals + [p.get("tokens_per_s") or 0 for p in report["peers"].values()])
+    ax.set_ylabel("tokens/s (concurrency 1, gRPC)")
+    ax.set_title(f"{report['spec']}: speed by method")
+    fig.tight_layout()
+    fig.savefig(out / "speed.png", dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m in ms:
+        pts = [(e["concurrency"], e["tokens_per_s"]) for e in report["batch_curve"] if e["method"] == m]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "batch_curve.png", dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for m, accs in report["acceptance_per_position"].items():
+        ax.plot(range(1, len(accs) + 1), accs, marker="o", label=m)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1)
+    if report["acceptance_per_position"]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
+             "", r["acceptance_definition"], "",
+             "| method | tokens/s | speedup | acceptance | mean accepted len | greedy identical | p50 ms | p95 ms |"
+             " TTFT p50 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, e in r["methods"].items():
+        lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
+                     f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} | "
+                     f"{e['latency_ms']['p50']:.0f} | {e['latency_ms']['p95']:.0f} | {e['ttft_ms']['p50']:.0f} |")
+    for name, p in r["peers"].items():
+        tps = p.get("tokens_per_s")
+        lines.append(f"| transformers {name} | {tps:.1f} | | | | | | | |" if tps else f"| {name} | n/a | | | | | | | |")
+    for m, e in r["methods"].items():
+        for d in e["divergences"]:
+            lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
+                         f"(margin {d.get('top2_margin', float('nan')):.3f})")
+    if r["suspicious"]:
+        lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
+    lines += ["", "## Concurrency curve (aggregate tokens/s)", ""]
+    levels = sorted({e["concurrency"] for e in r["batch_curve"]})
+    ms = list(r["methods"])
+    lines += ["| concurrency | " + " | ".join(ms) + " |", "|---" * (len(ms) + 1) + "|"]
+    by = {(e["concurrency"], e["method"]): e["tokens_per_s"] for e in r["batch_curve"]}
+    for c in levels:
+        lines.append(f"| {c} | " + " | ".join(f"{by[(c, m)]:.1f}" for m in ms) + " |")
+    lines += ["", f"Crossover (first concurrency where the method is no faster than baseline): {r['crossover']}", "",
+              "## Temperatures", "", "| T | method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|---|"]
+    for e in r["temperatures"]:
+        sp = f"{e['speedup']:.2f}x" if e["speedup"] else ""
+        lines.append(f"| {e['temperature']} | {e['method']}{' (lossy)' if e['lossy'] else ''} | "
+                     f"{e['tokens_per_s']:.1f} | {sp} | {e['mean_accepted_len']:.2f} |")
+    lines += ["", "## Distribution test (first two sampled tokens, T=1, seeded, vs baseline)", ""]
+    for m, d in r["distribution"].items():
+        lines.append(f"- {m}: chi2 {d['chi2']:.1f} on {d['dof']} dof, p = {d['p_value']:.3g} "
+                     f"({'consistent' if d['consistent'] else 'DIFFERENT'})")
+    a = r["advice"]
+    lines += ["", "## Advice", "", f"Recommended: **{a['recommended_method']}** "
+              f"({a['speedup_at_concurrency_1']:.2f}x at concurrency 1). {a['why']}.", "",
+              "![speed](speed.png) ![batch curve](batch_curve.png) ![acceptance](acceptance.png)", ""]
+    env = r["environment"]
+    lines += ["## Environment", "", f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores, "
+              f"{env['torch_threads']} torch threads); packages {env['packages']}", ""]
+    return "\n".join(lines)
+
+
+def cmd_validate(args) -> int:
+    from pipeline import spec as specmod
+
+    s = specmod.load(args.spec)
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    run_validate(s)
+    return 0
+
+
+def register(verb) -> None:
+    verb("validate", cmd_validate, "validate and benchmark through gRPC; writes reports/<name>/validate.*")
