@@ -61,8 +61,13 @@ def _load():
             return None
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
-    lib.skinny_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
-    lib.skinny_matmul.restype = None
+    P, I, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.skinny_matmul.argtypes = [P, P, P] + [I] * 5
+    lib.fused_linear.argtypes = [P, P, F32, P, P] + [I] * 7
+    lib.rope_write.argtypes = [P] * 8 + [I] * 6
+    lib.attention.argtypes = [P] * 5 + [I] * 7 + [F32, I]
+    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
+        f.restype = None
     _lib = lib
     return lib
 
@@ -85,3 +90,55 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lib.skinny_matmul(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, K, N, torch.get_num_threads(),
                       int(w.dtype == torch.bfloat16))
     return y
+
+
+def threads() -> int:
+    """Threads for the C kernels: torch's own ops run single-threaded on small decode shapes (see model.py)."""
+    return _threads
+
+
+_threads = max(1, os.cpu_count() or 1)
+
+
+def set_threads(n: int) -> None:
+    global _threads
+    _threads = max(1, n)
+
+
+def fast_path(tokens: torch.Tensor) -> bool:
+    """True when a few-token CPU step (tokens [B, S]) can run through the fused C layer."""
+    return (tokens.device.type == "cpu" and not torch.is_grad_enabled() and tokens.numel() <= MAX_ROWS
+            and _load() is not None)
+
+
+def fused_linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+                 swiglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """pre(x) @ w.T where pre is RMSNorm(norm) or SwiGLU; with `out`, the product is added into it."""
+    lib = _load()
+    K = x.shape[-1] // 2 if swiglu else x.shape[-1]
+    S = x.numel() // x.shape[-1]
+    N = w.shape[0]
+    y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    mode = 2 if swiglu else (1 if norm is not None else 0)
+    lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, w.data_ptr(), y.data_ptr(),
+                     S, K, N, _threads, int(w.dtype == torch.bfloat16), mode, int(out is not None))
+    return y
+
+
+def rope_write(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
+    """Rotate q/k, write k/v into the caches at `slots`; return rotated q [B, S, Hq, D]."""
+    B, S, _, D = qkv.shape
+    q = torch.empty(B, S, hq, D, dtype=torch.float32)
+    _lib.rope_write(qkv.data_ptr(), pos.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                    kc.data_ptr(), vc.data_ptr(), B, S, hq, hkv, D, kc.shape[2])
+    return q
+
+
+def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Masked grouped-query attention of q [B, S, Hq, D] over cache slots [0, kv_len)."""
+    B, S, Hq, D = q.shape
+    out = torch.empty_like(q)
+    _lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), mask.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1],
+                   D, kc.shape[2], kv_len, D ** -0.5, _threads)
+    return out

@@ -95,3 +95,119 @@ void skinny_matmul(const float *x, const void *w, float *y, int S, int K, int N,
         if (n0 < n1) rows(x, w, y, S, K, N, n0, n1, bf16);
     }
 }
+
+// The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
+
+#include <math.h>
+#include <stdlib.h>
+
+// y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
+// x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
+void fused_linear(const float *x, const float *g, float eps, const void *w, float *y, int S, int K, int N,
+                  int threads, int bf16, int mode, int accumulate) {
+    const float *in = x;
+    float *buf = NULL;
+    if (mode != 0) {
+        buf = (float *)malloc(sizeof(float) * (size_t)S * K);
+        for (int s = 0; s < S; s++) {
+            float *o = buf + (int64_t)s * K;
+            if (mode == 1) {
+                const float *r = x + (int64_t)s * K;
+                float ss = 0.f;
+                for (int k = 0; k < K; k++) ss += r[k] * r[k];
+                float inv = 1.0f / sqrtf(ss / K + eps);
+                for (int k = 0; k < K; k++) o[k] = (r[k] * inv) * g[k];
+            } else {
+                const float *a = x + (int64_t)s * 2 * K, *b = a + K;
+                for (int k = 0; k < K; k++) o[k] = a[k] / (1.0f + expf(-a[k])) * b[k];
+            }
+        }
+        in = buf;
+    }
+    if (!accumulate) {
+        skinny_matmul(in, w, y, S, K, N, threads, bf16);
+    } else {
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)S * N);
+        skinny_matmul(in, w, tmp, S, K, N, threads, bf16);
+        for (int64_t i = 0; i < (int64_t)S * N; i++) y[i] += tmp[i];
+        free(tmp);
+    }
+    free(buf);
+}
+
+// qkv [B, S, Hq + 2 Hkv, D]: rotate q and k (half-rotation RoPE, cos/sin tables [*, D] indexed by pos),
+// write q to q_out [B, S, Hq, D] and k, v to the caches [B, Hkv, L, D] at each token's slot.
+void rope_write(const float *qkv, const int64_t *pos, const int64_t *slots, const float *cos_t, const float *sin_t,
+                float *q_out, float *kc, float *vc, int B, int S, int Hq, int Hkv, int D, int L) {
+    int H = Hq + 2 * Hkv, half = D / 2;
+    for (int b = 0; b < B; b++)
+        for (int s = 0; s < S; s++) {
+            int64_t t = (int64_t)b * S + s;
+            const float *c = cos_t + pos[t] * D, *sn = sin_t + pos[t] * D;
+            const float *row = qkv + t * H * D;
+            for (int h = 0; h < Hq + Hkv; h++) {
+                const float *x = row + (int64_t)h * D;
+                float *o = h < Hq ? q_out + (t * Hq + h) * D
+                                  : kc + (((int64_t)b * Hkv + (h - Hq)) * L + slots[t]) * D;
+                for (int i = 0; i < half; i++) {
+                    float x1 = x[i], x2 = x[i + half];
+                    o[i] = x1 * c[i] - x2 * sn[i];
+                    o[i + half] = x2 * c[i + half] + x1 * sn[i + half];
+                }
+            }
+            for (int h = 0; h < Hkv; h++) {
+                const float *x = row + (int64_t)(Hq + Hkv + h) * D;
+                memcpy(vc + (((int64_t)b * Hkv + h) * L + slots[t]) * D, x, sizeof(float) * D);
+            }
+        }
+}
+
+// out[b, s, h] = softmax(q . K[:kv_len] * scale, masked) @ V, grouped-query (head h reads kv head h / (Hq/Hkv)).
+// mask [B, S, kv_len] (nonzero = attend). One query's result never depends on the other queries.
+void attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, float *out, int B, int S,
+               int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
+    int group = Hq / Hkv;
+    int items = B * S * Hq;
+#pragma omp parallel for num_threads(threads) schedule(static) if (items * kv_len > 16384)
+    for (int it = 0; it < items; it++) {
+        int h = it % Hq, t = it / Hq, b = t / S;
+        const float *qv = q + (int64_t)it * D;
+        const float *K = kc + ((int64_t)b * Hkv + h / group) * L * D;
+        const float *V = vc + ((int64_t)b * Hkv + h / group) * L * D;
+        const uint8_t *m = mask + (int64_t)t * kv_len;
+        float *o = out + (int64_t)it * D;
+        float *sc = (float *)malloc(sizeof(float) * kv_len);
+        float mx = -INFINITY;
+        for (int l = 0; l < kv_len; l++) {
+            if (!m[l]) { sc[l] = -INFINITY; continue; }
+            const float *k = K + (int64_t)l * D;
+            __m256 acc = _mm256_setzero_ps();
+            int d = 0;
+            for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(k + d), acc);
+            float v = hsum256(acc);
+            for (; d < D; d++) v += qv[d] * k[d];
+            v *= scale;
+            sc[l] = v;
+            if (v > mx) mx = v;
+        }
+        float sum = 0.f;
+        for (int l = 0; l < kv_len; l++) {
+            float e = m[l] ? expf(sc[l] - mx) : 0.f;
+            sc[l] = e;
+            sum += e;
+        }
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        float inv = sum > 0 ? 1.0f / sum : 0.f;
+        for (int l = 0; l < kv_len; l++) {
+            if (sc[l] == 0.f) continue;
+            float p = sc[l] * inv;
+            const float *v = V + (int64_t)l * D;
+            int d = 0;
+            __m256 pv = _mm256_set1_ps(p);
+            for (; d + 8 <= D; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+            for (; d < D; d++) o[d] += p * v[d];
+        }
+        free(sc);
+    }
+}
