@@ -17,8 +17,11 @@ def _spec(args) -> specmod.Spec:
 def _setup_threads(spec: specmod.Spec) -> None:
     import torch
 
+    from pipeline.runtime import kernels
+
     if spec.threads:
         torch.set_num_threads(spec.threads)
+        kernels.set_threads(spec.threads)
 
 
 def cmd_check(args) -> int:
