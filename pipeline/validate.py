@@ -17,9 +17,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline.client import chat_text
 from pipeline.spec import Spec
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
+
+
+
 
 
 def _request(url: str, text: str, max_tokens: int, method: str, temperature: float = 0.0, seed: int | None = None,
@@ -28,13 +32,6 @@ def _request(url: str, text: str, max_tokens: int, method: str, temperature: flo
 
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
                            temperature=temperature, seed=seed, return_perf_metrics=True)
-
-
-def chat_text(tokenizer, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    return prompt
 
 
 def _pct(xs: list[float], q: float) -> float:

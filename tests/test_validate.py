@@ -1,0 +1,97 @@
+"""`validate` on a tiny deployment: the report's keys, exactness from real server responses, the plots."""
+
+import json
+
+import pytest
+
+from pipeline import spec as specmod
+from tests.conftest import make_model_dir, write_spec
+
+
+@pytest.fixture(scope="module")
+def tiny_all(tmp_path_factory, tiny_tokenizer):
+    """A tiny target with a (different) tiny draft and briefly trained Medusa heads, all engines built."""
+    from pipeline.engine import build_target
+    from pipeline.train.draft import build_draft
+    from pipeline.train.medusa import build_medusa
+    from pipeline.triton.server import free_port
+
+    root = tmp_path_factory.mktemp("val")
+    make_model_dir(root / "models" / "target", tokenizer=tiny_tokenizer)
+    make_model_dir(root / "models" / "draft", layers=1, seed=3, tokenizer=tiny_tokenizer)
+    ports = [free_port() for _ in range(3)]
+    p = write_spec(root, name="val",
+                   draft={"source": "models/draft"},
+                   medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
+                           "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
+                   triton={"http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2]},
+                   validate={"max_prompts": 3, "max_new_tokens": 8, "concurrency": [1, 2],
+                             "temperatures": [0.0, 0.7], "distribution_samples": 16})
+    s = specmod.load(p)
+    quiet = lambda *a, **k: None  # noqa: E731
+    build_target(s, log=quiet)
+    build_draft(s, log=quiet)
+    build_medusa(s, log=quiet)
+    return s
+
+
+def test_validate_writes_the_report_from_server_responses(tiny_all):
+    from pipeline.triton.repo import write_repo
+    from pipeline.triton.server import running_pid
+    from pipeline.validate import run_validate
+
+    s = tiny_all
+    write_repo(s, log=lambda *a: None)
+    report = run_validate(s, log=lambda *a: None)
+    assert running_pid(s) is None, "validate must stop the server it started"
+    on_disk = json.loads((s.report_dir / "validate.json").read_text())
+    assert on_disk["methods"].keys() == report["methods"].keys()
+    methods = on_disk["methods"]
+    assert {"baseline", "draft_target", "prompt_lookup", "medusa"} <= set(methods)
+    for name, m in methods.items():
+        for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len", "greedy_identical",
+                    "greedy_total"):
+            assert key in m, (name, key)
+        assert m["greedy_total"] == 2 and m["tokens_per_s"] > 0
+        # Greedy exactness is computed from what the server sent back; every method here is exact.
+        assert m["greedy_identical"] == m["greedy_total"], (name, m["divergences"])
+    assert methods["draft_target"]["total_draft_tokens"] > 0
+    assert 0 <= methods["draft_target"]["acceptance_rate"] <= 1
+    assert on_disk["peers"]["hf_generate"]["tokens_per_s"] > 0
+    assert on_disk["peers"]["hf_assisted"]["tokens_per_s"] > 0
+    curve = on_disk["batch_curve"]
+    assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2) for m in methods}
+    assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
+    assert on_disk["advice"]["recommended_method"] in methods
+    for png in ("speed.png", "batch_curve.png", "acceptance.png"):
+        assert (s.report_dir / png).stat().st_size > 1000
+    assert "Advice" in (s.report_dir / "validate.md").read_text()
+
+
+def test_divergence_reports_position_tokens_and_margin(tiny_engine):
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.runtime.generate import Request, generate
+    from pipeline.validate import divergence
+
+    b = load_bundle(tiny_engine.parent, methods=("baseline",))
+    prompt = [5, 9, 14, 3]
+    base = generate(b.target, [Request(prompt, 10)])[0].tokens
+    other = base[:6] + [(base[6] + 1) % b.target.cfg.vocab_size] + base[7:]
+    d = divergence(b, prompt, base, other, near_tie=0.05)
+    assert d["position"] == 6 and d["baseline_token"] == base[6] and d["method_token"] == other[6]
+    assert d["top2_margin"] >= 0
+    assert d["classification"] == ("numeric near-tie" if d["top2_margin"] <= 0.05 else "real disagreement")
+    assert divergence(b, prompt, base, list(base), near_tie=0.05) is None
+
+
+def test_chi2_two_sample_tells_same_from_different():
+    import random
+
+    from pipeline.validate import chi2_two_sample
+
+    rng = random.Random(0)
+    a = [rng.choice("abcd") for _ in range(2000)]
+    b = [rng.choice("abcd") for _ in range(2000)]
+    c = [rng.choice("aabcd") for _ in range(2000)]
+    assert chi2_two_sample(a, b)[2] > 0.001
+    assert chi2_two_sample(a, c)[2] < 1e-6
