@@ -59,7 +59,7 @@ class MedusaSpec:
     num_heads: int = 3
     num_layers: int = 1
     # "auto" (grown from measured head accuracy and verify cost) or a list of top-k paths.
-    choices: Union[Literal["auto"], list[list[int]]] = "auto"
+    choices: Literal["auto"] | list[list[int]] = "auto"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     train: TrainBudget = field(default_factory=TrainBudget)
@@ -82,7 +82,7 @@ class ParallelSpec:
 @dataclass
 class SpeculationSpec:
     # Default number of draft tokens per step (k); "auto" picks it from measured costs.
-    num_draft_tokens: Union[int, Literal["auto"]] = 4
+    num_draft_tokens: int | Literal["auto"] = 4
     # Prompt lookup (n-gram) drafter.
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_num_tokens: int = 4
@@ -113,9 +113,17 @@ class TensorRTLLMSpec:
     examples_dir: str = "/app/tensorrt_llm/examples"
     checkpoint_dir: str = "engines/{name}/checkpoints"
     gemm_plugin: str = "auto"
-    kv_cache_free_gpu_mem_fraction: Union[float, Literal["auto"]] = "auto"
+    kv_cache_free_gpu_mem_fraction: float | Literal["auto"] = "auto"
     max_num_tokens: int = 8192
     tokens_per_block: int = 32
+    # Model shapes for the memory plan when the checkpoint is not on this machine: "auto" reads
+    # <source>/config.json, else matches the source name against pipeline.trtllm.KNOWN_ARCHS.
+    target_arch: str = "auto"
+    draft_arch: str = "auto"
+    # Tensor parallelism of the draft engine (draft-target); its GPUs follow the target's when free.
+    draft_tp: int = 1
+    # Decoupled (streaming) transaction policy for the LLM models; unary gRPC infer needs false.
+    decoupled: bool = False
 
 
 @dataclass
@@ -326,6 +334,7 @@ def validate(spec: Spec) -> Spec:
     trt = spec.tensorrt_llm
     _check(trt.gpu_memory_gib > 0, "tensorrt_llm.gpu_memory_gib", trt.gpu_memory_gib, "must be positive")
     _check(trt.gpus >= 1, "tensorrt_llm.gpus", trt.gpus, "must be 1 or more")
+    _check(trt.draft_tp >= 1, "tensorrt_llm.draft_tp", trt.draft_tp, "must be 1 or more")
     f = trt.kv_cache_free_gpu_mem_fraction
     _check(f == "auto" or 0 < f < 1, "tensorrt_llm.kv_cache_free_gpu_mem_fraction", f, "must be in (0, 1) or 'auto'")
     val = spec.validate
