@@ -245,7 +245,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
     for key, value in data.items():
-        where = f"{path}.{key}" if path else str(key)
+        name = key if isinstance(key, str) and key.isidentifier() else repr(key)  # quote odd keys: ' ', 'a b', 1
+        where = f"{path}.{name}" if path else name
         if key not in fields:
             raise SpecError(f"{where}: unknown key; valid keys here are {', '.join(sorted(fields))}")
         kwargs[key] = _convert(hints[key], value, where)
@@ -365,6 +366,8 @@ def load(path: str | Path, root: str | Path | None = None) -> Spec:
         raise SpecError(f"{p}: not valid YAML: {e}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: not a UTF-8 text file") from None
+    except RecursionError:
+        raise SpecError(f"{p}: nested too deeply to be a spec (YAML parser recursion limit)") from None
     if root is None:
         root = p.resolve().parent.parent if p.resolve().parent.name == "build" else Path.cwd()
     return parse(data, root)

@@ -52,7 +52,7 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
         for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len", "greedy_identical",
                     "greedy_total"):
             assert key in m, (name, key)
-        assert m["greedy_total"] == 2 and m["tokens_per_s"] > 0
+        assert m["greedy_total"] == s.validate.max_prompts and m["tokens_per_s"] > 0
         # Greedy exactness is computed from what the server sent back; every method here is exact.
         assert m["greedy_identical"] == m["greedy_total"], (name, m["divergences"])
     assert methods["draft_target"]["total_draft_tokens"] > 0

@@ -1,0 +1,170 @@
+"""gRPC client for the served models (tensorrtllm_backend's client contract), used by the CLI, validation and load.
+
+Every call opens its own gRPC stream (decoupled models only answer on streams), so calls are safe
+from many threads at once as long as each thread uses its own client (the default: one per call).
+`generate` returns the text, the perf outputs, the latency and the time to first token.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits")
+PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
+                "num_output_tokens")
+
+
+class RequestError(RuntimeError):
+    """The server rejected or failed a request; the message is the server's."""
+
+
+def _tensor(name: str, value, dtype) -> object:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    arr = np.asarray(value, dtype=dtype)
+    if arr.ndim == 0:
+        arr = arr.reshape(1, 1)
+    elif arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype) if dtype is not object else "BYTES")
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None, stream: bool = False,
+                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                seed: int | None = None, end_id: int | None = None, stop_words: list[str] | None = None,
+                num_draft_tokens: int | None = None, use_draft_logits: bool | None = None,
+                return_perf_metrics: bool = True, exclude_input_in_output: bool | None = None) -> list:
+    """InferInputs for one request (batch 1), with only the optional inputs that were given."""
+    text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
+    ins = [_tensor("text_input", [[text]], object), _tensor("max_tokens", [[max_tokens]], np.int32),
+           _tensor("stream", [[stream]], bool), _tensor("return_perf_metrics", [[return_perf_metrics]], bool)]
+    opt = {"temperature": (temperature, np.float32), "top_k": (top_k, np.int32), "top_p": (top_p, np.float32),
+           "seed": (seed, np.uint64), "end_id": (end_id, np.int32), "num_draft_tokens": (num_draft_tokens, np.int32),
+           "use_draft_logits": (use_draft_logits, bool), "exclude_input_in_output": (exclude_input_in_output, bool)}
+    for name, (value, dt) in opt.items():
+        if value is not None:
+            ins.append(_tensor(name, [[value]], dt))
+    if method:
+        ins.append(_tensor("method", [[method.encode()]], object))
+    if stop_words:
+        ins.append(_tensor("stop_words", [[w.encode() for w in stop_words]], object))
+    return ins
+
+
+def _first(result, name: str):
+    arr = result.as_numpy(name)
+    return None if arr is None else arr.reshape(-1)[0]
+
+
+def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
+                 on_response: Callable[[object], bool] | None = None, cancel: Callable[[], bool] | None = None,
+                 client=None) -> tuple[list, bool]:
+    """Send one request on a gRPC stream and collect its responses until the final flag.
+
+    Returns (responses, complete). `on_response` sees each result; `cancel()` (polled every 50 ms)
+    returning True cancels the request: the stream is closed with cancel_requests=True.
+    """
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    c = client or grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    responses, complete, cancelled = [], False, False
+    deadline = time.monotonic() + timeout
+    try:
+        c.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(f"no final response from {model} within {timeout:.0f}s")
+            try:
+                result, error = q.get(timeout=min(left, 0.05))
+            except queue.Empty:
+                if cancel and cancel():
+                    cancelled = True
+                    break
+                continue
+            if error is not None:
+                raise RequestError(error.message() if isinstance(error, InferenceServerException) else str(error))
+            resp = result.get_response()
+            final = resp.parameters.get("triton_final_response")
+            is_final = bool(final and final.bool_param)
+            if resp.outputs:
+                responses.append(result)
+                if on_response:
+                    on_response(result)
+            if is_final:
+                complete = True
+                break
+            if cancel and cancel():
+                cancelled = True
+                break
+    finally:
+        try:
+            c.stop_stream(cancel_requests=cancelled)
+        finally:
+            if client is None:
+                c.close()
+    return responses, complete
+
+
+def generate(url: str, model: str, prompt: str | bytes, max_tokens: int, method: str | None = None,
+             stream: bool = False, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None,
+             client=None, **opts) -> dict:
+    """One request; returns text, pieces, perf outputs, latency_s, ttft_s. Raises RequestError on an error."""
+    t0 = time.perf_counter()
+    pieces: list[str] = []
+    first: list[float] = []
+
+    def seen(result) -> None:
+        arr = result.as_numpy("text_output")
+        if arr is None:
+            return
+        piece = b"".join(v for v in arr.reshape(-1)).decode("utf-8", errors="replace")
+        if piece and not first:
+            first.append(time.perf_counter() - t0)
+        pieces.append(piece)
+        if on_piece and piece:
+            on_piece(piece)
+
+    inputs = make_inputs(prompt, max_tokens, method=method, stream=stream, **opts)
+    responses, complete = infer_stream(url, model, inputs, timeout, on_response=seen, client=client)
+    latency = time.perf_counter() - t0
+    out = {"text": "".join(pieces), "pieces": pieces, "complete": complete, "responses": len(responses),
+           "latency_s": latency, "ttft_s": first[0] if first else latency, "method": method}
+    if responses:
+        last = responses[-1]
+        for name in PERF_OUTPUTS:
+            v = _first(last, name)
+            if v is not None:
+                out[name] = float(v) if name == "acceptance_rate" else int(v)
+    n = out.get("num_output_tokens")
+    if n is not None:
+        out["tokens_per_s"] = n / latency if latency > 0 else 0.0
+    return out
+
+
+def chat_text(tokenizer, prompt: str) -> str:
+    """The prompt formatted with the tokenizer's chat template (client-side; the server applies none)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    return prompt
+
+
+def server_ready(url: str, model: str = "ensemble") -> bool:
+    import tritonclient.grpc as grpcclient
+
+    try:
+        with grpcclient.InferenceServerClient(url) as c:
+            return c.is_server_ready() and c.is_model_ready(model)
+    except Exception:  # noqa: BLE001 - any failure means "not ready"
+        return False

@@ -1,0 +1,261 @@
+"""Reliability: bad requests get clear errors, cancelled streams free their rows, load, damaged builds and engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline import spec as specmod
+from pipeline.client import RequestError, _tensor, generate, infer_stream, make_inputs
+from pipeline.triton import server as srvmod
+from pipeline.triton.repo import write_repo
+from tests.conftest import ROOT, make_model_dir, write_spec
+
+LIMITS = {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 512, "max_draft_len": 4}
+UNUSED_END = 0
+
+
+@pytest.fixture(scope="module")
+def served(tiny_root, tiny_engine):
+    from pipeline.engine import build_target
+
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, triton={**ports, "startup_timeout_s": 240}))
+    build_target(s, log=lambda *a: None)
+    write_repo(s, log=lambda *a: None)
+    srv = srvmod.start(s, log=lambda *a: None)
+    yield s, srv
+    srvmod.stop(s)
+
+
+def _error(url: str, model: str, inputs: list) -> str:
+    try:
+        responses, _ = infer_stream(url, model, inputs, timeout=60)
+    except RequestError as e:
+        return str(e)
+    return f"no error; responses {[r.as_numpy('text_output') for r in responses]}"
+
+
+def _replace(inputs: list, name: str, value, dtype) -> list:
+    return [i for i in inputs if i.name() != name] + [_tensor(name, value, dtype)]
+
+
+def _drop(inputs: list, name: str) -> list:
+    return [i for i in inputs if i.name() != name]
+
+
+GOOD = make_inputs("Tell me about the moon.", 4)
+BAD_REQUESTS = {
+    "empty text_input": (_replace(GOOD, "text_input", [[b""]], object), r"text_input: empty"),
+    "missing max_tokens": (_drop(GOOD, "max_tokens"), r"max_tokens: missing|missing required input.*max_tokens"),
+    "missing text_input": (_drop(GOOD, "text_input"), r"text_input: missing|missing required input.*text_input"),
+    "max_tokens 0": (_replace(GOOD, "max_tokens", [[0]], np.int32), r"max_tokens: got 0; must be between 1 and"),
+    "max_tokens negative": (_replace(GOOD, "max_tokens", [[-5]], np.int32), r"max_tokens: got -5"),
+    "max_tokens above the limit": (_replace(GOOD, "max_tokens", [[10_000]], np.int32),
+                                   r"max_tokens: got 10000; must be between 1 and \d+ \(max_seq_len=512"),
+    "prompt above max_input_len": (_replace(GOOD, "text_input", [[("word " * 200).encode()]], object),
+                                   r"text_input: the prompt is \d+ tokens.*max_input_len=64"),
+    "megabyte prompt": (_replace(GOOD, "text_input", [[b"x" * 1_000_000]], object),
+                        r"text_input: 1000000 characters, far above"),
+    "wrong dtype": (_replace(GOOD, "max_tokens", [[4.0]], np.float32), r"max_tokens.*(TYPE_FP32|FP32).*INT32"),
+    "wrong shape": (_replace(GOOD, "max_tokens", [[4, 4]], np.int32), r"max_tokens.*shape"),
+    "invalid UTF-8": (_replace(GOOD, "text_input", [[b"caf\xe9 \xff"]], object), r"text_input: not valid UTF-8"),
+    "top_p 0": (GOOD + [_tensor("top_p", [[0.0]], np.float32)], r"top_p: got 0.0; must be in \(0, 1\]"),
+    "top_p above 1": (GOOD + [_tensor("top_p", [[1.5]], np.float32)], r"top_p: got 1.5"),
+    "negative temperature": (GOOD + [_tensor("temperature", [[-0.5]], np.float32)], r"temperature: got -0.5"),
+    "num_draft_tokens above max_draft_len": (GOOD + [_tensor("num_draft_tokens", [[9]], np.int32)],
+                                             r"num_draft_tokens: got 9; .*max_draft_len=4"),
+    "unknown method": (GOOD + [_tensor("method", [[b"beam"]], object)], r"method: got 'beam'; .*baseline"),
+    "bad_words": (GOOD + [_tensor("bad_words", [[b"moon"]], object)], r"bad_words: not supported"),
+    "batch above max_batch_size": ([_tensor("text_input", [[b"hi"]] * 5, object),
+                                    _tensor("max_tokens", [[4]] * 5, np.int32)], r"batch.size.*4"),
+    "streaming a batch": ([_tensor("text_input", [[b"hi"]] * 2, object), _tensor("max_tokens", [[4]] * 2, np.int32),
+                           _tensor("stream", [[True]] * 2, bool)], r"stream: streaming needs one row"),
+}
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_every_bad_request_gets_a_clear_error_and_the_next_good_one_succeeds(served, model):
+    s, srv = served
+    for what, (inputs, pattern) in BAD_REQUESTS.items():
+        msg = _error(srv.grpc_url, model, inputs)
+        import re
+
+        assert re.search(pattern, msg, re.S), f"{what}: {msg}"
+        ok = generate(srv.grpc_url, model, "Tell me about the moon.", 3)
+        assert ok["complete"] and ok["num_output_tokens"] >= 1, what
+
+
+def test_unknown_model_name_is_named_in_the_error(served):
+    s, srv = served
+    msg = _error(srv.grpc_url, "llama_70b", GOOD)
+    assert "llama_70b" in msg and "unknown model" in msg.lower()
+    assert generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 3)["complete"]
+
+
+def _metric(s, name: str) -> float:
+    text = urllib.request.urlopen(srvmod.metrics_url(s), timeout=10).read().decode()
+    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
+def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
+    """Cancellation reaches the python model on tensorrt_llm_bls (Triton 2.51's ensemble does not forward it)."""
+    s, srv = served
+    prompts = [f"Write a long story about ship number {i}." for i in range(5)]
+    n = 240
+    want = [generate(srv.grpc_url, "ensemble", p, n, end_id=UNUSED_END)["text"] for p in prompts[:2]]
+    cancelled_before = _metric(s, "spec_decode_requests_cancelled_total")
+    tokens_before = _metric(s, "spec_decode_output_tokens_total")
+    results: dict = {}
+
+    def normal(i: int) -> None:
+        results[i] = generate(srv.grpc_url, "ensemble", prompts[i], n, stream=True, end_id=UNUSED_END)
+
+    def cancelling(i: int) -> None:
+        ins = make_inputs(prompts[i], n, stream=True, end_id=UNUSED_END)
+        t0 = time.monotonic()
+        results[i] = infer_stream(srv.grpc_url, "tensorrt_llm_bls", ins, cancel=lambda: time.monotonic() - t0 > 0.3)
+
+    threads = [threading.Thread(target=normal, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=cancelling, args=(i,)) for i in range(2, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert results[i]["complete"] and results[i]["text"] == want[i]
+        assert results[i]["num_output_tokens"] == n
+    for i in range(2, 5):
+        assert results[i][1] is False, "the cancelled stream never got its final response"
+    deadline = time.monotonic() + 30
+    while _metric(s, "spec_decode_requests_cancelled_total") - cancelled_before < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _metric(s, "spec_decode_requests_cancelled_total") - cancelled_before == 3
+    assert _metric(s, "spec_decode_output_tokens_total") - tokens_before == 2 * n, "cancelled rows finish no output"
+    assert generate(srv.grpc_url, "ensemble", prompts[0], n, end_id=UNUSED_END)["text"] == want[0]
+
+
+def test_load_run_is_complete_exact_and_reports_memory(served, capsys):
+    from pipeline.cli import main
+
+    s, srv = served
+    spec_path = Path(s.root) / "build" / "rel.yaml"
+    rc = main(["load", str(spec_path), "--concurrency", "8", "--duration", "10", "--max-tokens", "12"])
+    report = json.loads((s.report_dir / "load.json").read_text())
+    assert rc == 0, report
+    assert report["requests"] >= 8
+    assert report["errors"] == report["incomplete"] == report["greedy_mismatches"] == 0
+    assert report["greedy_requests"] > 0 and report["tokens_per_s"] > 0
+    assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p95"]
+    assert report["rss_mb"]["before"] > 0 and report["rss_mb"]["after"] < report["rss_mb"]["before"] * 1.5 + 100
+
+
+def test_load_refuses_unbounded_or_remote_runs(served, tiny_root):
+    from pipeline.load import run_load
+
+    s, _ = served
+    with pytest.raises(ValueError, match="--concurrency"):
+        run_load(s, 10_000, 5)
+    with pytest.raises(ValueError, match="--duration"):
+        run_load(s, 2, 86_400)
+    remote = specmod.load(write_spec(tiny_root, name="remote", triton={"host": "10.1.2.3"}))
+    with pytest.raises(ValueError, match="loopback"):
+        run_load(remote, 2, 5)
+
+
+# ---- broken builds and engines ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A model large enough that writing its engine takes a moment (so a kill lands mid-write)."""
+    root = tmp_path_factory.mktemp("kill")
+    make_model_dir(root / "models" / "target", layers=6, hidden=384, heads=6, kv_heads=2, tokenizer=tiny_tokenizer)
+    write_spec(root, name="kill")
+    return root
+
+
+def _engine_proc(root: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "engine", str(root / "build" / "kill.yaml"), *extra],
+                            cwd=str(root), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _kill_mid_write(root: Path, *extra: str) -> None:
+    proc = _engine_proc(root, *extra)
+    engines = root / "engines" / "kill"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        tmp = list(engines.glob(".target.tmp-*")) if engines.is_dir() else []
+        if tmp and any(tmp[0].iterdir()):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_build_killed_midway_leaves_no_engine_and_a_rerun_completes(big_root):
+    from pipeline.engine import EngineError, build_target, load_engine, read_config
+
+    target = big_root / "engines" / "kill" / "target"
+    _kill_mid_write(big_root)
+    assert not (target / "config.json").exists()
+    with pytest.raises(EngineError, match="not a built engine"):
+        read_config(target)
+    build_target(specmod.load(big_root / "build" / "kill.yaml"), log=lambda *a: None)
+    assert load_engine(target).config["build_config"]["max_batch_size"] == 8
+    assert not list(target.parent.glob(".target.tmp-*")), "the rerun cleans up the killed build's leftovers"
+
+    before = (target / "config.json").read_text()
+    _kill_mid_write(big_root, "--force")
+    assert (target / "config.json").read_text() == before, "a killed rebuild keeps the old complete engine"
+    read_config(target)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_damaged_engine_file_is_named_at_load(tiny_engine, tmp_path, damage):
+    import shutil
+
+    from pipeline.engine import EngineError, read_config
+    from pipeline.runtime.decode import load_bundle
+
+    eng = tmp_path / "e" / "target"
+    shutil.copytree(tiny_engine, eng)
+    f = eng / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(data)
+    with pytest.raises(EngineError, match=r"model\.safetensors does not match the sha256"):
+        read_config(eng)
+    with pytest.raises(EngineError, match=r"model\.safetensors"):
+        load_bundle(eng.parent)
+
+
+def test_a_server_on_a_damaged_engine_fails_fast_naming_the_file(tiny_root, tiny_engine):
+    import shutil
+
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    s = specmod.load(write_spec(tiny_root, name="dmg", triton={**ports, "startup_timeout_s": 240}))
+    shutil.copytree(tiny_engine, s.engine_dir / "target", dirs_exist_ok=True)
+    write_repo(s, log=lambda *a: None)
+    f = s.engine_dir / "target" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    t0 = time.monotonic()
+    with pytest.raises(srvmod.ServerError, match=r"(?s)failed to load.*model\.safetensors does not match"):
+        srvmod.start(s, log=lambda *a: None)
+    assert time.monotonic() - t0 < 120
+    assert srvmod.running_pid(s) is None and all(srvmod.port_free("127.0.0.1", p) for p in ports.values())

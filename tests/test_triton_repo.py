@@ -1,0 +1,103 @@
+"""The torch backend's Triton model repository: Triton's own schema, tensorrtllm_backend's names and I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import spec as specmod
+from pipeline.triton import repo as repomod
+from tests.conftest import write_spec
+
+
+@pytest.fixture(scope="module")
+def written(tiny_root, tiny_engine):
+    s = specmod.load(tiny_root / "build" / "tiny.yaml")
+    return s, repomod.write_repo(s, log=lambda *a: None)
+
+
+def _configs(path):
+    return {p.parent.name: repomod.parse_pbtxt(p.read_text()) for p in sorted(path.glob("*/config.pbtxt"))}
+
+
+def test_every_config_parses_with_tritons_schema_and_names_match_tensorrtllm_backend(written):
+    _, path = written
+    cfgs = _configs(path)
+    assert set(cfgs) == {"ensemble", "tensorrt_llm_bls"}
+    for name, c in cfgs.items():
+        assert c.name == name
+    assert (path / "tensorrt_llm_bls" / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
+
+
+def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
+    s, path = written
+    c = _configs(path)["tensorrt_llm_bls"]
+    assert c.backend == "python"
+    assert c.model_transaction_policy.decoupled
+    assert c.max_batch_size == s.limits.max_batch_size
+    assert c.HasField("dynamic_batching")
+    assert c.dynamic_batching.max_queue_delay_microseconds == s.triton.max_queue_delay_us
+    assert sum(g.count for g in c.instance_group) == s.triton.instance_count
+    assert c.parameters["engine_dir"].string_value == str((s.engine_dir).resolve())
+    assert c.parameters["default_method"].string_value == "baseline"
+
+
+def test_ensemble_is_a_real_ensemble_forwarding_every_input_and_output(written):
+    _, path = written
+    c = _configs(path)["ensemble"]
+    assert c.platform == "ensemble"
+    (step,) = c.ensemble_scheduling.step
+    assert step.model_name == "tensorrt_llm_bls"
+    ins, outs = repomod.ensemble_io()
+    assert dict(step.input_map) == {n: n for n, _, _ in ins}
+    assert dict(step.output_map) == {n: n for n, _, _ in outs}
+
+
+def test_ensemble_io_matches_the_written_config_and_the_client_contract(written):
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    _, path = written
+    c = _configs(path)["ensemble"]
+    ins, outs = repomod.ensemble_io()
+    got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
+    got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
+    assert got_in == ins and got_out == outs
+    bls = _configs(path)["tensorrt_llm_bls"]
+    assert {i.name for i in bls.input if not i.optional} == {"text_input", "max_tokens"}
+    assert all(i.optional for i in c.input), "a missing input must reach the BLS, which names it"
+    types = {n: (t, d) for n, t, d in ins + outs}
+    # tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) and the later perf outputs
+    assert types["text_input"] == ("TYPE_STRING", [1])
+    assert types["max_tokens"] == ("TYPE_INT32", [1])
+    assert types["seed"] == ("TYPE_UINT64", [1])
+    assert types["stop_words"] == ("TYPE_STRING", [-1]) and types["bad_words"] == ("TYPE_STRING", [-1])
+    for b in ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits"):
+        assert types[b] == ("TYPE_BOOL", [1])
+    assert types["text_output"] == ("TYPE_STRING", [-1])
+    assert types["acceptance_rate"] == ("TYPE_FP32", [1])
+    for n in ("total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens"):
+        assert types[n] == ("TYPE_INT32", [1])
+
+
+def test_default_method_follows_the_spec(tiny_root):
+    s = specmod.parse({"name": "x", "draft": {"source": "train"}}, tiny_root)
+    assert repomod.default_method(s) == "draft_target"
+    s = specmod.parse({"name": "x", "medusa": {"source": "train"}}, tiny_root)
+    assert repomod.default_method(s) == "medusa"
+    s = specmod.parse({"name": "x", "draft": {"source": "train"}, "medusa": {"source": "train"}}, tiny_root)
+    assert repomod.default_methods(s) == ["draft_target", "medusa", "baseline"]
+    assert repomod.bls_config(s, tiny_root).parameters["default_method"].string_value == "draft_target,medusa,baseline"
+
+
+def test_repo_without_built_engine_says_to_build_it(tmp_path):
+    s = specmod.load(write_spec(tmp_path, name="unbuilt"))
+    with pytest.raises(FileNotFoundError, match="make engine"):
+        repomod.write_repo(s)
+    assert not s.repo_dir.exists()
+
+
+def test_repo_verb_writes_the_repository(tiny_root, tiny_engine, capsys):
+    from pipeline.cli import main
+
+    assert main(["repo", str(tiny_root / "build" / "tiny.yaml")]) == 0
+    assert (tiny_root / "triton_repo" / "tiny" / "ensemble" / "config.pbtxt").is_file()
+    assert "tensorrt_llm_bls" in capsys.readouterr().out

@@ -1,0 +1,274 @@
+"""The real tritonserver on a tiny engine: gRPC answers equal in-process decoding, streaming, perf, metrics, stop."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+import pytest
+
+from pipeline import spec as specmod
+from pipeline.client import chat_text, generate, infer_stream, make_inputs
+from pipeline.triton import server as srvmod
+from pipeline.triton.repo import write_repo
+from tests.conftest import write_spec
+
+PROMPT = "Explain how rain forms over the ocean."
+UNUSED_END = 0  # <unk>: the random model never stops early, so budgets are exact
+
+
+def _spec(root, name: str, **sections) -> specmod.Spec:
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    return specmod.load(write_spec(root, name=name, triton={**ports, "startup_timeout_s": 240}, **sections))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_root, tiny_engine):
+    from pipeline.engine import build_target
+    from pipeline.train.draft import build_draft
+
+    # The target doubles as its own draft: draft_target is served too, and accepts every draft token.
+    s = _spec(tiny_root, "srv", draft={"source": "models/target"})
+    build_target(s, log=lambda *a: None)
+    build_draft(s, log=lambda *a: None)
+    write_repo(s, log=lambda *a: None)
+    srv = srvmod.start(s, log=lambda *a: None)
+    yield s, srv
+    srvmod.stop(s)
+
+
+@pytest.fixture(scope="module")
+def bundle(served):
+    from pipeline.runtime.decode import load_bundle
+
+    s, _ = served
+    return load_bundle(s.engine_dir, "cpu")
+
+
+def _local(bundle, prompt: str, n: int, method: str = "baseline") -> tuple[str, list[int], list[int]]:
+    """In-process greedy answer for the same text the server receives."""
+    from pipeline.runtime.decode import decode
+    from pipeline.runtime.generate import Request
+
+    ids = bundle.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    (res,) = decode(bundle, method, [Request(list(ids), n, end_ids=(UNUSED_END,))])
+    text = bundle.tokenizer.decode(res.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return text, ids, res.tokens
+
+
+def _metrics(s) -> dict[str, float]:
+    text = urllib.request.urlopen(srvmod.metrics_url(s), timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_greedy_text_over_grpc_equals_in_process_generation(served, bundle):
+    s, srv = served
+    prompt = chat_text(bundle.tokenizer, PROMPT)
+    want, ids, tokens = _local(bundle, prompt, 12)
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        r = generate(srv.grpc_url, model, prompt, 12, end_id=UNUSED_END)
+        assert r["complete"]
+        assert r["text"] == want, model
+        assert r["num_input_tokens"] == len(ids)
+        assert r["num_output_tokens"] == len(tokens) == 12
+
+
+def test_streamed_pieces_concatenate_to_the_unary_answer(served):
+    s, srv = served
+    unary = generate(srv.grpc_url, "ensemble", PROMPT, 16, end_id=UNUSED_END)
+    pieces = []
+    streamed = generate(srv.grpc_url, "ensemble", PROMPT, 16, stream=True, on_piece=pieces.append,
+                        end_id=UNUSED_END)
+    assert streamed["complete"] and len(pieces) > 1
+    assert "".join(pieces) == streamed["text"] == unary["text"]
+    assert streamed["num_output_tokens"] == 16
+    assert 0 < streamed["ttft_s"] <= streamed["latency_s"]
+
+
+def test_exclude_input_in_output_false_prepends_the_prompt(served):
+    s, srv = served
+    a = generate(srv.grpc_url, "ensemble", PROMPT, 6, end_id=UNUSED_END)
+    b = generate(srv.grpc_url, "ensemble", PROMPT, 6, end_id=UNUSED_END, exclude_input_in_output=False)
+    assert b["text"] == PROMPT + a["text"]
+
+
+def test_speculative_method_is_exact_and_its_perf_outputs_are_consistent(served, bundle):
+    s, srv = served
+    if "prompt_lookup" not in bundle.methods():
+        pytest.skip("prompt_lookup is not available in this runtime")
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat sat on the"
+    base = generate(srv.grpc_url, "ensemble", prompt, 20, method="baseline", end_id=UNUSED_END)
+    spec_ = generate(srv.grpc_url, "ensemble", prompt, 20, method="prompt_lookup", num_draft_tokens=3,
+                     end_id=UNUSED_END)
+    want, _, tokens = _local(bundle, prompt, 20, "prompt_lookup")
+    assert spec_["text"] == base["text"] == want
+    assert spec_["num_output_tokens"] == len(tokens) == 20
+    assert 0 <= spec_["total_accepted_draft_tokens"] <= spec_["total_draft_tokens"]
+    assert spec_["total_draft_tokens"] > 0
+    assert spec_["acceptance_rate"] == pytest.approx(spec_["total_accepted_draft_tokens"] / spec_["total_draft_tokens"])
+    assert base["total_draft_tokens"] == 0 and base["acceptance_rate"] == 0.0
+
+
+def test_every_method_runs_side_by_side_on_one_server_with_the_same_greedy_text(served, bundle):
+    s, srv = served
+    assert {"baseline", "draft_target", "prompt_lookup"} <= set(bundle.methods())
+    want, _, _ = _local(bundle, PROMPT, 14)
+    got = {}
+    threads = [threading.Thread(target=lambda m=m: got.__setitem__(
+        m, generate(srv.grpc_url, "ensemble", PROMPT, 14, method=m, end_id=UNUSED_END)))
+        for m in bundle.methods()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {m: r["text"] for m, r in got.items()} == {m: want for m in bundle.methods()}
+    default = generate(srv.grpc_url, "ensemble", PROMPT, 14, end_id=UNUSED_END)
+    assert default["total_draft_tokens"] > 0, "a spec with a draft serves draft_target by default"
+    self_draft = got["draft_target"]
+    assert self_draft["acceptance_rate"] == 1.0
+    assert self_draft["total_accepted_draft_tokens"] == self_draft["total_draft_tokens"] > 0
+    baseline = generate(srv.grpc_url, "ensemble", PROMPT, 14, num_draft_tokens=0, end_id=UNUSED_END)
+    assert baseline["total_draft_tokens"] == 0, "num_draft_tokens 0 without a method means baseline"
+
+
+def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_answer(served):
+    s, srv = served
+    prompts = [f"{PROMPT} ({i})" for i in range(3)]
+    budgets = [5, 13, 9]
+    solo = [generate(srv.grpc_url, "ensemble", p, n, method="baseline", end_id=UNUSED_END)["text"]
+            for p, n in zip(prompts, budgets)]
+    before = _metrics(s)
+    got: list = [None] * 3
+    blocker = threading.Thread(target=lambda: generate(srv.grpc_url, "ensemble", PROMPT, 200, method="baseline",
+                                                       end_id=UNUSED_END))
+    blocker.start()
+    time.sleep(0.3)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+        i, generate(srv.grpc_url, "ensemble", prompts[i], budgets[i], method="baseline", stream=i == 1,
+                    end_id=UNUSED_END))) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in [blocker, *threads]:
+        t.join()
+    assert [g["text"] for g in got] == solo
+    assert [g["num_output_tokens"] for g in got] == budgets
+    after = _metrics(s)
+    total = lambda m, name: sum(v for k, v in m.items() if k.startswith(f'{name}{{model="tensorrt_llm_bls"'))
+    assert total(after, "nv_inference_count") - total(before, "nv_inference_count") == 4
+    assert total(after, "nv_inference_exec_count") - total(before, "nv_inference_exec_count") < 4, \
+        "the three requests that queued behind the long one were not batched"
+
+
+def test_a_request_with_two_rows_gets_both_answers(served):
+    s, srv = served
+    one = generate(srv.grpc_url, "ensemble", PROMPT, 5, end_id=UNUSED_END)["text"]
+    two = generate(srv.grpc_url, "ensemble", "Why is the sky blue?", 5, end_id=UNUSED_END)["text"]
+    ins = make_inputs(PROMPT, 5, end_id=UNUSED_END)
+    from pipeline.client import _tensor
+
+    ins = [_tensor("text_input", [[PROMPT.encode()], [b"Why is the sky blue?"]], object),
+           _tensor("max_tokens", [[5], [5]], np.int32), _tensor("end_id", [[UNUSED_END], [UNUSED_END]], np.int32)]
+    responses, complete = infer_stream(srv.grpc_url, "ensemble", ins)
+    assert complete
+    out = responses[-1].as_numpy("text_output").reshape(-1)
+    assert [o.decode() for o in out] == [one, two]
+
+
+def test_custom_speculative_metrics_move_after_requests(served, bundle):
+    s, srv = served
+    method = "prompt_lookup" if "prompt_lookup" in bundle.methods() else "baseline"
+    key = lambda name: f'{name}{{method="{method}",model="tensorrt_llm_bls"}}'
+    before = _metrics(s)
+    r = generate(srv.grpc_url, "ensemble", "a b c a b c a b c a b", 10, method=method, end_id=UNUSED_END)
+    after = _metrics(s)
+    assert after[key("spec_decode_requests_total")] == before.get(key("spec_decode_requests_total"), 0) + 1
+    assert after[key("spec_decode_output_tokens_total")] - before.get(key("spec_decode_output_tokens_total"), 0) == 10
+    moved = lambda name: after[key(name)] - before[key(name)]
+    proposed = moved("spec_decode_draft_tokens_proposed_total")
+    accepted = moved("spec_decode_draft_tokens_accepted_total")
+    assert proposed == r["total_draft_tokens"] and accepted == r["total_accepted_draft_tokens"]
+    assert any(k.startswith("nv_inference_request_success") for k in after), "Triton's own metrics are served too"
+
+
+def test_server_listens_only_on_loopback_ports_of_the_spec(served):
+    s, srv = served
+    procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]
+    listening = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert {port for _, port in listening} == {s.triton.grpc_port, s.triton.http_port, s.triton.metrics_port}
+    mapped = lambda ip: str(getattr(ipaddress.ip_address(ip), "ipv4_mapped", None) or ip)  # gRPC's ::ffff:127.0.0.1
+    assert {mapped(ip) for ip, _ in listening} == {"127.0.0.1"}
+
+
+def test_a_busy_port_is_a_clear_error_not_a_hang(tiny_root, served):
+    s = _spec(tiny_root, "busy")
+    with socket.socket() as hold:
+        hold.bind(("127.0.0.1", s.triton.http_port))
+        hold.listen()
+        t0 = time.monotonic()
+        with pytest.raises(srvmod.ServerError, match=f"triton.http_port: port {s.triton.http_port}.*in use"):
+            srvmod.start(s)
+        assert time.monotonic() - t0 < 10
+
+
+def test_starting_twice_says_a_server_is_running(served):
+    s, _ = served
+    with pytest.raises(srvmod.ServerError, match="already running.*make stop"):
+        srvmod.start(s)
+
+
+def test_serve_dry_run_binds_the_host_the_spec_names(tiny_root, capsys):
+    from pipeline.cli import main
+
+    p = write_spec(tiny_root, name="exposed", triton={"host": "0.0.0.0"})
+    assert main(["serve", str(p), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--grpc-address=0.0.0.0", "--http-address=0.0.0.0", "--metrics-address=0.0.0.0"):
+        assert flag in out
+    s = specmod.load(write_spec(tiny_root, name="defaulted"))
+    assert s.triton.host == "127.0.0.1"
+
+
+def test_http_generate_endpoint_answers_like_grpc(served):
+    import json
+
+    s, srv = served
+    want = generate(srv.grpc_url, "ensemble", PROMPT, 6, end_id=UNUSED_END)["text"]
+    body = json.dumps({"text_input": PROMPT, "max_tokens": 6, "end_id": UNUSED_END}).encode()
+    req = urllib.request.Request(f"{srvmod.http_url(s)}/v2/models/ensemble/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    out = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    assert out["text_output"] == want
+
+
+def test_client_verb_streams_and_prints_perf_metrics(served, capsys):
+    from pipeline.cli import main
+
+    s, _ = served
+    spec_path = str(s.path("build/srv.yaml"))
+    assert main(["client", spec_path, "--prompt", "Hello there", "--stream", "--max-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "num_output_tokens 5" in out and "acceptance_rate" in out
+    assert main(["client", spec_path, "--prompt", "Hello", "--max-tokens", "0"]) == 2
+    assert "max_tokens: got 0" in capsys.readouterr().err
+
+
+def test_stop_leaves_no_process_and_frees_the_ports(served):
+    s, srv = served
+    procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]
+    assert len(procs) >= 2, "tritonserver and its python-backend stub"
+    assert srvmod.stop(s)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    assert not srvmod.pid_file(s).exists()
+    assert all(srvmod.port_free("127.0.0.1", port) for port in srvmod.ports(s).values())
+    assert not srvmod.stop(s)
