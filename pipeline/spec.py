@@ -7,6 +7,7 @@ valid, so a user can fix the file without reading this module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -223,10 +224,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise bad
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) >= 2**31:
+                raise SpecError(f"{path}: got {value}; must be below 2**31")
             return value
         raise bad
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
         raise bad
     if tp is str:
@@ -355,13 +358,27 @@ def parse(data: Any, root: str | Path = ".") -> Spec:
     return validate(spec)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of silently keeping the last one."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load(path: str | Path, root: str | Path | None = None) -> Spec:
     """Read a spec file. Relative paths inside it resolve against `root` (default: the repo root)."""
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist; pass a path such as build/smollm2.yaml")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise SpecError(f"{p}: not valid YAML: {e}") from None
     except UnicodeDecodeError:

@@ -92,3 +92,15 @@ def test_check_verb_exits_2_with_the_message(tmp_path, capsys):
     p.write_text(yaml.safe_dump({"name": "x", "dtype": "fp8"}))
     assert main(["check", str(p)]) == 2
     assert "dtype" in capsys.readouterr().err
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("name: a\nlimits:\n  max_seq_len: 512\n  max_seq_len: 1024\n")
+    with pytest.raises(SpecError, match="'max_seq_len' appears twice"):
+        specmod.load(p)
+
+
+def test_huge_and_infinite_numbers_are_refused():
+    assert "2**31" in _err({"name": "x", "limits": {"max_batch_size": 10**26}})
+    assert "triton.startup_timeout_s" in _err({"name": "x", "triton": {"startup_timeout_s": float("inf")}})
