@@ -47,12 +47,17 @@ class Bundle:
 def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] = METHODS,
                 verify: bool = True) -> Bundle:
     """Load engines/<name>/{target,draft,medusa} as far as they exist."""
-    from pipeline.engine import load_engine, load_model_dir
+    from pipeline.engine import load_engine
 
     eng = load_engine(engine_dir / "target", device, verify=verify)
     b = Bundle(eng.model, eng.tokenizer, eng.config)
     if "draft_target" in methods and (engine_dir / "draft" / "config.json").is_file():
-        b.draft, b.options["draft_config"] = load_model_dir(engine_dir / "draft", device, verify=verify)
+        from pipeline.runtime.speculative import load_draft
+
+        b.draft, b.options["draft_config"] = load_draft(engine_dir / "draft", device, verify=verify)
+        k = (b.options["draft_config"].get("speculation") or {}).get("num_draft_tokens")
+        if isinstance(k, int):
+            b.options["num_draft_tokens"] = k
     if "medusa" in methods and (engine_dir / "medusa" / "config.json").is_file():
         from pipeline.runtime.medusa import load_medusa_engine
 

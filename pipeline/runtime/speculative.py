@@ -1,0 +1,271 @@
+"""Draft-target speculative decoding and prompt lookup on the static-cache runtime.
+
+Each round a drafter proposes up to k tokens per row, the target verifies [last, d1..dk] in one
+forward pass, and every row keeps its own number of tokens: positions are per row and stale K/V
+past a row's position is invisible, so rejection needs no cleanup.
+
+Notation follows Leviathan et al. and Hugging Face: p = target, q = draft. Greedy rows accept
+while the draft token equals the target's argmax; sampling rows use the rejection rule
+(`leviathan_accept`) with the same warping (`sampling.warp`) on both sides, so the output
+distribution is the target's. Prompt lookup's drafts are deterministic (q is one-hot), so
+sampling the target and accepting on equality (`match_accept`) is exact.
+
+The draft keeps its own cache at the same positions. Its first step of every round feeds the two
+newest committed tokens [prev, last] together: this fills the hole left when all k drafts were
+accepted (the draft never saw d_k) at no extra forward, and merely rewrites an existing slot
+otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.runtime.generate import Emit, Request, Result, Sequence, cache_length, finish, prefill
+from pipeline.runtime.model import Transformer
+from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
+
+Residual = Callable[[Tensor, Tensor], Tensor]
+
+DRAFT_HEAD_FILE = "draft_head.safetensors"
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """Leviathan's correction distribution norm(max(p - q, 0)); p itself if that vanishes (fp underflow)."""
+    r = (p - q).clamp_min(0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp_min(1e-30), p)
+
+
+def leviathan_accept(p: Tensor, q: Tensor, drafts: Tensor, g: torch.Generator,
+                     residual_fn: Residual = residual) -> tuple[int, int]:
+    """One row: target probs p [k+1, V], draft probs q [k, V], drafts [k] sampled from q.
+
+    Accept d_i with probability min(1, p_i(d_i)/q_i(d_i)); at the first rejection sample from
+    residual_fn(p_i, q_i); when all k pass, the bonus token comes from p_{k+1}.
+    Returns (accepted count n, the token committed after them).
+    """
+    k = drafts.shape[0]
+    idx = torch.arange(k)
+    pd, qd = p[idx, drafts], q[idx, drafts]
+    u = torch.rand(k, generator=g)
+    ok = (u * qd <= pd).to(torch.int64)
+    n = int(ok.cumprod(0).sum())
+    if n == k:
+        return n, int(sample(p[k], g))
+    return n, int(sample(residual_fn(p[n], q[n]), g))
+
+
+def match_accept(p: Tensor, drafts: list[int], g: torch.Generator) -> tuple[int, int]:
+    """One row with deterministic drafts: sample the target position by position, accept while equal."""
+    for i, d in enumerate(drafts):
+        t = int(sample(p[i], g))
+        if t != d:
+            return i, t
+    return len(drafts), int(sample(p[len(drafts)], g))
+
+
+def attach_draft_head(model: Transformer, weight: Tensor, ids: Tensor) -> Transformer:
+    """Give a draft a reduced-vocabulary head: logits over `ids` only (the draft's q is 0 elsewhere)."""
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    model.lm_head = head
+    model.vocab_ids = ids.to(device=weight.device, dtype=torch.long)
+    return model
+
+
+def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tuple[Transformer, dict]:
+    """Load engines/<name>/draft, with its reduced-vocabulary head when the build made one."""
+    from safetensors.torch import load_file
+
+    from pipeline.engine import load_model_dir
+
+    model, cfg = load_model_dir(engine_dir, device, verify=verify)
+    if (engine_dir / DRAFT_HEAD_FILE).is_file():
+        st = load_file(str(engine_dir / DRAFT_HEAD_FILE))
+        attach_draft_head(model, st["weight"].to(device=model.embed.weight.device, dtype=model.embed.weight.dtype),
+                          st["ids"])
+    return model, cfg
+
+
+class _Stats:
+    def __init__(self, k: int):
+        self.steps = 1
+        self.proposed = 0
+        self.accepted = 0
+        self.acc_pos = [0] * k
+        self.prop_pos = [0] * k
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for i in range(proposed):
+            self.prop_pos[i] += 1
+        for i in range(accepted):
+            self.acc_pos[i] += 1
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "accepted_per_position": self.acc_pos, "proposed_per_position": self.prop_pos}
+
+
+class _ModelDrafter:
+    """k sequential draft steps per round; returns drafts [B, k] and, for sampling rows, q [k, V]."""
+
+    def __init__(self, draft: Transformer, reqs: list[Request], length: int, k: int, vocab: int):
+        self.model, self.k, self.vocab = draft, k, vocab
+        self.cache = draft.new_cache(len(reqs), length)
+        self.ids = getattr(draft, "vocab_ids", None)
+        self.dev = draft.embed.weight.device
+        self.sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        self.params = [r.params for r in reqs]
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        prefill(self.model, self.cache, prompts)
+
+    def _full(self, probs: Tensor) -> Tensor:
+        if self.ids is None:
+            return probs
+        return torch.zeros(*probs.shape[:-1], self.vocab, device=probs.device).index_copy_(-1, self.ids, probs)
+
+    def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
+        m, k, dev = self.model, self.k, self.dev
+        B = len(ctx)
+        toks = torch.tensor([c[-2:] for c in ctx], device=dev)
+        h = m(toks, torch.stack([pos - 1, pos], 1), self.cache)[:, -1]
+        drafts = torch.empty(B, k, dtype=torch.long, device=dev)
+        qs = {b: [] for b in self.sampled}
+        for i in range(k):
+            logits = m.logits(h)
+            d = logits.argmax(-1)
+            for b in self.sampled:
+                q = warp(logits[b], self.params[b])
+                d[b] = sample(q, gens[b])
+                qs[b].append(q)
+            if self.ids is not None:
+                d = self.ids[d]
+            drafts[:, i] = d
+            if i + 1 < k:
+                h = m(d[:, None], (pos + 1 + i)[:, None], self.cache)[:, 0]
+        return drafts, {b: self._full(torch.stack(q)) for b, q in qs.items()}, [k] * B
+
+
+class _LookupDrafter:
+    """Prompt lookup: the continuation after the latest earlier occurrence of the context's last n-gram."""
+
+    def __init__(self, k: int, max_ngram: int, dev):
+        self.k, self.max_ngram, self.dev = k, max_ngram, dev
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def lookup(self, ctx: list[int]) -> list[int]:
+        L = len(ctx)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            tail = ctx[L - n:]
+            first = tail[0]
+            for s in range(L - n - 1, -1, -1):
+                if ctx[s] == first and ctx[s:s + n] == tail:
+                    return ctx[s + n:s + n + self.k]
+        return []
+
+    def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
+        found = [self.lookup(c) for c in ctx]
+        w = max(len(f) for f in found)
+        drafts = torch.zeros(len(ctx), w, dtype=torch.long)
+        for b, f in enumerate(found):
+            drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+        return drafts.to(self.dev), None, [len(f) for f in found]
+
+
+def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
+               residual_fn: Residual = residual) -> list[Result]:
+    start = time.perf_counter()
+    dev = target.embed.weight.device
+    B = len(reqs)
+    seqs = [Sequence(r) for r in reqs]
+    gens = [r.params.generator() for r in reqs]
+    greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+    all_greedy = bool(greedy.all())
+    stats = [_Stats(k) for _ in reqs]
+    prompts = [r.prompt for r in reqs]
+    cache = target.new_cache(B, cache_length(reqs, k + 2))
+    logits = target.logits(prefill(target, cache, prompts))
+    drafter.prefill(prompts)
+    ctx = [list(p) for p in prompts]
+    for b, s in enumerate(seqs):
+        t = next_token(logits[b], s.req.params, gens[b])
+        ctx[b].append(t)
+        emitted = s.extend([t])
+        if emitted and on_emit:
+            on_emit(b, emitted)
+    pos = torch.tensor([len(p) for p in prompts], device=dev)
+    while not all(s.done for s in seqs):
+        drafts, q, limit = drafter.propose(ctx, pos, gens)
+        w = drafts.shape[1]
+        last = torch.tensor([c[-1] for c in ctx], device=dev)
+        tokens = torch.cat([last[:, None], drafts], 1)
+        p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache))
+        best = p_logits.argmax(-1)
+        lim = torch.tensor(limit, device=dev)
+        match = (drafts == best[:, :w]) & (torch.arange(w, device=dev) < lim[:, None])
+        n_greedy = match.to(torch.int64).cumprod(1).sum(1)
+        nxt = best.gather(1, n_greedy[:, None])[:, 0]
+        n_list, nxt_list, d_list = n_greedy.tolist(), nxt.tolist(), drafts.tolist()
+        if not all_greedy:
+            for b, s in enumerate(seqs):
+                if s.done or s.req.params.greedy:
+                    continue
+                p = warp(p_logits[b], s.req.params)
+                if q is not None:
+                    n, t = leviathan_accept(p, q[b], drafts[b], gens[b], residual_fn)
+                else:
+                    n, t = match_accept(p, d_list[b][:limit[b]], gens[b])
+                n_list[b], nxt_list[b] = n, t
+        adv = []
+        for b, s in enumerate(seqs):
+            if s.done:
+                adv.append(0)
+                continue
+            n = n_list[b]
+            new = d_list[b][:n] + [nxt_list[b]]
+            stats[b].add(limit[b], n)
+            ctx[b].extend(new)
+            emitted = s.extend(new)
+            if emitted and on_emit:
+                on_emit(b, emitted)
+            adv.append(n + 1)
+        pos = pos + torch.tensor(adv, device=dev)
+    return finish(seqs, start, [st.as_dict() for st in stats])
+
+
+@torch.inference_mode()
+def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None,
+                 residual_fn: Residual = residual, **opts) -> list[Result]:
+    """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling)."""
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} differs from the target's "
+                         f"{target.cfg.vocab_size}; the draft must share the target's tokenizer")
+    if k < 1:
+        raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
+    length = cache_length(reqs, k + 2)
+    drafter = _ModelDrafter(draft, reqs, length, k, target.cfg.vocab_size)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn)
+
+
+@torch.inference_mode()
+def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
+                  **opts) -> list[Result]:
+    """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
+    if k < 1:
+        raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
+    return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device))
+
+
+__all__ = ["draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",
+           "attach_draft_head", "SamplingParams"]

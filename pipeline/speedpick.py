@@ -1,0 +1,150 @@
+"""Choosing k (draft tokens per step) from costs measured on this machine and measured acceptance.
+
+E[tokens per step](k) = 1 + sum_{i<=k} P(the first i drafts are accepted), from per-position
+acceptance (the i.i.d. form is (1 - a^(k+1)) / (1 - a)); time per step(k) = k * c_draft +
+c_verify(k + 1). The best k maximises their ratio. The table is printed and stored, never applied
+silently: `python -m pipeline pick-k SPEC` re-measures and rewrites the stored choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.runtime.generate import Request
+from pipeline.runtime.model import Transformer
+
+
+def _time(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5) -> dict:
+    """Seconds for one draft step (incl. its head and argmax) and for target verification of 1..max_k+1 tokens."""
+    V = target.cfg.vocab_size
+    ctx = torch.randint(0, V, (1, context))
+    pos = torch.arange(context)[None]
+    tc, dc = target.new_cache(1, context + max_k + 8), draft.new_cache(1, context + max_k + 8)
+    target(ctx, pos, tc)
+    draft(ctx, pos, dc)
+    one = torch.tensor([[context]])
+
+    def draft_step():
+        draft.logits(draft(ctx[:, :1], one, dc)[:, 0]).argmax(-1)
+
+    def verify(s: int):
+        target.logits(target(ctx[:, :s], torch.arange(context, context + s)[None], tc)).argmax(-1)
+
+    # interleaved repetitions, best of each: load from other processes hits every size alike
+    c_draft, c_verify = float("inf"), [float("inf")] * (max_k + 1)
+    draft_step()
+    verify(1)
+    for _ in range(reps):
+        c_draft = min(c_draft, _time(draft_step, 2))
+        for s in range(1, max_k + 2):
+            c_verify[s - 1] = min(c_verify[s - 1], _time(lambda s=s: verify(s), 0))
+    return {"c_draft": c_draft, "c_verify": c_verify}
+
+
+def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
+                       max_new: int = 48) -> list[float]:
+    """P(draft position i is accepted) for i < max_k, greedy, over the given prompts."""
+    from pipeline.runtime.speculative import draft_target
+
+    acc, prop = [0] * max_k, [0] * max_k
+    for r in draft_target(target, draft, [Request(p, max_new) for p in prompts], max_k):
+        acc = [a + b for a, b in zip(acc, r.accepted_per_position)]
+        prop = [a + b for a, b in zip(prop, r.proposed_per_position)]
+    return [a / p if p else 0.0 for a, p in zip(acc, prop)]
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens per target step with k drafts, from per-position (cumulative) acceptance."""
+    return 1.0 + sum(rates[:k])
+
+
+def expected_tokens_iid(alpha: float, k: int) -> float:
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def speed_table(costs: dict, rates: list[float]) -> list[dict]:
+    base = costs["c_verify"][0]
+    alpha = rates[0] if rates else 0.0
+    rows = []
+    for k in range(1, len(rates) + 1):
+        t = k * costs["c_draft"] + costs["c_verify"][k]
+        e = expected_tokens(rates, k)
+        rows.append({"k": k, "accept_pos": round(rates[k - 1], 3), "tokens_per_step": round(e, 3),
+                     "tokens_per_step_iid": round(expected_tokens_iid(alpha, k), 3), "step_ms": round(1e3 * t, 2),
+                     "speedup": round(e * base / t, 3)})
+    return rows
+
+
+def format_table(rows: list[dict], costs: dict) -> str:
+    head = (f"draft step {1e3 * costs['c_draft']:.1f} ms, target step {1e3 * costs['c_verify'][0]:.1f} ms "
+            f"(verify k+1: {', '.join(f'{1e3 * c:.1f}' for c in costs['c_verify'])} ms)\n"
+            f"{'k':>3} {'P(acc pos k)':>12} {'E[tok/step]':>11} {'iid':>6} {'step ms':>8} {'speedup':>8}")
+    lines = [f"{r['k']:>3} {r['accept_pos']:>12.3f} {r['tokens_per_step']:>11.2f} {r['tokens_per_step_iid']:>6.2f} "
+             f"{r['step_ms']:>8.1f} {r['speedup']:>8.2f}" for r in rows]
+    return "\n".join([head, *lines])
+
+
+def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
+                     log=print) -> dict:
+    """Measure, print the table, return the `speculation` block stored in the draft engine's config."""
+    costs = measure_costs(target, draft, max_k)
+    rates = measure_acceptance(target, draft, prompts, max_k)
+    rows = speed_table(costs, rates)
+    best = max(rows, key=lambda r: r["speedup"])
+    log(format_table(rows, costs))
+    log(f"num_draft_tokens: auto -> k = {best['k']} (expected speedup {best['speedup']:.2f}x on this machine)")
+    return {"num_draft_tokens": best["k"], "chosen_by": "measured", "expected_speedup": best["speedup"],
+            "table": rows, "costs_s": costs}
+
+
+def store(engine_dir: Path, speculation: dict) -> None:
+    """Rewrite the `speculation` block of engines/<name>/draft/config.json in place (atomic replace)."""
+    p = engine_dir / "draft" / "config.json"
+    cfg = json.loads(p.read_text())
+    cfg["speculation"] = speculation
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    os.replace(tmp, p)
+
+
+def cmd_pick_k(args) -> int:
+    from pipeline import spec as specmod
+    from pipeline.cli import _setup_threads, chat_ids
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.train.draft import read_prompts, split_prompts
+
+    s = specmod.load(args.spec)
+    _setup_threads(s)
+    b = load_bundle(s.engine_dir, s.device, methods=("draft_target",))
+    if b.draft is None:
+        raise ValueError(f"{s.engine_dir}/draft is not built; set draft.source and run `python -m pipeline engine "
+                         f"{args.spec}` first")
+    max_k = args.max_k or min(b.max_draft_len, 8)
+    texts = read_prompts(s.path(s.validate.prompts))
+    held = split_prompts(texts)[1] or texts[:4]
+    out = measure_and_pick(b.target, b.draft, [chat_ids(b.tokenizer, t) for t in held], max_k)
+    if args.write:
+        store(s.engine_dir, out)
+        print(f"stored k = {out['num_draft_tokens']} in {s.engine_dir / 'draft' / 'config.json'}")
+    return 0
+
+
+def register(verb) -> None:
+    sp = verb("pick-k", cmd_pick_k, "measure draft/verify costs and acceptance, print the k table")
+    sp.add_argument("--max-k", type=int, default=0, help="largest k to consider (default: min(max_draft_len, 8))")
+    sp.add_argument("--write", action="store_true", help="store the chosen k in engines/<name>/draft/config.json")

@@ -1,0 +1,137 @@
+"""Draft building: distillation on tiny models, the engine + Hugging Face outputs, no-op rebuilds, loaded drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline import spec as specmod
+from pipeline.engine import build_target
+from pipeline.preflight import PreflightError
+from pipeline.runtime.decode import decode, load_bundle
+from pipeline.runtime.generate import Request
+from pipeline.train.draft import build_draft
+from tests.conftest import make_model_dir, write_spec
+
+BUDGET = {"steps": 30, "minutes": 1, "sequences": 8, "seq_len": 40, "batch_size": 4, "lr": 0.003}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    from pipeline.runtime import kernels
+
+    n, kn = torch.get_num_threads(), kernels.threads()
+    torch.set_num_threads(1)
+    kernels.set_threads(1)
+    yield
+    torch.set_num_threads(n)
+    kernels.set_threads(kn)
+
+
+def _build(root, name, draft, speculation=None, logs=None):
+    p = write_spec(root, name=name, draft=draft, speculation=speculation or {"num_draft_tokens": 3})
+    s = specmod.load(p)
+    build_target(s, log=lambda *a: None)
+    out = build_draft(s, log=(logs.append if logs is not None else lambda *a: None))
+    return s, out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_root):
+    logs = []
+    s, out = _build(tiny_root, "dfull", {"source": "train", "layers": 1, "vocab": 0, "dtype": "float32",
+                                         "train": BUDGET}, logs=logs)
+    return s, out, logs
+
+
+def test_trained_draft_engine_has_target_schema_and_stats(trained):
+    s, out, logs = trained
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["build_config"]["speculative_decoding_mode"] == "none"
+    assert cfg["pretrained_config"]["num_hidden_layers"] == 1
+    assert cfg["speculation"] == {"num_draft_tokens": 3, "chosen_by": "spec"}
+    st = cfg["draft"]["training"]
+    assert st["steps"] == BUDGET["steps"] and st["loss_last"] < st["loss_first"]
+    assert any("greedy agreement" in m for m in logs)
+
+
+def test_draft_hf_checkpoint_loads_in_transformers_with_the_same_logits(trained):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    s, out, _ = trained
+    hf = LlamaForCausalLM.from_pretrained(str(s.engine_dir / "draft_hf")).eval()
+    AutoTokenizer.from_pretrained(str(s.engine_dir / "draft_hf"))
+    b = load_bundle(s.engine_dir, methods=("draft_target",))
+    ids = torch.tensor([[3, 17, 42, 99, 7, 5]])
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    got = b.draft.logits(b.draft(ids, torch.arange(6)[None], b.draft.new_cache(1, 16)))[0]
+    assert (got - ref).abs().max() < 1e-3
+
+
+def test_unchanged_rebuild_is_a_no_op(trained, tiny_root):
+    s, out, _ = trained
+    before = (out / "config.json").stat().st_mtime_ns
+    logs = []
+    assert build_draft(s, log=logs.append) == out
+    assert "up to date" in logs[-1] and (out / "config.json").stat().st_mtime_ns == before
+
+
+def test_decode_with_the_trained_draft_equals_baseline(trained, tiny_tokenizer):
+    s, _, _ = trained
+    b = load_bundle(s.engine_dir)
+    assert b.options["num_draft_tokens"] == 3
+    reqs = [Request(tiny_tokenizer("Write a short poem about the sea.")["input_ids"], 20),
+            Request(tiny_tokenizer("Why is the sky blue?")["input_ids"], 12)]
+    base = decode(b, "baseline", reqs)
+    spec = decode(b, "draft_target", reqs)
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    assert all(r.draft_proposed > 0 for r in spec)
+
+
+def test_reduced_vocab_bf16_draft_with_auto_k(tiny_root, tiny_tokenizer):
+    logs = []
+    s, out = _build(tiny_root, "dvocab", {"source": "train", "layers": 1, "vocab": 96, "dtype": "bfloat16",
+                                          "train": {**BUDGET, "steps": 10}},
+                    speculation={"num_draft_tokens": "auto"}, logs=logs)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft"]["vocab"] == 96 and (out / "draft_head.safetensors").is_file()
+    spec_block = cfg["speculation"]
+    assert spec_block["chosen_by"] == "measured" and 1 <= spec_block["num_draft_tokens"] <= 8
+    assert len(spec_block["table"]) == 8 and any("auto -> k =" in m for m in logs)
+    b = load_bundle(s.engine_dir)
+    assert b.draft.vocab_ids.shape == (96,) and b.draft.lm_head.weight.shape[0] == 96
+    assert b.options["num_draft_tokens"] == spec_block["num_draft_tokens"]
+    reqs = [Request(tiny_tokenizer("How do vaccines work?")["input_ids"], 16)]
+    assert decode(b, "draft_target", reqs)[0].tokens == decode(b, "baseline", reqs)[0].tokens
+
+
+def test_hf_directory_draft_with_the_same_tokenizer_builds(tiny_root, tiny_tokenizer):
+    make_model_dir(tiny_root / "models" / "smalldraft", layers=1, seed=5, tokenizer=tiny_tokenizer)
+    s, out = _build(tiny_root, "dhf", {"source": "models/smalldraft", "dtype": "float32"})
+    assert json.loads((out / "config.json").read_text())["pretrained_config"]["num_hidden_layers"] == 1
+    assert (s.engine_dir / "draft_hf" / "model.safetensors").is_file()
+
+
+def test_hf_directory_draft_with_another_tokenizer_is_refused(tiny_root):
+    from tests.conftest import train_tokenizer
+
+    make_model_dir(tiny_root / "models" / "otherdraft", layers=1, seed=6, tokenizer=train_tokenizer(300))
+    with pytest.raises(PreflightError, match="tokenizers differ"):
+        _build(tiny_root, "dother", {"source": "models/otherdraft"})
+    assert not (tiny_root / "engines" / "dother" / "draft").exists()
+
+
+def test_pick_k_verb_prints_the_table_and_stores_the_choice(trained, capsys):
+    from pipeline.cli import main
+
+    s, out, _ = trained
+    spec_path = specmod.Path(s.root) / "build" / "dfull.yaml"
+    assert main(["pick-k", str(spec_path), "--max-k", "3", "--write"]) == 0
+    printed = capsys.readouterr().out
+    assert "E[tok/step]" in printed and "auto -> k =" in printed
+    block = json.loads((out / "config.json").read_text())["speculation"]
+    assert block["chosen_by"] == "measured" and 1 <= block["num_draft_tokens"] <= 3 and len(block["table"]) == 3
+    assert load_bundle(s.engine_dir).options["num_draft_tokens"] == block["num_draft_tokens"]

@@ -1,0 +1,97 @@
+"""Preflight refuses draft/target pairs that cannot work, before any build work starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from pipeline import spec as specmod
+from pipeline.preflight import PreflightError, check_draft_len, compare_tokenizers, compare_vocab_sizes, is_padding
+
+
+def _clone(tok) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer
+
+    out = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.backend_tokenizer.to_str()),
+                                  unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>")
+    return out
+
+
+def _swapped(tok, a: str, b: str) -> PreTrainedTokenizerFast:
+    """The same tokenizer with two vocabulary entries' ids exchanged (same size, different mapping)."""
+    from tokenizers import Tokenizer
+
+    d = json.loads(tok.backend_tokenizer.to_str())
+    v = d["model"]["vocab"]
+    v[a], v[b] = v[b], v[a]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(d)), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>", pad_token="</s>")
+
+
+def test_identical_tokenizers_pass(tiny_tokenizer):
+    msg = compare_tokenizers(tiny_tokenizer, _clone(tiny_tokenizer))
+    assert "match token by token" in msg and "padding" not in msg
+
+
+def test_padding_only_difference_is_accepted_and_reported(tiny_tokenizer):
+    padded = _clone(tiny_tokenizer)
+    padded.add_tokens(["<pad_0>", "<pad_1>", "<|extra_2|>"], special_tokens=True)
+    msg = compare_tokenizers(tiny_tokenizer, padded)
+    assert "3 extra padding-only tokens" in msg and f"ids {len(tiny_tokenizer)}" in msg
+
+
+def test_same_size_but_different_mapping_is_refused(tiny_tokenizer):
+    vocab = tiny_tokenizer.get_vocab()
+    a, b = sorted((t for t in vocab if vocab[t] > 100), key=vocab.get)[:2]
+    other = _swapped(tiny_tokenizer, a, b)
+    assert len(other) == len(tiny_tokenizer)
+    with pytest.raises(PreflightError, match=rf"first at id {vocab[a]}.*draft must use the target's tokenizer"):
+        compare_tokenizers(tiny_tokenizer, other)
+
+
+def test_real_extra_tokens_are_refused(tiny_tokenizer):
+    more = _clone(tiny_tokenizer)
+    more.add_tokens(["banana", "<pad_9>"])
+    with pytest.raises(PreflightError, match="1 of them real.*'banana'"):
+        compare_tokenizers(tiny_tokenizer, more)
+
+
+def test_different_special_tokens_are_refused(tiny_tokenizer):
+    other = _clone(tiny_tokenizer)
+    other.eos_token = "<|user|>"
+    with pytest.raises(PreflightError, match="eos_token_id"):
+        compare_tokenizers(tiny_tokenizer, other)
+
+
+def test_padding_names():
+    assert all(is_padding(t) for t in [None, "", "<pad>", "<pad_12>", "[PAD]", "<|extra_3|>", "<unused7>"])
+    assert not any(is_padding(t) for t in ["pad", "padding", "Ġpad", "<s>", "</s>", "extra"])
+
+
+def test_model_vocab_sizes_may_differ_only_in_padding_rows():
+    assert "padding rows" in compare_vocab_sizes(49152, 49216, 49152)
+    with pytest.raises(PreflightError, match="does not cover"):
+        compare_vocab_sizes(49152, 32000, 49152)
+
+
+def _spec(**over):
+    data = {"name": "t", "target": {"source": "x"}, "draft": {"source": "train"},
+            "limits": {"max_draft_len": 8}, "speculation": {"num_draft_tokens": 4}}
+    for k, v in over.items():
+        data[k] = {**data.get(k, {}), **v}
+    return specmod.parse(data)
+
+
+def test_max_draft_len_must_match_the_target_engine():
+    s = _spec()
+    assert check_draft_len(s, {"build_config": {"max_draft_len": 8}})
+    with pytest.raises(PreflightError, match="built with max_draft_len 4.*--force"):
+        check_draft_len(s, {"build_config": {"max_draft_len": 4}})
+
+
+def test_stored_k_above_max_draft_len_is_refused():
+    s = _spec(speculation={"num_draft_tokens": "auto"})
+    with pytest.raises(PreflightError, match="num_draft_tokens 12 above limits.max_draft_len"):
+        check_draft_len(s, None, {"speculation": {"num_draft_tokens": 12}})

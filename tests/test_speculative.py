@@ -1,0 +1,229 @@
+"""Speculative decoding is exact: greedy output equals the baseline token for token, and sampling
+preserves the target's distribution (checked against the enumerated exact distribution)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import ModelConfig, Transformer, build_model
+from pipeline.runtime.sampling import SamplingParams, warp
+from pipeline.runtime.speculative import attach_draft_head, draft_target, prompt_lookup, residual
+
+
+def tiny(vocab: int = 48, layers: int = 2, seed: int = 0, hidden: int = 32, scale: float = 0.3,
+         base: Transformer | None = None, noise: float = 0.0) -> Transformer:
+    """A random tiny Llama; with `base`, a copy of it whose weights carry `noise` (a partly agreeing draft)."""
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=hidden // 4, tie_embeddings=True,
+                      max_position_embeddings=512, eos_token_id=[1])
+    g = torch.Generator().manual_seed(seed)
+    if base is not None:
+        st = {k: v + noise * torch.randn(v.shape, generator=g) * (v.dim() > 1) for k, v in base.state_dict().items()
+              if k != "lm_head.weight"}
+        cfg = base.cfg
+    else:
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items() if k != "lm_head.weight"}
+        st = {k: torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * scale for k, s in shapes.items()}
+    return build_model(cfg, st, torch.float32, "cpu")
+
+
+def prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 14) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (m,), generator=g).tolist() for m in lens]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded; threads only contend on this shared machine."""
+    from pipeline.runtime import kernels
+
+    n, kn = torch.get_num_threads(), kernels.threads()
+    torch.set_num_threads(1)
+    kernels.set_threads(1)
+    yield
+    torch.set_num_threads(n)
+    kernels.set_threads(kn)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {"self": target, "noisy": tiny(base=target, noise=0.02, seed=7), "random": tiny(layers=1, seed=3)}
+
+
+def _reqs(ps, new=(24, 9, 17, 30), end=True):
+    return [Request(p, new[i % len(new)], end_ids=(1,) if end else ()) for i, p in enumerate(ps)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("which", ["self", "noisy", "random"])
+def test_greedy_draft_target_equals_baseline_batch_one(target, drafts, k, which):
+    for p in prompts(6, 48, seed=k):
+        (base,) = generate(target, _reqs([p]))
+        (spec,) = draft_target(target, drafts[which], _reqs([p]), k)
+        assert spec.tokens == base.tokens and spec.finish_reason == base.finish_reason
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("which", ["self", "noisy", "random"])
+def test_greedy_draft_target_equals_baseline_ragged_batch(target, drafts, k, which):
+    reqs = _reqs(prompts(5, 48, seed=10 + k))
+    base = generate(target, reqs)
+    spec = draft_target(target, drafts[which], reqs, k)
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    assert [r.finish_reason for r in spec] == [r.finish_reason for r in base]
+
+
+def test_acceptance_stats_are_consistent(target, drafts):
+    reqs = _reqs(prompts(4, 48, seed=3), end=False)
+    for which, lo, hi in (("self", 1.0, 1.0), ("noisy", 0.2, 0.8), ("random", 0.0, 0.2)):
+        out = draft_target(target, drafts[which], reqs, 3)
+        rate = sum(r.draft_accepted for r in out) / sum(r.draft_proposed for r in out)
+        assert lo <= rate <= hi, which
+        for r in out:
+            assert r.draft_proposed == 3 * (r.steps - 1) == sum(r.proposed_per_position)
+            assert r.draft_accepted == sum(r.accepted_per_position)
+            assert r.accepted_per_position == sorted(r.accepted_per_position, reverse=True)
+            assert len(r.tokens) <= r.draft_accepted + r.steps
+
+
+def test_self_draft_emits_k_plus_one_tokens_per_step(target):
+    (r,) = draft_target(target, target, [Request([5, 6, 7], 40)], 4)
+    assert r.steps == 1 + 8 and r.mean_accepted_len == pytest.approx(40 / 9)
+
+
+def test_reduced_vocab_draft_head_is_exact_and_maps_back(target):
+    ids = torch.arange(0, 48, 2)
+    d = tiny(base=target, noise=0.01, seed=9)
+    attach_draft_head(d, d.embed.weight[ids].clone(), ids)
+    reqs = _reqs(prompts(4, 48, seed=21))
+    base = generate(target, reqs)
+    spec = draft_target(target, d, reqs, 3)
+    assert [r.tokens for r in spec] == [r.tokens for r in base]
+    assert sum(r.draft_accepted for r in spec) > 0
+
+
+def test_streamed_tokens_equal_the_result(target, drafts):
+    reqs = _reqs(prompts(3, 48, seed=4))
+    got = {b: [] for b in range(3)}
+    out = draft_target(target, drafts["noisy"], reqs, 3, on_emit=lambda b, t: got[b].extend(t))
+    assert [got[b] for b in range(3)] == [r.tokens for r in out]
+
+
+def test_stop_sequences_truncate_like_baseline(target, drafts):
+    p = prompts(1, 48, seed=5)[0]
+    (free,) = generate(target, [Request(p, 30)])
+    stop = free.tokens[6:8]
+    req = Request(p, 30, stop=[stop])
+    (base,) = generate(target, [req])
+    (spec,) = draft_target(target, drafts["self"], [req], 5)
+    assert spec.tokens == base.tokens and spec.finish_reason == base.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_prompt_lookup_equals_baseline(target, k):
+    ps = prompts(6, 48, seed=30 + k, lo=6, hi=20)
+    # repetitive prompts so lookup finds matches
+    ps = [p + p[: len(p) // 2] for p in ps]
+    for p in ps[:3]:
+        (base,) = generate(target, _reqs([p]))
+        (spec,) = prompt_lookup(target, _reqs([p]), k)
+        assert spec.tokens == base.tokens
+    reqs = _reqs(ps)
+    spec = prompt_lookup(target, reqs, k, max_ngram=2)
+    assert [r.tokens for r in spec] == [r.tokens for r in generate(target, reqs)]
+    assert sum(r.draft_accepted for r in spec) > 0
+
+
+def test_prompt_lookup_proposes_the_latest_match():
+    from pipeline.runtime.speculative import _LookupDrafter
+
+    d = _LookupDrafter(3, 3, "cpu")
+    assert d.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]) == [7, 8, 5]
+    assert d.lookup([4, 5, 6, 4]) == [5, 6, 4]
+    assert d.lookup([4, 5, 6]) == []
+
+
+# ---- sampling: distribution preservation ----------------------------------------------------
+
+V = 10
+
+
+def exact_two_token_dist(target: Transformer, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2) [V, V] by enumeration with the same warping."""
+    with torch.inference_mode():
+        cache = target.new_cache(1, 64)
+        n = len(prompt)
+        h = target(torch.tensor([prompt]), torch.arange(n)[None], cache)
+        p1 = warp(target.logits(h[0, -1]), params)
+        rows = torch.tensor([prompt + [t] for t in range(V)])
+        c2 = target.new_cache(V, 64)
+        h2 = target(rows, torch.arange(n + 1).expand(V, n + 1), c2)
+        p2 = warp(target.logits(h2[:, -1]), params)
+    return p1[:, None] * p2
+
+
+def sampled_two_token_dist(target, draft, prompt, params, n, k, **kw) -> torch.Tensor:
+    """Empirical P(t1, t2) over n seeded requests, run as ragged batches of 500 rows."""
+    counts = torch.zeros(V, V)
+    chunk = 500
+    for c in range(0, n, chunk):
+        reqs = [Request(prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i))
+                for i in range(chunk)]
+        out = (draft_target(target, draft, reqs, k, **kw) if draft is not None
+               else prompt_lookup(target, reqs, k, max_ngram=2))
+        for r in out:
+            counts[r.tokens[0], r.tokens[1]] += 1
+    return counts / counts.sum()
+
+
+def broken_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The classic mistake: resample from the target after a rejection instead of norm(max(p - q, 0))."""
+    return p
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    t = tiny(vocab=V, seed=11, hidden=16, scale=0.6)
+    d = tiny(vocab=V, seed=12, hidden=16, scale=0.6, layers=1)
+    return t, d
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=6, top_p=0.9)])
+def test_speculative_sampling_preserves_target_distribution(small_pair, params):
+    t, d = small_pair
+    prompt = [3, 7, 2]
+    exact = exact_two_token_dist(t, prompt, params)
+    emp = sampled_two_token_dist(t, d, prompt, params, n=6000, k=2)
+    tv = 0.5 * (emp - exact).abs().sum()
+    assert tv < 0.045, float(tv)
+
+
+def test_prompt_lookup_sampling_preserves_target_distribution(small_pair):
+    t, _ = small_pair
+    prompt, params = [3, 7, 2, 4, 3, 7], SamplingParams(1.0)
+    exact = exact_two_token_dist(t, prompt, params)
+    emp = sampled_two_token_dist(t, None, prompt, params, n=6000, k=2)
+    assert 0.5 * (emp - exact).abs().sum() < 0.045
+
+
+def test_distribution_test_rejects_a_wrong_residual_rule(small_pair):
+    t, d = small_pair
+    prompt, params = [3, 7, 2], SamplingParams(1.0)
+    exact = exact_two_token_dist(t, prompt, params)
+    emp = sampled_two_token_dist(t, d, prompt, params, n=6000, k=2, residual_fn=broken_residual)
+    assert 0.5 * (emp - exact).abs().sum() > 0.045
+
+
+def test_residual_is_normalised_positive_part():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.allclose(residual(p, p), p)
