@@ -61,11 +61,11 @@ def _load():
             return None
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
-    P, I, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.skinny_matmul.argtypes = [P, P, P] + [I] * 5
-    lib.fused_linear.argtypes = [P, P, F32, P, P] + [I] * 7
-    lib.rope_write.argtypes = [P] * 8 + [I] * 6
-    lib.attention.argtypes = [P] * 5 + [I] * 7 + [F32, I]
+    P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.skinny_matmul.argtypes = [P, P, P] + [Int] * 5
+    lib.fused_linear.argtypes = [P, P, F32, P, P] + [Int] * 7
+    lib.rope_write.argtypes = [P] * 8 + [Int] * 6
+    lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
     for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
         f.restype = None
     _lib = lib
