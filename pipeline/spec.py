@@ -32,6 +32,9 @@ class TrainBudget:
     batch_size: int = 8
     lr: float = 1e-3
     seed: int = 0
+    # Prompts the target continues to make the training data; disjoint from validate.prompts, so the
+    # acceptance that bench and validate report is measured on held-out prompts.
+    prompts: str = "build/train_prompts.txt"
 
 
 @dataclass

@@ -45,7 +45,8 @@ from pipeline.runtime.speculative import DRAFT_HEAD_FILE, attach_draft_head
 from pipeline.spec import Spec
 
 TEACHER_TOPK = 32
-HOLDOUT_EVERY = 8  # every 8th prompt is held out of training
+HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
+HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -311,11 +312,12 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     tcfg = read_config(tdir, verify=False)
     preflight.check_draft_len(spec, tcfg)
     prompts_path = spec.path(spec.validate.prompts)
+    train_path = spec.path(spec.draft.train.prompts)
     if spec.draft.source == "train":
         if not prompts_path.is_file():
             raise EngineError(f"validate.prompts: {prompts_path} does not exist; the draft is trained on that "
                               "prompt set")
-        src_fp = input_hash(prompts_path.read_text())
+        src_fp = input_hash(prompts_path.read_text(), train_path.read_text() if train_path.is_file() else "")
     else:
         from pipeline import sources
 
@@ -332,7 +334,11 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     hf_cfg = json.loads((tdir / "hf_config.json").read_text())
     end_ids = tuple(target.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path) if prompts_path.is_file() else []
-    train_texts, held_texts = split_prompts(texts)
+    if train_path.is_file():
+        # Separate training prompts: the evaluation prompts are all held out.
+        train_texts, held_texts = read_prompts(train_path), texts[:HOLDOUT_EVAL]
+    else:
+        train_texts, held_texts = split_prompts(texts)
     vocab_ids, stats = None, {}
     if spec.draft.source == "train":
         b = spec.draft.train
