@@ -1,0 +1,295 @@
+"""Medusa on the torch runtime: exact greedy output, exact sampling, lossy typical acceptance, strict heads."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.engine import load_engine
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.medusa import (
+    MedusaHeads,
+    heads_from_state,
+    heads_to_state,
+    load_heads_dir,
+    make_engine,
+    medusa_generate,
+)
+from pipeline.runtime.model import ModelConfig, Transformer
+from pipeline.runtime.sampling import SamplingParams, warp
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [ln for ln in (ROOT / "build" / "prompts.txt").read_text().splitlines() if ln.strip() and ln[0] != "#"]
+TREES = {
+    "chain": [[0], [0, 0], [0, 0, 0]],
+    "wide": [[0], [1], [2], [0, 0], [1, 0], [0, 1]],
+    "mc": [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2]],
+}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_engine):
+    return load_engine(tiny_engine)
+
+
+def random_heads(model: Transformer, n: int = 3, seed: int = 0, scale: float = 0.3) -> MedusaHeads:
+    torch.manual_seed(seed)
+    h = MedusaHeads(n, 1, model.cfg.hidden_size)
+    with torch.no_grad():
+        h.w.normal_(0, scale / math.sqrt(model.cfg.hidden_size))
+    return h.eval().requires_grad_(False)
+
+
+def chat_reqs(eng, idx, max_new=24, params=None):
+    out = []
+    for i in idx:
+        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i]}],
+                                                add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        out.append(Request(ids, max_new, params or SamplingParams(), end_ids=tuple(eng.model.cfg.eos_token_id or ())))
+    return out
+
+
+class OracleHeads(MedusaHeads):
+    """Heads that know the target's greedy future (nearest stored hidden state) and rank it by a fixed pattern.
+
+    Head i puts the true token at rank (t + i) % 3 for stored position t, so trees with ranks 0..2
+    accept multi-token paths of varying length and the rest of the tree is rejected.
+    """
+
+    def __init__(self, model: Transformer, seqs: list[list[int]], n: int = 3):
+        super().__init__(n, 1, model.cfg.hidden_size)
+        keys, futures = [], []
+        V = model.cfg.vocab_size
+        for s in seqs:
+            cache = model.new_cache(1, len(s) + 8)
+            with torch.inference_mode():
+                h = model(torch.tensor([s]), torch.arange(len(s))[None], cache)[0]
+            for t in range(len(s)):
+                keys.append(h[t])
+                futures.append([s[t + 2 + i] if t + 2 + i < len(s) else (t * 7 + i) % V for i in range(n)])
+        self.keys = torch.stack(keys)
+        self.futures = torch.tensor(futures)
+        self.pos = torch.arange(len(keys))
+
+    def topk(self, h, target, k):
+        j = torch.cdist(h.float(), self.keys).argmin(-1)
+        B, V = h.shape[0], target.cfg.vocab_size
+        out = torch.empty(B, self.num_heads, k, dtype=torch.long)
+        for b in range(B):
+            for i in range(self.num_heads):
+                true = int(self.futures[j[b], i])
+                fill = [t for t in range(V) if t != true][: k]
+                r = int(self.pos[j[b]] + i) % 3
+                row = fill[:r] + [true] + fill[r:]
+                out[b, i] = torch.tensor(row[:k])
+        return out
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_greedy_medusa_equals_greedy_baseline_batch1_and_ragged_batch(target, tree):
+    m = make_engine(random_heads(target.model), TREES[tree])
+    reqs = chat_reqs(target, [0, 5, 11])
+    base = generate(target.model, reqs)
+    for one, ref in zip(reqs[:1], base[:1], strict=True):
+        assert medusa_generate(target.model, m, [one])[0].tokens == ref.tokens
+    got = medusa_generate(target.model, m, reqs)
+    for g, r in zip(got, base, strict=True):
+        assert g.tokens == r.tokens
+        assert g.finish_reason == r.finish_reason
+        assert 0.0 <= g.acceptance_rate <= 1.0
+        assert g.steps >= 2 and len(g.tokens) >= g.steps - 1
+
+
+def test_good_heads_accept_several_tokens_per_step_and_stay_exact(target):
+    reqs = chat_reqs(target, [1, 2, 7], max_new=40)
+    base = generate(target.model, reqs)
+    heads = OracleHeads(target.model, [r.prompt + b.tokens for r, b in zip(reqs, base, strict=True)])
+    m = make_engine(heads, TREES["mc"])
+    streamed = {i: [] for i in range(len(reqs))}
+    got = medusa_generate(target.model, m, reqs, on_emit=lambda row, toks: streamed[row].extend(toks))
+    for i, (g, r) in enumerate(zip(got, base, strict=True)):
+        assert g.tokens == r.tokens
+        assert streamed[i] == g.tokens
+        assert g.mean_accepted_len > 1.8, g
+        assert g.accepted_per_position[1] > 0
+        assert g.draft_accepted <= g.draft_proposed
+
+
+def test_greedy_acceptance_refuses_sampled_requests(target):
+    m = make_engine(random_heads(target.model), TREES["chain"])
+    with pytest.raises(ValueError, match="temperature"):
+        medusa_generate(target.model, m, chat_reqs(target, [0], params=SamplingParams(0.7, seed=1)),
+                        acceptance="greedy")
+    with pytest.raises(ValueError, match="lossy"):
+        medusa_generate(target.model, m, chat_reqs(target, [0]), acceptance="fast")
+
+
+# ---- distributions on a tiny-vocabulary model ----
+
+def tiny_vocab_model(V: int = 6, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, max_position_embeddings=64)
+    m = Transformer(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2.0)
+    return m.eval().requires_grad_(False)
+
+
+def first_two_distribution(model: Transformer, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    V = model.cfg.vocab_size
+    cache = model.new_cache(1, 16)
+    with torch.inference_mode():
+        p1 = warp(model.logits(model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache))[0, -1], params)
+        joint = torch.zeros(V, V)
+        for x in range(V):
+            c = model.new_cache(1, 16)
+            seq = prompt + [x]
+            h = model(torch.tensor([seq]), torch.arange(len(seq))[None], c)
+            joint[x] = p1[x] * warp(model.logits(h)[0, -1], params)
+    return joint.flatten()
+
+
+def sampled_first_two(model, m, prompt, params, n, acceptance):
+    reqs = [Request(prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, seed=s))
+            for s in range(n)]
+    V = model.cfg.vocab_size
+    counts = torch.zeros(V * V)
+    for r in medusa_generate(model, m, reqs, acceptance=acceptance):
+        counts[r.tokens[0] * V + r.tokens[1]] += 1
+    return counts
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_exact_sampled_rule_preserves_the_target_distribution_and_typical_does_not():
+    model = tiny_vocab_model()
+    heads = random_heads(model, n=2, scale=0.3)
+    m = make_engine(heads, [[0], [1], [0, 0]])
+    params = SamplingParams(temperature=1.0)
+    prompt = [1, 2, 3]
+    exact = first_two_distribution(model, prompt, params)
+    n = 3000
+    counts = sampled_first_two(model, m, prompt, params, n, "exact")
+    keep = exact * n >= 5
+    chi2 = float((((counts - n * exact) ** 2)[keep] / (n * exact[keep])).sum())
+    assert chi2 < chi2_critical(int(keep.sum()) - 1), chi2
+    tv_exact = 0.5 * float((counts / n - exact).abs().sum())
+    typical = sampled_first_two(model, m, prompt, params, n, "typical")
+    tv_typical = 0.5 * float((typical / n - exact).abs().sum())
+    assert tv_exact < 0.05
+    assert tv_typical > 0.15, (tv_typical, tv_exact)
+
+
+# ---- the FasterDecoding format ----
+
+def test_heads_round_trip_through_faster_decoding_files_and_share_the_lm_head(target, tmp_path):
+    model = target.model
+    h = random_heads(model, n=2)
+    save_file(heads_to_state(h, model.lm_head.weight), str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    back = load_heads_dir(tmp_path, model)
+    assert back.proj is None and back.num_heads == 2
+    assert torch.equal(back.w, h.w) and torch.equal(back.b, h.b)
+
+
+def test_strict_loading_names_missing_and_unexpected_keys_and_reports_head_count(target, tmp_path):
+    model = target.model
+    H, V = model.cfg.hidden_size, model.cfg.vocab_size
+    state = heads_to_state(random_heads(model, n=2), model.lm_head.weight)
+    bad = dict(state)
+    del bad["1.0.linear.bias"]
+    with pytest.raises(ValueError, match=r"missing key '1\.0\.linear\.bias'"):
+        heads_from_state(bad, 1, H, V)
+    with pytest.raises(ValueError, match=r"unexpected key '0\.2\.weight'"):
+        heads_from_state({**state, "0.2.weight": state["0.1.weight"]}, 1, H, V)
+    with pytest.raises(ValueError, match="shape"):
+        heads_from_state({**state, "0.1.weight": torch.zeros(V + 1, H)}, 1, H, V)
+    logs = []
+    h = heads_from_state(state, 1, H, V, config_heads=5, log=logs.append)
+    assert h.num_heads == 2
+    assert "medusa_num_heads=5" in logs[0] and "2 heads" in logs[0]
+    torch.save(state, tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    with pytest.raises(ValueError, match="medusa_num_layers"):
+        load_heads_dir(tmp_path, model)
+
+
+# ---- build: train heads, grow the tree, write both formats, load through the bundle ----
+
+def write_med_spec(root: Path, med: dict) -> Path:
+    import yaml
+
+    data = yaml.safe_load((root / "build" / "tiny.yaml").read_text())
+    data.update(name="tinymed", medusa=med)
+    p = root / "build" / "tinymed.yaml"
+    p.write_text(yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
+    from pipeline import spec as specmod
+    from pipeline.engine import build_target, read_config
+    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.train.medusa import build_medusa
+
+    med = {"source": "train", "num_heads": 2, "num_layers": 1, "choices": "auto",
+           "train": {"steps": 40, "minutes": 0.5, "sequences": 12, "seq_len": 24, "batch_size": 4, "lr": 0.003}}
+    s = specmod.load(write_med_spec(tiny_root, med))
+    build_target(s, log=lambda *a: None)
+    logs = []
+    dest = build_medusa(s, log=logs.append)
+    cfg = read_config(dest)
+    info = cfg["medusa"]
+    assert cfg["build_config"]["speculative_decoding_mode"] == "medusa"
+    assert cfg["build_config"]["max_draft_len"] == len(info["choices"]) <= s.limits.max_draft_len
+    assert any("auto tree" in ln for ln in logs) and any("head 1" in ln for ln in logs)
+    assert len(info["head_accuracy_topk"]) == 2 and len(info["tree"]["verify_cost_ms"]) == s.limits.max_draft_len + 1
+    hf = json.loads((s.engine_dir / "medusa_hf" / "config.json").read_text())
+    assert hf["medusa_num_heads"] == 2 and hf["medusa_num_layers"] == 1
+    assert build_medusa(s, log=logs.append) == dest and "up to date" in logs[-1]
+
+    b = load_bundle(s.engine_dir, methods=("baseline", "medusa"))
+    reqs = chat_reqs(load_engine(s.engine_dir / "target"), [3, 4], max_new=20)
+    assert [r.tokens for r in decode(b, "medusa", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
+
+    med2 = {**med, "source": str(s.engine_dir / "medusa_hf"), "choices": [[0], [1], [0, 0]]}
+    s2 = specmod.load(write_med_spec(tiny_root, med2))
+    build_medusa(s2, log=logs.append)
+    loaded = read_config(s2.engine_dir / "medusa")["medusa"]
+    assert loaded["choices"] == [[0], [1], [0, 0]] and loaded["head_accuracy_topk"] == info["head_accuracy_topk"]
+
+
+def test_preflight_reads_head_directories_strictly_and_checks_tree_depth_against_their_head_count(target, tmp_path):
+    import yaml
+
+    from pipeline import spec as specmod
+    from pipeline.runtime.medusa import medusa_preflight
+
+    model = target.model
+    state = heads_to_state(random_heads(model, n=2), model.lm_head.weight)
+    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+
+    def spec_with(choices):
+        data = {"name": "pf", "target": {"source": "smollm2"}, "limits": {"max_draft_len": 8},
+                "medusa": {"source": str(tmp_path), "num_heads": 3, "choices": choices}}
+        return specmod.parse(yaml.safe_load(yaml.safe_dump(data)), tmp_path)
+
+    lines = medusa_preflight(spec_with([[0], [0, 0]]))
+    assert any("medusa_num_heads=4" in ln for ln in lines) and any("2 heads" in ln for ln in lines)
+    with pytest.raises(ValueError, match=r"depth 3 but there are only 2 Medusa heads"):
+        medusa_preflight(spec_with([[0], [0, 0], [0, 0, 0]]))
+    save_file({k: v for k, v in state.items() if k != "1.1.weight"}, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"missing key '1\.1\.weight'"):
+        medusa_preflight(spec_with([[0]]))
