@@ -262,8 +262,10 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
             raise FileNotFoundError(f"medusa.source: {src_dir} is not a directory; give a FasterDecoding head "
                                     "directory (medusa_lm_head.pt/.safetensors + config.json) or 'train'")
         src_fp = Source("hf", src_dir, str(src_dir)).fingerprint()
+    train_path = spec.path(med.train.prompts)
     want = input_hash(FORMAT, ENGINE_FORMAT, tcfg.get("input_hash"), asdict(med), src_fp, spec.limits.max_draft_len,
-                      prompts_path.read_bytes().decode() if prompts_path.is_file() else "")
+                      prompts_path.read_bytes().decode() if prompts_path.is_file() else "",
+                      train_path.read_bytes().decode() if train_path.is_file() else "")
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"medusa engine {dest} is up to date")
         return dest
@@ -272,7 +274,11 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     model, tok = eng.model, eng.tokenizer
     end_ids = tuple(model.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path)
-    held, train_texts = split_prompts(texts, spec.validate.max_prompts)
+    if train_path.is_file():
+        # Separate training prompts: the evaluation prompts are all held out.
+        held, train_texts = texts[: max(spec.validate.max_prompts, 4)], read_prompts(train_path)
+    else:
+        held, train_texts = split_prompts(texts, spec.validate.max_prompts)
     b = med.train
     held_ids = [chat_ids(tok, t) for t in held]
 
