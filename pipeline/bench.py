@@ -82,12 +82,12 @@ def _median(xs: list[float]) -> float:
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     from pipeline.cli import chat_ids
     from pipeline.runtime import kernels
-    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
 
     n_prompts, new = (2, 16) if quick else (4, 128)
-    b = load_bundle(spec.engine_dir, spec.device)
+    b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
     prompts = load_prompts(spec, n_prompts + 1)
     ids = [chat_ids(b.tokenizer, p) for p in prompts]
     warm, ids = ids[0], ids[1:]
@@ -106,7 +106,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         from transformers import AutoModelForCausalLM
 
         draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=torch.float32).eval()
-    k = b.options.get("num_draft_tokens", 4)
+    k = default_k(b, "draft_target")
 
     for m in methods:
         run(m, warm)

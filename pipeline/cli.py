@@ -70,11 +70,11 @@ def chat_ids(tokenizer, prompt: str, chat: bool = True) -> list[int]:
 def cmd_generate(args) -> int:
     s = _spec(args)
     _setup_threads(s)
-    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
 
-    b = load_bundle(s.engine_dir, s.device, methods=(args.method,))
+    b = apply_spec(load_bundle(s.engine_dir, s.device, methods=(args.method,)), s)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     params.check(b.target.cfg.vocab_size)
     ids = chat_ids(b.tokenizer, args.prompt, chat=not args.raw)

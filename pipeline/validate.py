@@ -68,7 +68,7 @@ def tokens_of(tok, text: str) -> list[int]:
 
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     from pipeline.bench import _hf_generate, environment, hf_model, load_prompts
-    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.triton import server
 
@@ -79,7 +79,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         started = server.start(spec, log=log)
     url = server.grpc_url(spec)
     try:
-        bundle = load_bundle(spec.engine_dir, spec.device)
+        bundle = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
         tok = bundle.tokenizer
         methods = bundle.methods()
         prompts = load_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
@@ -140,7 +140,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
             from transformers import AutoModelForCausalLM
 
             d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-            k = bundle.options.get("num_draft_tokens", 4)
+            k = default_k(bundle, "draft_target")
             report["peers"]["hf_assisted"] = {"tokens_per_s": statistics.median(
                 [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
                 "num_assistant_tokens": k}

@@ -65,6 +65,23 @@ def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] 
     return b
 
 
+def apply_spec(b: Bundle, spec) -> Bundle:
+    """Speculation defaults from the spec; a measured k stored by `num_draft_tokens: auto` wins over "auto"."""
+    sp = spec.speculation
+    if isinstance(sp.num_draft_tokens, int):
+        b.options["num_draft_tokens"] = sp.num_draft_tokens
+    b.options["prompt_lookup_num_tokens"] = sp.prompt_lookup_num_tokens
+    b.options["prompt_lookup_max_ngram"] = sp.prompt_lookup_max_ngram
+    return b
+
+
+def default_k(b: Bundle, method: str) -> int:
+    """Draft length when a request names none: prompt lookup has its own; draft-target uses the spec's or the
+    measured k stored in the draft engine."""
+    key = "prompt_lookup_num_tokens" if method == "prompt_lookup" else "num_draft_tokens"
+    return min(int(b.options.get(key, 4)), max(b.max_draft_len, 1))
+
+
 def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = None,
            num_draft_tokens: int | None = None, **opts) -> list[Result]:
     """Run `reqs` as one batch with `method`; raise ValueError naming the method when it is unavailable."""
@@ -72,7 +89,7 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
     if method == "baseline":
         return generate(b.target, reqs, on_emit)
-    k = num_draft_tokens or b.options.get("num_draft_tokens", 4)
+    k = num_draft_tokens or default_k(b, method)
     if k > b.max_draft_len:
         raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {b.max_draft_len}")
     if method == "draft_target":

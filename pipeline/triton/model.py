@@ -94,7 +94,10 @@ class TritonPythonModel:
             self.methods.append("medusa_typical")  # Medusa's own (lossy) typical acceptance, for comparison
         prefer = _param(cfg, "default_method", "baseline").split(",")
         self.default_method = next((m for m in prefer if m in self.methods), "baseline")
-        self.default_k = min(int(_param(cfg, "num_draft_tokens", "4")), max(self.bundle.max_draft_len, 1))
+        k = _param(cfg, "num_draft_tokens", "auto")
+        if k.isdigit():
+            self.bundle.options["num_draft_tokens"] = int(k)
+        self.bundle.options["prompt_lookup_num_tokens"] = int(_param(cfg, "prompt_lookup_num_tokens", "4"))
         self.default_use_draft_logits = _param(cfg, "use_draft_logits", "true") == "true"
         self.default_exclude = _param(cfg, "exclude_input_in_output", "true") == "true"
         self.add_special = _param(cfg, "add_special_tokens", "true") == "true"
@@ -170,6 +173,7 @@ class TritonPythonModel:
         return list(self.tok(text, add_special_tokens=special)["input_ids"])
 
     def _parse(self, request, sender) -> Job:
+        from pipeline.runtime.decode import default_k
         from pipeline.runtime.generate import Request
         from pipeline.runtime.sampling import SamplingParams
 
@@ -196,8 +200,9 @@ class TritonPythonModel:
         if job.method in ("draft_target", "prompt_lookup"):
             if k == 0:
                 raise BadRequest(f"num_draft_tokens: got 0 with method {job.method!r}; send 1 to "
-                                 f"{self.bundle.max_draft_len}, or omit it for the default {self.default_k}")
-            job.k = k or self.default_k
+                                 f"{self.bundle.max_draft_len}, or omit it for the default "
+                                 f"{default_k(self.bundle, job.method)}")
+            job.k = k or default_k(self.bundle, job.method)
         flag = lambda name, default: (lambda v: default if v is None else bool(v))(self._scalar(request, name, batch))
         job.stream = flag("stream", False)
         job.exclude_input = flag("exclude_input_in_output", self.default_exclude)
