@@ -31,14 +31,6 @@ def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
     return x.numel() * 4 / statistics.median(ts) / 1e9
 
 
-def load_prompts(spec: Spec, n: int) -> list[str]:
-    lines = spec.path(spec.validate.prompts).read_text().splitlines()
-    out = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    if not out:
-        raise ValueError(f"validate.prompts: {spec.validate.prompts} has no prompts")
-    return out[:n] if n else out
-
-
 def hf_model(model, dtype: torch.dtype):
     """A transformers LlamaForCausalLM holding exactly our engine's weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,10 +77,11 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
+    from pipeline.sources import spec_prompts
 
     n_prompts, new = (2, 16) if quick else (4, 128)
     b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
-    prompts = load_prompts(spec, n_prompts + 1)
+    prompts = spec_prompts(spec, n_prompts + 1)
     ids = [chat_ids(b.tokenizer, p) for p in prompts]
     warm, ids = ids[0], ids[1:]
     methods = b.methods()

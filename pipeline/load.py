@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from pipeline import spec as specmod
+from pipeline.sources import spec_prompts
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -42,14 +43,6 @@ def _loopback_url(spec: specmod.Spec) -> str:
     return f"{host}:{spec.triton.grpc_port}"
 
 
-def load_prompts(spec: specmod.Spec, limit: int) -> list[str]:
-    lines = spec.path(spec.validate.prompts).read_text().splitlines()
-    out = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    if not out:
-        raise ValueError(f"validate.prompts: {spec.validate.prompts} has no prompts")
-    return out[:limit]
-
-
 def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: int = 32,
              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
              sample_every: int = 4, chat: bool = True, log=print) -> dict:
@@ -67,7 +60,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     pid = running_pid(spec)
     if pid is None:
         raise RuntimeError(f"no server is running for {spec.name!r}; start it with `make serve SPEC=...`")
-    prompts = load_prompts(spec, num_prompts)
+    prompts = spec_prompts(spec, num_prompts)
     if chat:
         from pipeline.engine import load_tokenizer
 

@@ -89,6 +89,23 @@ def load_hf(src: Source) -> tuple[dict[str, Any], dict, Any]:
     return cfg, state, tok
 
 
+def read_prompts(path: Path) -> list[str]:
+    """A prompt file: one prompt per line; blank lines and lines starting with # are skipped."""
+    lines = Path(path).read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def spec_prompts(spec, limit: int = 0) -> list[str]:
+    """The spec's evaluation prompts (validate.prompts), the first `limit` of them when limit > 0."""
+    path = spec.path(spec.validate.prompts)
+    if not path.is_file():
+        raise SourceError(f"validate.prompts: {path} does not exist; give a file with one prompt per line")
+    out = read_prompts(path)
+    if not out:
+        raise SourceError(f"validate.prompts: {spec.validate.prompts} has no prompts")
+    return out[:limit] if limit else out
+
+
 def hf_config_summary(cfg: dict) -> str:
     keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
             "vocab_size")

@@ -126,7 +126,8 @@ def cmd_pick_k(args) -> int:
     from pipeline import spec as specmod
     from pipeline.cli import _setup_threads, chat_ids
     from pipeline.runtime.decode import load_bundle
-    from pipeline.train.draft import read_prompts, split_prompts
+    from pipeline.sources import read_prompts
+    from pipeline.train.draft import split_prompts
 
     s = specmod.load(args.spec)
     _setup_threads(s)

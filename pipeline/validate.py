@@ -67,9 +67,10 @@ def tokens_of(tok, text: str) -> list[int]:
 
 
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
-    from pipeline.bench import _hf_generate, environment, hf_model, load_prompts
+    from pipeline.bench import _hf_generate, environment, hf_model
     from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
     from pipeline.runtime.generate import Request
+    from pipeline.sources import spec_prompts
     from pipeline.triton import server
 
     v = spec.validate
@@ -82,7 +83,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         bundle = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
         tok = bundle.tokenizer
         methods = bundle.methods()
-        prompts = load_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
+        prompts = spec_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
         warm, prompts = prompts[0], prompts[1:]
         texts = [chat_text(tok, p) for p in prompts]
         new = v.max_new_tokens

@@ -104,3 +104,10 @@ def test_duplicate_keys_are_refused(tmp_path):
 def test_huge_and_infinite_numbers_are_refused():
     assert "2**31" in _err({"name": "x", "limits": {"max_batch_size": 10**26}})
     assert "triton.startup_timeout_s" in _err({"name": "x", "triton": {"startup_timeout_s": float("inf")}})
+
+
+def test_unhashable_yaml_key_is_a_spec_error(tmp_path):
+    p = tmp_path / "k.yaml"
+    p.write_text("? {a: 1}\n: x\nname: y\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        specmod.load(p)

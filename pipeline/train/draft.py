@@ -42,16 +42,12 @@ from pipeline.runtime.generate import prefill
 from pipeline.runtime.model import ModelConfig, Transformer, apply_rope, build_model, hf_to_runtime, runtime_to_hf
 from pipeline.runtime.sampling import SamplingParams, next_token
 from pipeline.runtime.speculative import DRAFT_HEAD_FILE, attach_draft_head
+from pipeline.sources import read_prompts
 from pipeline.spec import Spec
 
 TEACHER_TOPK = 32
 HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
 HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
-
-
-def read_prompts(path: Path) -> list[str]:
-    lines = path.read_text().splitlines()
-    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
 
 
 def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:

@@ -36,6 +36,7 @@ from pipeline.runtime.generate import prefill
 from pipeline.runtime.medusa import MedusaHeads, heads_to_state, load_heads_dir
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token
+from pipeline.sources import read_prompts
 from pipeline.spec import Spec
 from pipeline.tree import build_tree, grow_tree, validate_choices
 
@@ -43,11 +44,6 @@ FORMAT = "pipeline-medusa/1"
 TOPK = 10
 GEN_BATCH = 32  # rows per self-distillation batch (the skinny kernel's limit)
 RUNTIME_VOCAB = 8192  # proposals come from ids < this plus every corpus token, when the vocabulary is larger
-
-
-def read_prompts(path: Path) -> list[str]:
-    lines = path.read_text().splitlines()
-    return [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def split_prompts(texts: list[str], n_eval: int) -> tuple[list[str], list[str]]:
