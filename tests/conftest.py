@@ -110,3 +110,16 @@ def tiny_engine(tiny_root):
 
     s = specmod.load(tiny_root / "build" / "tiny.yaml")
     return build_target(s, log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded; threads only contend on a shared machine."""
+    from pipeline.runtime import kernels
+
+    n, kn = torch.get_num_threads(), kernels.threads()
+    torch.set_num_threads(1)
+    kernels.set_threads(1)
+    yield
+    torch.set_num_threads(n)
+    kernels.set_threads(kn)

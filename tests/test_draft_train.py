@@ -18,16 +18,7 @@ from tests.conftest import make_model_dir, write_spec
 BUDGET = {"steps": 30, "minutes": 1, "sequences": 8, "seq_len": 40, "batch_size": 4, "lr": 0.003}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    from pipeline.runtime import kernels
-
-    n, kn = torch.get_num_threads(), kernels.threads()
-    torch.set_num_threads(1)
-    kernels.set_threads(1)
-    yield
-    torch.set_num_threads(n)
-    kernels.set_threads(kn)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(root, name, draft, speculation=None, logs=None):

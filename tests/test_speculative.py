@@ -36,17 +36,7 @@ def prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 14) -> list[li
     return [torch.randint(2, vocab, (m,), generator=g).tolist() for m in lens]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest single-threaded; threads only contend on this shared machine."""
-    from pipeline.runtime import kernels
-
-    n, kn = torch.get_num_threads(), kernels.threads()
-    torch.set_num_threads(1)
-    kernels.set_threads(1)
-    yield
-    torch.set_num_threads(n)
-    kernels.set_threads(kn)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
