@@ -40,14 +40,16 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                 seed: int | None = None, end_id: int | None = None, stop_words: list[str] | None = None,
                 num_draft_tokens: int | None = None, use_draft_logits: bool | None = None,
-                return_perf_metrics: bool = True, exclude_input_in_output: bool | None = None) -> list:
+                return_perf_metrics: bool = True, exclude_input_in_output: bool | None = None,
+                disable_at_batch: int | None = None) -> list:
     """InferInputs for one request (batch 1), with only the optional inputs that were given."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     ins = [_tensor("text_input", [[text]], object), _tensor("max_tokens", [[max_tokens]], np.int32),
            _tensor("stream", [[stream]], bool), _tensor("return_perf_metrics", [[return_perf_metrics]], bool)]
     opt = {"temperature": (temperature, np.float32), "top_k": (top_k, np.int32), "top_p": (top_p, np.float32),
            "seed": (seed, np.uint64), "end_id": (end_id, np.int32), "num_draft_tokens": (num_draft_tokens, np.int32),
-           "use_draft_logits": (use_draft_logits, bool), "exclude_input_in_output": (exclude_input_in_output, bool)}
+           "use_draft_logits": (use_draft_logits, bool), "exclude_input_in_output": (exclude_input_in_output, bool),
+           "disable_at_batch": (disable_at_batch, np.int32)}
     for name, (value, dt) in opt.items():
         if value is not None:
             ins.append(_tensor(name, [[value]], dt))

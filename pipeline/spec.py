@@ -92,6 +92,9 @@ class SpeculationSpec:
     prompt_lookup_num_tokens: int = 4
     # Draft-target acceptance with sampling: token matching or logits-based (Leviathan) rejection.
     use_draft_logits: bool = True
+    # Batches of this many requests or more decode plainly (speculation stops paying under load;
+    # `make validate` measures the crossover and says what to set). 0 = never switch off.
+    disable_at_batch: int = 0
 
 
 @dataclass
@@ -325,6 +328,8 @@ def validate(spec: Spec) -> Spec:
         if spec.has_draft or spec.backend == "torch":
             _check(k <= lim.max_draft_len, "speculation.num_draft_tokens", k,
                    f"must be at most limits.max_draft_len ({lim.max_draft_len}); raise max_draft_len or lower k")
+    _check(spec.speculation.disable_at_batch >= 0, "speculation.disable_at_batch", spec.speculation.disable_at_batch,
+           "must be 0 (never switch speculation off) or the batch size from which to decode plainly")
     _check(spec.speculation.prompt_lookup_max_ngram >= 1, "speculation.prompt_lookup_max_ngram",
            spec.speculation.prompt_lookup_max_ngram, "must be 1 or more")
     _check(1 <= spec.speculation.prompt_lookup_num_tokens <= max(lim.max_draft_len, 1),

@@ -76,6 +76,8 @@ BAD_REQUESTS = {
     "num_draft_tokens above max_draft_len": (GOOD + [_tensor("num_draft_tokens", [[9]], np.int32)],
                                              r"num_draft_tokens: got 9; .*max_draft_len=4"),
     "unknown method": (GOOD + [_tensor("method", [[b"beam"]], object)], r"method: got 'beam'; .*baseline"),
+    "negative disable_at_batch": (GOOD + [_tensor("disable_at_batch", [[-2]], np.int32)],
+                                  r"disable_at_batch: got -2; send 0"),
     "bad_words": (GOOD + [_tensor("bad_words", [[b"moon"]], object)], r"bad_words: not supported"),
     "batch above max_batch_size": ([_tensor("text_input", [[b"hi"]] * 5, object),
                                     _tensor("max_tokens", [[4]] * 5, np.int32)], r"batch.size.*4"),

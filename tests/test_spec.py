@@ -59,6 +59,11 @@ def test_draft_length_above_max_draft_len_names_the_fix():
     assert "speculation.num_draft_tokens" in msg and "max_draft_len" in msg
 
 
+def test_negative_disable_at_batch_names_the_key_and_the_meaning_of_zero():
+    msg = _err({"name": "x", "speculation": {"disable_at_batch": -1}})
+    assert msg.startswith("speculation.disable_at_batch") and "0 (never" in msg
+
+
 def test_torch_backend_refuses_tensor_parallelism():
     assert "parallel" in _err({"name": "x", "parallel": {"tp": 2}})
 

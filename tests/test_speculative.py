@@ -217,3 +217,23 @@ def test_residual_is_normalised_positive_part():
     p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
     assert torch.allclose(residual(p, q), torch.tensor([1.0, 0.0, 0.0]))
     assert torch.allclose(residual(p, p), p)
+
+
+def test_speculation_switches_off_at_disable_at_batch():
+    """At or above disable_at_batch a batch runs the baseline code itself: same tokens, nothing proposed."""
+    from pipeline.runtime.decode import Bundle, decode, speculation_off
+
+    target = tiny(seed=11)
+    b = Bundle(target, None, {"build_config": {"max_draft_len": 4}}, draft=tiny(base=target, seed=12, noise=0.05),
+               options={"disable_at_batch": 3})
+    ps = prompts(3, 48, seed=13)
+    base = generate(target, [Request(p, 12) for p in ps])
+    two = decode(b, "draft_target", [Request(p, 12) for p in ps[:2]], num_draft_tokens=3)
+    assert sum(r.draft_proposed for r in two) > 0 and not any(r.speculation_off for r in two)
+    three = decode(b, "draft_target", [Request(p, 12) for p in ps], num_draft_tokens=3)
+    assert all(r.speculation_off and r.draft_proposed == 0 for r in three)
+    assert [r.tokens for r in three] == [r.tokens for r in base]
+    forced = decode(b, "prompt_lookup", [Request(p, 12) for p in ps], disable_at_batch=0)
+    assert not any(r.speculation_off for r in forced)
+    assert [r.tokens for r in forced] == [r.tokens for r in base]
+    assert not speculation_off(b, "baseline", 99) and speculation_off(b, "medusa", 3)

@@ -200,6 +200,22 @@ def test_custom_speculative_metrics_move_after_requests(served, bundle):
     assert any(k.startswith("nv_inference_request_success") for k in after), "Triton's own metrics are served too"
 
 
+def test_disable_at_batch_serves_the_batch_plainly_and_counts_it(served, bundle):
+    s, srv = served
+    key = lambda name: f'{name}{{method="prompt_lookup",model="tensorrt_llm_bls"}}'
+    prompt = "a b c a b c a b c a b"
+    base = generate(srv.grpc_url, "ensemble", prompt, 10, method="baseline", end_id=UNUSED_END)
+    before = _metrics(s)
+    off = generate(srv.grpc_url, "ensemble", prompt, 10, method="prompt_lookup", end_id=UNUSED_END,
+                   disable_at_batch=1)
+    after = _metrics(s)
+    assert off["text"] == base["text"] and off["total_draft_tokens"] == 0
+    assert after[key("spec_decode_requests_speculation_off_total")] - before[key(
+        "spec_decode_requests_speculation_off_total")] == 1
+    on = generate(srv.grpc_url, "ensemble", prompt, 10, method="prompt_lookup", end_id=UNUSED_END, disable_at_batch=0)
+    assert on["text"] == base["text"] and on["total_draft_tokens"] > 0
+
+
 def test_server_listens_only_on_loopback_ports_of_the_spec(served):
     s, srv = served
     procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]

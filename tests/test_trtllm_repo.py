@@ -208,14 +208,16 @@ def test_perf_metrics_model_runs_in_the_real_tritonserver(tmp_path):
         else:
             pytest.fail("perf_metrics did not load: " + (tmp_path / "triton.log").read_text()[-3000:])
 
-        def call(exclude=None, method=None):
+        def call(exclude=None, method=None, off=None):
             ins = []
             for name, value, dtype in (("REQUEST_INPUT_LEN", np.array([[7]], np.int32), "INT32"),
                                        ("SEQUENCE_LENGTH", np.array([[19]], np.int32), "INT32"),
                                        ("exclude_input_in_output", None if exclude is None
                                         else np.array([[exclude]], bool), "BOOL"),
                                        ("method", None if method is None
-                                        else np.array([[method.encode()]], object), "BYTES")):
+                                        else np.array([[method.encode()]], object), "BYTES"),
+                                       ("disable_at_batch", None if off is None else np.array([[off]], np.int32),
+                                        "INT32")):
                 if value is not None:
                     t = grpcclient.InferInput(name, list(value.shape), dtype)
                     t.set_data_from_numpy(value)
@@ -228,6 +230,8 @@ def test_perf_metrics_model_runs_in_the_real_tritonserver(tmp_path):
         assert r.as_numpy("total_draft_tokens")[0, 0] == 0  # this ensemble runs the target alone
         assert call(exclude=True).as_numpy("num_output_tokens")[0, 0] == 19
         assert call(method="baseline").as_numpy("acceptance_rate")[0, 0] == 0.0
+        # This ensemble runs the target alone: there is no speculation to switch off, any value is fine.
+        assert call(off=3).as_numpy("num_input_tokens")[0, 0] == 7
         with pytest.raises(InferenceServerException, match="tensorrt_llm_bls"):
             call(method="draft_target")
     finally:

@@ -63,6 +63,8 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2) for m in methods}
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
     assert on_disk["advice"]["recommended_method"] in methods
+    for m, d in on_disk["distribution"].items():
+        assert d["samples"] == 16 and 0 <= d["same_seed_identical"] <= 1, m
     for png in ("speed.png", "batch_curve.png", "acceptance.png"):
         assert (s.report_dir / png).stat().st_size > 1000
     assert "Advice" in (s.report_dir / "validate.md").read_text()

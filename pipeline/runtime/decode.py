@@ -72,7 +72,14 @@ def apply_spec(b: Bundle, spec) -> Bundle:
         b.options["num_draft_tokens"] = sp.num_draft_tokens
     b.options["prompt_lookup_num_tokens"] = sp.prompt_lookup_num_tokens
     b.options["prompt_lookup_max_ngram"] = sp.prompt_lookup_max_ngram
+    b.options["disable_at_batch"] = sp.disable_at_batch
     return b
+
+
+def speculation_off(b: Bundle, method: str, rows: int, disable_at_batch: int | None = None) -> bool:
+    """True when a batch of `rows` requests should decode plainly (`disable_at_batch`, 0 = never)."""
+    t = b.options.get("disable_at_batch", 0) if disable_at_batch is None else disable_at_batch
+    return method != "baseline" and t > 0 and rows >= t
 
 
 def default_k(b: Bundle, method: str) -> int:
@@ -83,12 +90,21 @@ def default_k(b: Bundle, method: str) -> int:
 
 
 def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = None,
-           num_draft_tokens: int | None = None, **opts) -> list[Result]:
-    """Run `reqs` as one batch with `method`; raise ValueError naming the method when it is unavailable."""
+           num_draft_tokens: int | None = None, disable_at_batch: int | None = None, **opts) -> list[Result]:
+    """Run `reqs` as one batch with `method`; raise ValueError naming the method when it is unavailable.
+
+    A batch at or above `disable_at_batch` (default: the spec's) runs the baseline code itself, so
+    switching speculation off costs nothing; its results say `speculation_off`.
+    """
     if method not in b.methods():
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
     if method == "baseline":
         return generate(b.target, reqs, on_emit)
+    if speculation_off(b, method, len(reqs), disable_at_batch):
+        results = generate(b.target, reqs, on_emit)
+        for r in results:
+            r.speculation_off = True
+        return results
     k = num_draft_tokens or default_k(b, method)
     if k > b.max_draft_len:
         raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {b.max_draft_len}")

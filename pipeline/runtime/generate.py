@@ -39,6 +39,7 @@ class Result:
     proposed_per_position: list[int] = field(default_factory=list)
     first_token_s: float = 0.0
     elapsed_s: float = 0.0
+    speculation_off: bool = False  # the batch was at or above speculation.disable_at_batch
 
     @property
     def acceptance_rate(self) -> float:

@@ -59,6 +59,7 @@ class Job:
     method: str = "baseline"
     k: int = 0
     use_draft_logits: bool = True
+    disable_at_batch: int | None = None  # None: the model's configured value
     stream: bool = False
     exclude_input: bool = True
     perf: bool = False
@@ -98,6 +99,7 @@ class TritonPythonModel:
         if k.isdigit():
             self.bundle.options["num_draft_tokens"] = int(k)
         self.bundle.options["prompt_lookup_num_tokens"] = int(_param(cfg, "prompt_lookup_num_tokens", "4"))
+        self.bundle.options["disable_at_batch"] = int(_param(cfg, "disable_at_batch", "0") or 0)
         self.default_use_draft_logits = _param(cfg, "use_draft_logits", "true") == "true"
         self.default_exclude = _param(cfg, "exclude_input_in_output", "true") == "true"
         self.add_special = _param(cfg, "add_special_tokens", "true") == "true"
@@ -119,10 +121,12 @@ class TritonPythonModel:
             "steps": ("spec_decode_target_steps_total", "Target forward passes (incl. prefill)"),
             "errors": ("spec_decode_request_errors_total", "Requests rejected or failed"),
             "cancelled": ("spec_decode_requests_cancelled_total", "Requests cancelled by their client"),
+            "plain": ("spec_decode_requests_speculation_off_total",
+                      "Requests decoded plainly because their batch reached speculation.disable_at_batch"),
         }
         self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=kind) for k, (n, d) in fams.items()}
         self.counters: dict = {}
-        for what in ("requests", "proposed", "accepted", "output", "steps"):
+        for what in ("requests", "proposed", "accepted", "output", "steps", "plain"):
             for method in self.methods:
                 self._count(what, method, 0)
 
@@ -203,6 +207,12 @@ class TritonPythonModel:
                                  f"{self.bundle.max_draft_len}, or omit it for the default "
                                  f"{default_k(self.bundle, job.method)}")
             job.k = k or default_k(self.bundle, job.method)
+        off = self._scalar(request, "disable_at_batch", batch)
+        if off is not None:
+            if int(off) < 0:
+                raise BadRequest(f"disable_at_batch: got {int(off)}; send 0 (speculate at any batch size) or the "
+                                 "batch size from which to decode plainly, or omit it for the configured value")
+            job.disable_at_batch = int(off)
         flag = lambda name, default: (lambda v: default if v is None else bool(v))(self._scalar(request, name, batch))
         job.stream = flag("stream", False)
         job.exclude_input = flag("exclude_input_in_output", self.default_exclude)
@@ -270,11 +280,11 @@ class TritonPythonModel:
                 self._fail(sender, f"could not parse the request: {type(e).__name__}: {e}", "errors", "invalid")
         groups: dict[tuple, list[Job]] = {}
         for job in jobs:
-            groups.setdefault((job.method, job.k, job.use_draft_logits), []).append(job)
-        for (method, k, use_logits), group in groups.items():
+            groups.setdefault((job.method, job.k, job.use_draft_logits, job.disable_at_batch), []).append(job)
+        for (method, k, use_logits, off), group in groups.items():
             while group:
                 chunk = self._pack(group, self.max_batch_size)
-                self._run(method, k, use_logits, chunk)
+                self._run(method, k, use_logits, chunk, off)
                 group = group[len(chunk):]
         return None
 
@@ -326,7 +336,7 @@ class TritonPythonModel:
     def _decode_text(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _run(self, method: str, k: int, use_logits: bool, jobs: list[Job]) -> None:
+    def _run(self, method: str, k: int, use_logits: bool, jobs: list[Job], disable_at_batch: int | None = None) -> None:
         from pipeline.runtime.decode import decode
 
         rows = [Row(j, i) for j in jobs for i in range(len(j.reqs))]
@@ -360,7 +370,8 @@ class TritonPythonModel:
         if method == "medusa_typical":
             runtime_method, opts["acceptance"] = "medusa", "typical"
         try:
-            results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None, **opts)
+            results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
+                             disable_at_batch=disable_at_batch, **opts)
         except Cancelled:
             for j in jobs:
                 self._fail(j.sender, "request cancelled by the client", "cancelled", method, "CANCELLED")
@@ -384,6 +395,7 @@ class TritonPythonModel:
                 self._count("accepted", method, r.draft_accepted)
                 self._count("output", method, len(r.tokens))
                 self._count("steps", method, r.steps)
+                self._count("plain", method, int(r.speculation_off))
             texts = [self._decode_text(r.tokens) for r in res]
             if job.stream:
                 texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, rws)]

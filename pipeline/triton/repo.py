@@ -37,6 +37,7 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     ("return_perf_metrics", "TYPE_BOOL", [1]),
     ("num_draft_tokens", "TYPE_INT32", [1]),
     ("use_draft_logits", "TYPE_BOOL", [1]),
+    ("disable_at_batch", "TYPE_INT32", [1]),
     ("method", "TYPE_STRING", [1]),
 ]
 REQUIRED = ("text_input", "max_tokens")
@@ -112,6 +113,7 @@ def bls_config(spec: Spec, engine_dir: Path):
         "prompt_lookup_num_tokens": str(spec.speculation.prompt_lookup_num_tokens),
         "prompt_lookup_max_ngram": str(spec.speculation.prompt_lookup_max_ngram),
         "use_draft_logits": str(spec.speculation.use_draft_logits).lower(),
+        "disable_at_batch": str(spec.speculation.disable_at_batch),
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
         "python_path": ":".join(python_path()),
