@@ -306,6 +306,9 @@ def validate(spec: Spec) -> Spec:
         _check(spec.tensorrt_llm.gpus >= spec.parallel.tp * spec.parallel.pp, "tensorrt_llm.gpus",
                spec.tensorrt_llm.gpus,
                f"needs at least tp*pp = {spec.parallel.tp * spec.parallel.pp} GPUs")
+        _check(spec.speculation.disable_at_batch == 0, "speculation.disable_at_batch",
+               spec.speculation.disable_at_batch, "tensorrtllm_backend's in-flight batching cannot switch "
+               "speculation off per batch: set it to 0 for the tensorrt_llm backend (the torch backend honours it)")
     _check(spec.draft.layers >= 1, "draft.layers", spec.draft.layers, "must be 1 or more")
     _check(spec.draft.vocab >= 0, "draft.vocab", spec.draft.vocab, "must be 0 (full vocabulary) or a token count")
     _validate_budget(spec.draft.train, "draft.train")

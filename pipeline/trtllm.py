@@ -154,10 +154,6 @@ def roles(spec: Spec) -> list[str]:
         if src in ("train", "smollm2") or src.endswith(".gguf"):
             raise PlanError(f"{key}: got {src!r}; the tensorrt_llm backend converts Hugging Face checkpoint "
                             "directories only: give a directory path (train or export with backend: torch first)")
-    if spec.speculation.disable_at_batch:
-        raise PlanError(f"speculation.disable_at_batch: got {spec.speculation.disable_at_batch}; tensorrtllm_backend's "
-                        "in-flight batching cannot switch speculation off per batch: set it to 0 for the "
-                        "tensorrt_llm backend (the torch backend honours it)")
     if spec.has_medusa:
         return ["medusa"]
     return ["target", "draft"] if spec.has_draft else ["target"]

@@ -109,18 +109,10 @@ def test_a_document_that_is_not_a_mapping_is_a_spec_error(value):
     assert msg is not None and "expected a mapping" in msg
 
 
-@SETTINGS
-@given(st.text(max_size=200))
-def test_arbitrary_text_files_load_or_fail_with_a_spec_error(text):
+@settings(SETTINGS, max_examples=300)
+@given(st.one_of(st.text(max_size=200).map(str.encode), st.binary(max_size=64)))
+def test_arbitrary_text_or_bytes_load_or_fail_with_a_spec_error(data):
     p = TMP / "t.yaml"
-    p.write_text(text)
-    check(lambda: specmod.load(p))
-
-
-@SETTINGS
-@given(st.binary(max_size=64))
-def test_arbitrary_bytes_load_or_fail_with_a_spec_error(data):
-    p = TMP / "b.yaml"
     p.write_bytes(data)
     check(lambda: specmod.load(p))
 

@@ -94,9 +94,9 @@ def test_plan_refuses_sources_it_cannot_convert():
         trtllm.plan(load(DTM, medusa__source="/models/heads"))
 
 
-def test_plan_refuses_disable_at_batch_that_inflight_batching_cannot_honour():
-    with pytest.raises(PlanError, match="speculation.disable_at_batch: got 4.*set it to 0"):
-        trtllm.plan(load(DTM, speculation__disable_at_batch=4))
+def test_spec_refuses_disable_at_batch_that_inflight_batching_cannot_honour():
+    with pytest.raises(specmod.SpecError, match="speculation.disable_at_batch.*4.*set it to 0"):
+        load(DTM, speculation__disable_at_batch=4)
 
 
 def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm():
