@@ -101,16 +101,21 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=torch.float32).eval()
     k = default_k(b, "draft_target")
 
-    for m in methods:
-        run(m, warm)
+    runs = [(m, m, {}) for m in methods]
+    lookup_n = b.options.get("draft_lookup_min_ngram", 0)
+    if "draft_target" in methods and lookup_n:
+        # the same draft without prompt lookup, so the report shows what each part brings
+        runs.append(("draft_model_only", "draft_target", {"lookup_min_ngram": 0}))
+    for _, m, opts in runs:
+        run(m, warm, **opts)
     _hf_generate(hf32, [warm], 8)
-    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    rows: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
     base_tokens = []
     for i, p in enumerate(ids):
-        for m in methods:
-            dt, res = run(m, p)
-            rows[m].append({"s": dt, "tokens": res.tokens, "proposed": res.draft_proposed,
+        for label, m, opts in runs:
+            dt, res = run(m, p, **opts)
+            rows[label].append({"s": dt, "tokens": res.tokens, "proposed": res.draft_proposed,
                             "accepted": res.draft_accepted, "steps": res.steps})
         base_tokens.append(rows["baseline"][-1]["tokens"])
         dt, out = _hf_generate(hf32, [p], new)
@@ -119,7 +124,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             dt, _ = _hf_generate(hf32, [p], new, assistant=draft_hf, k=k)
             peers["hf_assisted"].append(new / dt)
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
-            f"{m} {len(rows[m][-1]['tokens']) / rows[m][-1]['s']:.1f}" for m in methods)
+            f"{m} {len(rows[m][-1]['tokens']) / rows[m][-1]['s']:.1f}" for m in rows)
             + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
 
     report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
@@ -136,8 +141,10 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             "greedy_identical": sum(r["tokens"] == bt for r, bt in zip(rs, base_tokens)),
             "greedy_total": len(rs),
         }
-        if m in ("draft_target", "prompt_lookup"):
-            entry["num_draft_tokens"] = k
+        if m in ("draft_target", "prompt_lookup", "draft_model_only"):
+            entry["num_draft_tokens"] = k if m != "prompt_lookup" else default_k(b, m)
+        if m == "draft_target":
+            entry["lookup_min_ngram"] = lookup_n
         if m == "medusa":
             entry["tree"] = b.medusa.choices if hasattr(b.medusa, "choices") else None
             entry["head_accuracy"] = getattr(b.medusa, "head_accuracy", None)
@@ -286,6 +293,11 @@ def bench_markdown(r: dict) -> str:
     for name, e in r["peers"].items():
         lines.append(f"| transformers {name} | {e['tokens_per_s']:.1f} | | | | |")
     rf = r["roofline"]
+    n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
+    if n:
+        lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens "
+                  "occurred earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise; "
+                  "draft_model_only is the same draft alone."]
     lines += ["", f"Baseline vs transformers generate: {r['methods']['baseline']['vs_hf_generate']:.2f}x. "
               f"Bandwidth {rf['bandwidth_gbs']:.1f} GB/s; {rf['weight_bytes_read_per_token'] / 1e6:.0f} MB read per "
               f"token gives a limit of {rf['limit_tokens_per_s']:.1f} tokens/s; baseline reaches "

@@ -95,6 +95,13 @@ class SpeculationSpec:
     # Batches of this many requests or more decode plainly (speculation stops paying under load;
     # `make validate` measures the crossover and says what to set). 0 = never switch off.
     disable_at_batch: int = 0
+    # draft_target takes the prompt-lookup continuation instead of the draft's when the context ends in
+    # an n-gram of at least this many tokens seen earlier (the draft model then does not run). 0 = the
+    # draft alone.
+    draft_lookup_min_ngram: int = 0
+    # draft_target stops a row's drafting after the first token the draft gives less than this
+    # probability (dynamic draft length; num_draft_tokens is then the maximum). 0 = always k tokens.
+    draft_confidence: float = 0.0
 
 
 @dataclass
@@ -309,6 +316,13 @@ def validate(spec: Spec) -> Spec:
         _check(spec.speculation.disable_at_batch == 0, "speculation.disable_at_batch",
                spec.speculation.disable_at_batch, "tensorrtllm_backend's in-flight batching cannot switch "
                "speculation off per batch: set it to 0 for the tensorrt_llm backend (the torch backend honours it)")
+        _check(spec.speculation.draft_lookup_min_ngram == 0, "speculation.draft_lookup_min_ngram",
+               spec.speculation.draft_lookup_min_ngram, "tensorrtllm_backend's draft_tokens_external flow takes its "
+               "drafts from the draft engine only: set it to 0 for the tensorrt_llm backend (or use "
+               "speculative_decoding_mode lookahead/prompt lookup there separately)")
+        _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
+               spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
+               "number of tokens: set it to 0 for the tensorrt_llm backend")
     _check(spec.draft.layers >= 1, "draft.layers", spec.draft.layers, "must be 1 or more")
     _check(spec.draft.vocab >= 0, "draft.vocab", spec.draft.vocab, "must be 0 (full vocabulary) or a token count")
     _validate_budget(spec.draft.train, "draft.train")
@@ -335,6 +349,16 @@ def validate(spec: Spec) -> Spec:
            "must be 0 (never switch speculation off) or the batch size from which to decode plainly")
     _check(spec.speculation.prompt_lookup_max_ngram >= 1, "speculation.prompt_lookup_max_ngram",
            spec.speculation.prompt_lookup_max_ngram, "must be 1 or more")
+    conf = spec.speculation.draft_confidence
+    _check(0 <= conf < 1, "speculation.draft_confidence", conf,
+           "must be 0 (always draft num_draft_tokens) or a probability below 1")
+    _check(conf == 0 or isinstance(spec.speculation.num_draft_tokens, int), "speculation.draft_confidence", conf,
+           "needs speculation.num_draft_tokens set to the maximum draft length (an integer such as 4): 'auto' picks "
+           "a fixed k, which leaves nothing for the confidence rule to shorten")
+    _check(0 <= spec.speculation.draft_lookup_min_ngram <= spec.speculation.prompt_lookup_max_ngram,
+           "speculation.draft_lookup_min_ngram", spec.speculation.draft_lookup_min_ngram,
+           f"must be 0 (the draft alone) or between 1 and prompt_lookup_max_ngram "
+           f"({spec.speculation.prompt_lookup_max_ngram})")
     _check(1 <= spec.speculation.prompt_lookup_num_tokens <= max(lim.max_draft_len, 1),
            "speculation.prompt_lookup_num_tokens", spec.speculation.prompt_lookup_num_tokens,
            f"must be between 1 and limits.max_draft_len ({lim.max_draft_len})")

@@ -154,6 +154,8 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, 64), log)
         report["crossover"] = crossover(report["batch_curve"], methods)
         report["disable_at_batch"] = spec.speculation.disable_at_batch
+        if "draft_target" in report["methods"]:
+            report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
 
         # 3c. Temperatures: exact methods vs Medusa typical (lossy).
         report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
@@ -423,6 +425,10 @@ def markdown(r: dict) -> str:
         for d in e["divergences"]:
             lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
                          f"(margin {d.get('top2_margin', float('nan')):.3f})")
+    n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
+    if n:
+        lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
+                  "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
     if r["suspicious"]:
         lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
     lines += ["", "## Concurrency curve (aggregate tokens/s)", ""]

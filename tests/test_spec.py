@@ -116,3 +116,18 @@ def test_unhashable_yaml_key_is_a_spec_error(tmp_path):
     p.write_text("? {a: 1}\n: x\nname: y\n")
     with pytest.raises(SpecError, match="not valid YAML"):
         specmod.load(p)
+
+
+@pytest.mark.parametrize("value", [-1, 4])
+def test_draft_lookup_min_ngram_is_bounded_by_the_lookup_ngram(value):
+    msg = _err({"name": "x", "speculation": {"draft_lookup_min_ngram": value, "prompt_lookup_max_ngram": 3}})
+    assert msg.startswith("speculation.draft_lookup_min_ngram") and "between 1 and prompt_lookup_max_ngram (3)" in msg
+
+
+def test_draft_confidence_is_a_probability_and_needs_a_maximum_k():
+    msg = _err({"name": "x", "speculation": {"draft_confidence": 1.0, "num_draft_tokens": 4}})
+    assert msg.startswith("speculation.draft_confidence") and "probability below 1" in msg
+    msg = _err({"name": "x", "speculation": {"draft_confidence": 0.7, "num_draft_tokens": "auto"}})
+    assert "num_draft_tokens set to the maximum draft length" in msg
+    s = specmod.parse({"name": "x", "speculation": {"draft_confidence": 0, "num_draft_tokens": "auto"}})
+    assert s.speculation.draft_confidence == 0

@@ -142,6 +142,78 @@ def test_prompt_lookup_proposes_the_latest_match():
     assert d.lookup([4, 5, 6]) == []
 
 
+@pytest.mark.parametrize("min_ngram", [1, 2])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("which", ["noisy", "random"])
+def test_greedy_draft_target_with_lookup_equals_baseline(target, drafts, k, which, min_ngram):
+    ps = prompts(5, 48, seed=40 + k, lo=4, hi=16)
+    reqs = _reqs([p + p[: len(p) // 2] for p in ps])
+    base = generate(target, reqs)
+    out = draft_target(target, drafts[which], reqs, k, lookup_min_ngram=min_ngram, lookup_num_tokens=4)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+    assert [r.finish_reason for r in out] == [r.finish_reason for r in base]
+    # lookup rounds propose up to 4 tokens, model rounds k: both kinds happened
+    assert max(len(r.proposed_per_position) for r in out) == max(k, 4)
+    assert sum(r.draft_accepted for r in out) > 0
+
+
+@pytest.mark.parametrize("which", ["self", "noisy", "random"])
+def test_greedy_draft_target_with_draft_confidence_equals_baseline(target, drafts, which):
+    reqs = _reqs(prompts(5, 48, seed=50))
+    base = generate(target, reqs)
+    out = draft_target(target, drafts[which], reqs, 4, draft_confidence=0.5, lookup_min_ngram=2)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+
+
+def test_draft_confidence_stops_a_row_at_its_first_doubtful_token(target):
+    """The rule only shortens drafts: below-threshold-everywhere gives one token per round, a threshold the
+    draft always clears gives all k."""
+    reqs = [Request(p, 24) for p in prompts(3, 48, seed=51)]
+    always_doubt = draft_target(target, target, reqs, 4, draft_confidence=0.999999)
+    never_doubt = draft_target(target, target, reqs, 4, draft_confidence=1e-9)
+    for r in always_doubt:
+        assert r.proposed_per_position == [r.steps - 1, 0, 0, 0] and r.draft_proposed == r.steps - 1
+    for r in never_doubt:
+        assert r.proposed_per_position[3] == r.steps - 1 == r.proposed_per_position[0]
+
+
+def test_draft_cache_catches_up_after_lookup_rounds(target):
+    """Rounds served by lookup skip the draft model; its next round feeds what it missed, so its cache then
+    holds exactly what a fresh prefill of the whole context would."""
+    from pipeline.runtime.generate import prefill
+    from pipeline.runtime.speculative import _LookupDrafter, _ModelDrafter
+
+    prompts_ = [[5, 6, 7, 8, 5, 6], [9, 4, 3, 9, 4]]
+    reqs = [Request(c, 20) for c in prompts_]
+    d = _ModelDrafter(target, reqs, 64, 2, 48, _LookupDrafter(4, 3, "cpu", min_ngram=2))
+    d.prefill(prompts_)
+    gens = [torch.Generator() for _ in prompts_]
+    ctx = [prompts_[0] + [7], prompts_[1] + [3]]
+    drafts, _, limit = d.propose(ctx, torch.tensor([6, 5]), gens)  # both rows end in a repeated n-gram
+    assert limit == [4, 3] and drafts.tolist() == [[8, 5, 6, 7], [9, 4, 3, 0]]
+    assert d.fed == [6, 5]  # the draft model did not run
+    ctx[0] += [8, 5, 6, 7, 13]
+    ctx[1] += [9, 14]
+    _, _, limit = d.propose(ctx, torch.tensor([11, 7]), gens)
+    assert limit == [2, 2]
+    ref = target.new_cache(2, 64)
+    prefill(target, ref, ctx)
+    for b, n in enumerate([12, 8]):
+        assert d.fed[b] == n
+        assert torch.allclose(d.cache.k[:, b, :, :n], ref.k[:, b, :, :n], atol=1e-5)
+        assert torch.allclose(d.cache.v[:, b, :, :n], ref.v[:, b, :, :n], atol=1e-5)
+
+
+def test_use_draft_logits_false_accepts_by_matching(target):
+    """With the target as its own draft, Leviathan's rule accepts every sampled draft; matching the target's own
+    sample (use_draft_logits=false) accepts only when two independent samples agree."""
+    reqs = [Request([5, 6, 7], 30, SamplingParams(1.0, seed=i)) for i in range(4)]
+    lev = draft_target(target, target, reqs, 3)
+    match = draft_target(target, target, reqs, 3, use_draft_logits=False)
+    assert all(r.draft_accepted == r.draft_proposed for r in lev)
+    assert sum(r.draft_accepted for r in match) < 0.9 * sum(r.draft_proposed for r in match)
+
+
 # ---- sampling: distribution preservation ----------------------------------------------------
 
 V = 10
@@ -195,6 +267,16 @@ def test_speculative_sampling_preserves_target_distribution(small_pair, params):
     emp = sampled_two_token_dist(t, d, prompt, params, n=6000, k=2)
     tv = 0.5 * (emp - exact).abs().sum()
     assert tv < 0.045, float(tv)
+
+
+@pytest.mark.parametrize("kw", [{"use_draft_logits": False}, {"lookup_min_ngram": 1, "lookup_num_tokens": 2},
+                                {"draft_confidence": 0.4}], ids=["match", "lookup", "confidence"])
+def test_draft_target_variants_preserve_target_distribution(small_pair, kw):
+    t, d = small_pair
+    prompt, params = [3, 7, 2, 4, 3, 7], SamplingParams(1.0)
+    exact = exact_two_token_dist(t, prompt, params)
+    emp = sampled_two_token_dist(t, d, prompt, params, n=6000, k=2, **kw)
+    assert 0.5 * (emp - exact).abs().sum() < 0.045
 
 
 def test_prompt_lookup_sampling_preserves_target_distribution(small_pair):

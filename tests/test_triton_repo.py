@@ -88,6 +88,15 @@ def test_default_method_follows_the_spec(tiny_root):
     assert repomod.bls_config(s, tiny_root).parameters["default_method"].string_value == "draft_target,medusa,baseline"
 
 
+def test_speculation_settings_reach_the_served_model(tiny_root):
+    s = specmod.parse({"name": "x", "draft": {"source": "train"},
+                       "speculation": {"disable_at_batch": 3, "draft_lookup_min_ngram": 2, "use_draft_logits": False}},
+                      tiny_root)
+    p = repomod.bls_config(s, tiny_root).parameters
+    got = {k: p[k].string_value for k in ("disable_at_batch", "draft_lookup_min_ngram", "use_draft_logits")}
+    assert got == {"disable_at_batch": "3", "draft_lookup_min_ngram": "2", "use_draft_logits": "false"}
+
+
 def test_repo_without_built_engine_says_to_build_it(tmp_path):
     s = specmod.load(write_spec(tmp_path, name="unbuilt"))
     with pytest.raises(FileNotFoundError, match="make engine"):

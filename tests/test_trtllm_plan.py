@@ -99,6 +99,13 @@ def test_spec_refuses_disable_at_batch_that_inflight_batching_cannot_honour():
         load(DTM, speculation__disable_at_batch=4)
 
 
+def test_spec_refuses_draft_lookup_that_the_external_draft_flow_cannot_run():
+    with pytest.raises(specmod.SpecError, match="speculation.draft_lookup_min_ngram.*2.*set it to 0"):
+        load(DTM, speculation__draft_lookup_min_ngram=2)
+    with pytest.raises(specmod.SpecError, match="speculation.draft_confidence.*0.7.*set it to 0"):
+        load(DTM, speculation__draft_confidence=0.7)
+
+
 def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm():
     cmd = [sys.executable, "-m", "pipeline", "engine", str(DTM)]
     dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)

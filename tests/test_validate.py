@@ -22,6 +22,7 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
     ports = [free_port() for _ in range(3)]
     p = write_spec(root, name="val",
                    draft={"source": "models/draft"},
+                   speculation={"num_draft_tokens": 4, "draft_lookup_min_ngram": 2},
                    medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
                            "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
                    triton={"http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2]},
@@ -57,6 +58,7 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
         assert m["greedy_identical"] == m["greedy_total"], (name, m["divergences"])
     assert methods["draft_target"]["total_draft_tokens"] > 0
     assert 0 <= methods["draft_target"]["acceptance_rate"] <= 1
+    assert methods["draft_target"]["lookup_min_ngram"] == 2
     assert on_disk["peers"]["hf_generate"]["tokens_per_s"] > 0
     assert on_disk["peers"]["hf_assisted"]["tokens_per_s"] > 0
     curve = on_disk["batch_curve"]

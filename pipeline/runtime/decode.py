@@ -73,6 +73,8 @@ def apply_spec(b: Bundle, spec) -> Bundle:
     b.options["prompt_lookup_num_tokens"] = sp.prompt_lookup_num_tokens
     b.options["prompt_lookup_max_ngram"] = sp.prompt_lookup_max_ngram
     b.options["disable_at_batch"] = sp.disable_at_batch
+    b.options["draft_lookup_min_ngram"] = sp.draft_lookup_min_ngram
+    b.options["draft_confidence"] = sp.draft_confidence
     return b
 
 
@@ -111,7 +113,11 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     if method == "draft_target":
         from pipeline.runtime.speculative import draft_target
 
-        return draft_target(b.target, b.draft, reqs, k, on_emit, **opts)
+        lookup = {"lookup_min_ngram": b.options.get("draft_lookup_min_ngram", 0),
+                  "lookup_num_tokens": min(int(b.options.get("prompt_lookup_num_tokens", 4)), b.max_draft_len),
+                  "lookup_max_ngram": b.options.get("prompt_lookup_max_ngram", 3),
+                  "draft_confidence": b.options.get("draft_confidence", 0.0)}
+        return draft_target(b.target, b.draft, reqs, k, on_emit, **{**lookup, **opts})
     if method == "prompt_lookup":
         from pipeline.runtime.speculative import prompt_lookup
 

@@ -101,6 +101,10 @@ class _Stats:
         self.prop_pos = [0] * k
 
     def add(self, proposed: int, accepted: int) -> None:
+        grow = proposed - len(self.prop_pos)
+        if grow > 0:
+            self.prop_pos += [0] * grow
+            self.acc_pos += [0] * grow
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -115,58 +119,111 @@ class _Stats:
 
 
 class _ModelDrafter:
-    """k sequential draft steps per round; returns drafts [B, k] and, for sampling rows, q [k, V]."""
+    """k sequential draft steps per round; returns drafts [B, k] and, for sampling rows, q [k, V].
 
-    def __init__(self, draft: Transformer, reqs: list[Request], length: int, k: int, vocab: int):
-        self.model, self.k, self.vocab = draft, k, vocab
+    `fed[b]` counts the context tokens the draft's cache holds for row b. A round first feeds the
+    ones it lacks (usually the token the target just committed, two when all drafts were accepted)
+    in one padded forward, then drafts. With `lookup`, a row whose context ends in an n-gram of at
+    least `lookup.min_ngram` tokens seen earlier takes the prompt-lookup continuation instead (q is
+    one-hot, so acceptance is by matching), and the draft model does not run at all when every row
+    found one; its cache catches up on the next model round.
+    """
+
+    def __init__(self, draft: Transformer, reqs: list[Request], length: int, k: int, vocab: int,
+                 lookup: _LookupDrafter | None = None, confidence: float = 0.0):
+        self.model, self.k, self.vocab, self.lookup, self.confidence = draft, k, vocab, lookup, confidence
+        self.width = max(k, lookup.k if lookup else 0)
         self.cache = draft.new_cache(len(reqs), length)
         self.ids = getattr(draft, "vocab_ids", None)
         self.dev = draft.embed.weight.device
         self.sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
         self.params = [r.params for r in reqs]
+        self.fed = [0] * len(reqs)
 
     def prefill(self, prompts: list[list[int]]) -> None:
         prefill(self.model, self.cache, prompts)
+        self.fed = [len(p) for p in prompts]
 
     def _full(self, probs: Tensor) -> Tensor:
         if self.ids is None:
             return probs
         return torch.zeros(*probs.shape[:-1], self.vocab, device=probs.device).index_copy_(-1, self.ids, probs)
 
+    def _catch_up(self, ctx: list[list[int]], pos: Tensor) -> Tensor:
+        """Feed every row's missing context tokens (rows with fewer re-feed earlier ones: same K/V); return
+        each row's hidden state at its newest token."""
+        m, dev = self.model, self.dev
+        P = pos.tolist()
+        G = max(p + 1 - f for p, f in zip(P, self.fed))
+        toks, at, where = [], [], []
+        for b, p in enumerate(P):
+            s = max(0, p + 1 - G)
+            seg = ctx[b][s:p + 1]
+            pad = G - len(seg)
+            toks.append(seg + [0] * pad)
+            at.append(list(range(s, p + 1)) + [min(p + 1 + j, self.cache.length - 1) for j in range(pad)])
+            where.append(p - s)
+            self.fed[b] = p + 1
+        h = m(torch.tensor(toks, device=dev), torch.tensor(at, device=dev), self.cache)
+        return h[torch.arange(len(P), device=dev), torch.tensor(where, device=dev)]
+
     def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
         m, k, dev = self.model, self.k, self.dev
         B = len(ctx)
-        toks = torch.tensor([c[-2:] for c in ctx], device=dev)
-        h = m(toks, torch.stack([pos - 1, pos], 1), self.cache)[:, -1]
-        drafts = torch.empty(B, k, dtype=torch.long, device=dev)
-        qs = {b: [] for b in self.sampled}
+        found = [self.lookup.lookup(c) for c in ctx] if self.lookup is not None else [[]] * B
+        if all(found):
+            w = max(len(f) for f in found)
+            drafts = torch.zeros(B, w, dtype=torch.long)
+            for b, f in enumerate(found):
+                drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+            return drafts.to(dev), {}, [len(f) for f in found]
+        h = self._catch_up(ctx, pos)
+        w = max([k] + [len(f) for f in found])
+        drafts = torch.zeros(B, w, dtype=torch.long, device=dev)
+        qs = {b: [] for b in self.sampled if not found[b]}
+        limit = [len(f) or k for f in found]
+        going = [not f for f in found]
         for i in range(k):
             logits = m.logits(h)
             d = logits.argmax(-1)
-            for b in self.sampled:
+            for b in qs:
                 q = warp(logits[b], self.params[b])
                 d[b] = sample(q, gens[b])
                 qs[b].append(q)
             if self.ids is not None:
                 d = self.ids[d]
             drafts[:, i] = d
+            if self.confidence > 0:
+                # stop a row after the first draft token the draft itself doubts (dynamic draft length)
+                low = (torch.softmax(logits, -1).amax(-1) < self.confidence).tolist()
+                for b in range(B):
+                    if going[b] and low[b]:
+                        going[b], limit[b] = False, i + 1
+                if not any(going):
+                    break
             if i + 1 < k:
                 h = m(d[:, None], (pos + 1 + i)[:, None], self.cache)[:, 0]
-        return drafts, {b: self._full(torch.stack(q)) for b, q in qs.items()}, [k] * B
+        for b, f in enumerate(found):
+            if f:
+                drafts[b] = 0
+                drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long, device=dev)
+        drafts = drafts[:, :max(limit)]
+        return drafts, {b: self._full(torch.stack(q[:limit[b]])) for b, q in qs.items()}, limit
 
 
 class _LookupDrafter:
     """Prompt lookup: the continuation after the latest earlier occurrence of the context's last n-gram."""
 
-    def __init__(self, k: int, max_ngram: int, dev):
-        self.k, self.max_ngram, self.dev = k, max_ngram, dev
+    def __init__(self, k: int, max_ngram: int, dev, min_ngram: int = 1):
+        self.k, self.max_ngram, self.dev, self.min_ngram = k, max_ngram, dev, min_ngram
+        self.width = k
 
     def prefill(self, prompts: list[list[int]]) -> None:
         pass
 
     def lookup(self, ctx: list[int]) -> list[int]:
         L = len(ctx)
-        for n in range(min(self.max_ngram, L - 1), 0, -1):
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             tail = ctx[L - n:]
             first = tail[0]
             for s in range(L - n - 1, -1, -1):
@@ -184,7 +241,9 @@ class _LookupDrafter:
 
 
 def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
-               residual_fn: Residual = residual) -> list[Result]:
+               residual_fn: Residual = residual, use_q: bool = True) -> list[Result]:
+    """The shared loop. `use_q=False` accepts sampled rows by matching the target's own sample (TensorRT-LLM's
+    use_draft_logits=false): exact too, with lower acceptance than Leviathan's rule."""
     start = time.perf_counter()
     dev = target.embed.weight.device
     B = len(reqs)
@@ -194,7 +253,7 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
     all_greedy = bool(greedy.all())
     stats = [_Stats(k) for _ in reqs]
     prompts = [r.prompt for r in reqs]
-    cache = target.new_cache(B, cache_length(reqs, k + 2))
+    cache = target.new_cache(B, cache_length(reqs, drafter.width + 2))
     logits = target.logits(prefill(target, cache, prompts))
     drafter.prefill(prompts)
     ctx = [list(p) for p in prompts]
@@ -207,6 +266,8 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
     pos = torch.tensor([len(p) for p in prompts], device=dev)
     while not all(s.done for s in seqs):
         drafts, q, limit = drafter.propose(ctx, pos, gens)
+        if not use_q:
+            q = None
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
@@ -222,8 +283,8 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
                 if s.done or s.req.params.greedy:
                     continue
                 p = warp(p_logits[b], s.req.params)
-                if q is not None:
-                    n, t = leviathan_accept(p, q[b], drafts[b], gens[b], residual_fn)
+                if q is not None and b in q:
+                    n, t = leviathan_accept(p, q[b], drafts[b, :limit[b]], gens[b], residual_fn)
                 else:
                     n, t = match_accept(p, d_list[b][:limit[b]], gens[b])
                 n_list[b], nxt_list[b] = n, t
@@ -246,16 +307,31 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
 
 @torch.inference_mode()
 def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None,
-                 residual_fn: Residual = residual, **opts) -> list[Result]:
-    """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling)."""
+                 residual_fn: Residual = residual, use_draft_logits: bool = True, lookup_min_ngram: int = 0,
+                 lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
+                 **opts) -> list[Result]:
+    """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
+
+    `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
+    `lookup_max_ngram`) seen earlier proposes the `lookup_num_tokens` tokens that followed it instead of
+    the draft's (speculation.draft_lookup_min_ngram). `draft_confidence` > 0: a row stops drafting after
+    the first token whose draft probability is below it, so k is a maximum (speculation.draft_confidence).
+    Both decide from the context and the draft's own q only, so acceptance stays exact."""
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} differs from the target's "
                          f"{target.cfg.vocab_size}; the draft must share the target's tokenizer")
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
-    length = cache_length(reqs, k + 2)
-    drafter = _ModelDrafter(draft, reqs, length, k, target.cfg.vocab_size)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn)
+    lookup = None
+    if lookup_min_ngram > 0:
+        if lookup_max_ngram < lookup_min_ngram or lookup_num_tokens < 1:
+            raise ValueError(f"draft_target lookup: max_ngram {lookup_max_ngram} must be >= min_ngram "
+                             f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
+        lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
+    width = max(k, lookup_num_tokens if lookup else 0)
+    drafter = _ModelDrafter(draft, reqs, cache_length(reqs, width + 2), k, target.cfg.vocab_size, lookup,
+                            draft_confidence)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, use_q=use_draft_logits)
 
 
 @torch.inference_mode()

@@ -100,6 +100,8 @@ class TritonPythonModel:
             self.bundle.options["num_draft_tokens"] = int(k)
         self.bundle.options["prompt_lookup_num_tokens"] = int(_param(cfg, "prompt_lookup_num_tokens", "4"))
         self.bundle.options["disable_at_batch"] = int(_param(cfg, "disable_at_batch", "0") or 0)
+        self.bundle.options["draft_lookup_min_ngram"] = int(_param(cfg, "draft_lookup_min_ngram", "0") or 0)
+        self.bundle.options["draft_confidence"] = float(_param(cfg, "draft_confidence", "0") or 0)
         self.default_use_draft_logits = _param(cfg, "use_draft_logits", "true") == "true"
         self.default_exclude = _param(cfg, "exclude_input_in_output", "true") == "true"
         self.add_special = _param(cfg, "add_special_tokens", "true") == "true"

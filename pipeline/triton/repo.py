@@ -114,6 +114,8 @@ def bls_config(spec: Spec, engine_dir: Path):
         "prompt_lookup_max_ngram": str(spec.speculation.prompt_lookup_max_ngram),
         "use_draft_logits": str(spec.speculation.use_draft_logits).lower(),
         "disable_at_batch": str(spec.speculation.disable_at_batch),
+        "draft_lookup_min_ngram": str(spec.speculation.draft_lookup_min_ngram),
+        "draft_confidence": str(spec.speculation.draft_confidence),
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
         "python_path": ":".join(python_path()),
