@@ -169,6 +169,30 @@ def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_an
         "the three requests that queued behind the long one were not batched"
 
 
+def test_a_short_request_joins_a_running_one_and_finishes_first(served):
+    """Continuous batching: a request arriving mid-way joins the running batch at the next step instead of
+    waiting for the long request to finish, and both answers equal their solo runs."""
+    s, srv = served
+    short_prompt = f"{PROMPT} (short)"
+    solo_long = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", end_id=UNUSED_END)["text"]
+    solo_short = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)["text"]
+    started, done, got = threading.Event(), [], {}
+
+    def long_run():
+        got["long"] = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", stream=True,
+                               on_piece=lambda _: started.set(), end_id=UNUSED_END)
+        done.append("long")
+
+    t = threading.Thread(target=long_run)
+    t.start()
+    assert started.wait(60)
+    got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)
+    done.append("short")
+    t.join()
+    assert done == ["short", "long"]
+    assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
+
+
 def test_a_request_with_two_rows_gets_both_answers(served):
     s, srv = served
     one = generate(srv.grpc_url, "ensemble", PROMPT, 5, end_id=UNUSED_END)["text"]

@@ -3,9 +3,13 @@
 Copied into triton_repo/<name>/tensorrt_llm_bls/1/model.py. One instance holds the weights and
 serves every method (`method` input; default from config). Decoupled: streamed pieces go out as
 the runtime emits tokens, and the last response carries the final flag and, when asked, the perf
-outputs. Requests Triton hands over together are grouped by (method, draft length) and each group
-runs as one batch through `pipeline.runtime.decode.decode`. A bad request gets an error naming the
-input and never disturbs the others; a cancelled request stops at its next step.
+outputs. `execute` only parses: one worker thread decodes. Plain requests (baseline, and speculative
+ones whose load reaches `disable_at_batch`) join a continuous batch (`pipeline.runtime.batcher`):
+rows are admitted and retired at every step, so clients arriving at different times share steps
+instead of queueing behind each other. Speculative requests run as batches grouped by (method,
+draft length) through `pipeline.runtime.decode.decode` when the continuous batch is empty (new plain
+rows wait meanwhile, so neither kind starves). A bad request gets an error naming the input and
+never disturbs the others; a cancelled request stops at its next step.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import site
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +71,9 @@ class Job:
     perf: bool = False
     cancelled: bool = False
     checked_at: float = 0.0
+    rows: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    plain: bool = False  # a speculative request decoded plainly (load at or above disable_at_batch)
 
 
 @dataclass
@@ -111,6 +120,13 @@ class TritonPythonModel:
         self.max_seq_len = int(bc["max_seq_len"])
         self.vocab = int(self.bundle.target.cfg.vocab_size)
         self._metrics()
+        from pipeline.runtime.batcher import ContinuousBatch
+
+        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size)
+        self.inbox: queue.Queue = queue.Queue()
+        self.stopping = False
+        self.worker = threading.Thread(target=self._serve, name="decode", daemon=True)
+        self.worker.start()
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {self.default_method})")
 
     def _metrics(self) -> None:
@@ -271,24 +287,106 @@ class TritonPythonModel:
     # ---- execution ----------------------------------------------------------------------------
 
     def execute(self, requests):
-        jobs = []
         for request in requests:
             sender = request.get_response_sender()
             try:
-                jobs.append(self._parse(request, sender))
+                self.inbox.put(self._parse(request, sender))
             except BadRequest as e:
                 self._fail(sender, str(e), "errors", "invalid")
             except Exception as e:  # noqa: BLE001 - a bad request must never take the model down
                 self._fail(sender, f"could not parse the request: {type(e).__name__}: {e}", "errors", "invalid")
-        groups: dict[tuple, list[Job]] = {}
-        for job in jobs:
-            groups.setdefault((job.method, job.k, job.use_draft_logits, job.disable_at_batch), []).append(job)
-        for (method, k, use_logits, off), group in groups.items():
-            while group:
-                chunk = self._pack(group, self.max_batch_size)
-                self._run(method, k, use_logits, chunk, off)
-                group = group[len(chunk):]
         return None
+
+    # ---- the decode worker ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        pending: list[Job] = []
+        while not self.stopping:
+            idle = not pending and not self.pool.rows
+            try:
+                pending.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
+                while True:
+                    pending.append(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            try:
+                self._schedule(pending)
+            except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
+                pb_utils.Logger.log_error(f"decode worker: {type(e).__name__}: {e}")
+                self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
+
+    def _schedule(self, pending: list[Job]) -> None:
+        """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
+        from pipeline.runtime.decode import speculation_off
+
+        for job in [j for j in pending if self._is_cancelled(j)]:
+            pending.remove(job)
+            self._fail(job.sender, "request cancelled by the client", "cancelled", job.method, "CANCELLED")
+        gone = {id(t.job) for t in self.pool.tags() if self._is_cancelled(t.job)}
+        if gone:
+            jobs = {id(t.job): t.job for t, _ in self.pool.remove(lambda t: id(t.job) in gone)}
+            for job in jobs.values():
+                self._fail(job.sender, "request cancelled by the client", "cancelled", job.method, "CANCELLED")
+        load = len(self.pool.rows) + sum(len(j.reqs) for j in pending)
+        spec = []
+        for j in pending:
+            j.plain = j.method != "baseline" and speculation_off(self.bundle, j.method, load, j.disable_at_batch)
+            if j.method != "baseline" and not j.plain:
+                spec.append(j)
+        if spec and not self.pool.rows:
+            first = spec[0]
+            key = (first.method, first.k, first.use_draft_logits, first.disable_at_batch)
+            group = [j for j in spec if (j.method, j.k, j.use_draft_logits, j.disable_at_batch) == key]
+            chunk = self._pack(group, self.max_batch_size)
+            for j in chunk:
+                pending.remove(j)
+            self._run(first.method, first.k, first.use_draft_logits, chunk, first.disable_at_batch)
+            return
+        if not spec:
+            for job in list(pending):
+                if len(job.reqs) > self.pool.free:
+                    break
+                pending.remove(job)
+                job.rows = [Row(job, i) for i in range(len(job.reqs))]
+                job.results = [None] * len(job.reqs)
+                self._finished(self.pool.admit(job.reqs, job.rows, self._emit))
+        if self.pool.rows:
+            self._finished(self.pool.step(self._emit))
+
+    def _emit(self, row: Row, toks: list[int]) -> None:
+        row.tokens.extend(toks)
+        job = row.job
+        if self._is_cancelled(job) or not job.stream:
+            return
+        self._stream(job, row)
+
+    def _stream(self, job: Job, row: Row) -> None:
+        """Send the new text of a streamed row; hold back a trailing partial UTF-8 character."""
+        text = self._decode_text(row.tokens).rstrip("\ufffd")
+        if len(text) <= len(row.sent) or not text.startswith(row.sent):
+            return
+        piece, row.sent = text[len(row.sent):], text
+        if piece:
+            try:
+                self._send(job, [piece])
+            except Exception:  # noqa: BLE001 - the client went away: treat as cancelled
+                job.cancelled = True
+
+    def _finished(self, done: list) -> None:
+        for row, result in done:
+            job = row.job
+            result.speculation_off = job.plain
+            job.results[row.index] = result
+            if all(r is not None for r in job.results):
+                self._complete(job, job.method, job.results, job.rows)
+
+    def _abort_pool(self, msg: str) -> None:
+        from pipeline.runtime.batcher import ContinuousBatch
+
+        jobs = {id(t.job): t.job for t in self.pool.tags()}
+        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size)
+        for job in jobs.values():
+            self._fail(job.sender, msg, "errors", job.method)
 
     @staticmethod
     def _pack(jobs: list[Job], limit: int) -> list[Job]:
@@ -355,16 +453,7 @@ class TritonPythonModel:
                     raise Cancelled()
                 return
             if job.stream:
-                # Hold back a trailing partial UTF-8 character; what was sent is always a prefix of the answer.
-                text = self._decode_text(row.tokens).rstrip("\ufffd")
-                if len(text) <= len(row.sent) or not text.startswith(row.sent):
-                    return
-                piece, row.sent = text[len(row.sent):], text
-                if piece:
-                    try:
-                        self._send(job, [piece])
-                    except Exception:  # noqa: BLE001 - the client went away: treat as cancelled
-                        job.cancelled = True
+                self._stream(job, row)
 
         opts, runtime_method = {}, method
         if method == "draft_target":
@@ -388,25 +477,31 @@ class TritonPythonModel:
             res = results[at: at + len(job.reqs)]
             rws = rows[at: at + len(job.reqs)]
             at += len(job.reqs)
-            if job.cancelled:
-                self._fail(job.sender, "request cancelled by the client", "cancelled", method, "CANCELLED")
-                continue
-            for r in res:
-                self._count("requests", method, 1)
-                self._count("proposed", method, r.draft_proposed)
-                self._count("accepted", method, r.draft_accepted)
-                self._count("output", method, len(r.tokens))
-                self._count("steps", method, r.steps)
-                self._count("plain", method, int(r.speculation_off))
-            texts = [self._decode_text(r.tokens) for r in res]
-            if job.stream:
-                texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, rws)]
-            elif not job.exclude_input:
-                texts = [p + t for p, t in zip(job.texts, texts)]
-            try:
-                self._send(job, texts, res, final=True)
-            except Exception as e:  # noqa: BLE001
-                pb_utils.Logger.log_warn(f"could not send the final response: {e}")
+            self._complete(job, method, res, rws)
+
+    def _complete(self, job: Job, method: str, res: list, rws: list[Row]) -> None:
+        """Count a finished request and send its final response (or its cancellation)."""
+        if job.cancelled:
+            self._fail(job.sender, "request cancelled by the client", "cancelled", method, "CANCELLED")
+            return
+        for r in res:
+            self._count("requests", method, 1)
+            self._count("proposed", method, r.draft_proposed)
+            self._count("accepted", method, r.draft_accepted)
+            self._count("output", method, len(r.tokens))
+            self._count("steps", method, r.steps)
+            self._count("plain", method, int(r.speculation_off))
+        texts = [self._decode_text(r.tokens) for r in res]
+        if job.stream:
+            texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, rws)]
+        elif not job.exclude_input:
+            texts = [p + t for p, t in zip(job.texts, texts)]
+        try:
+            self._send(job, texts, res, final=True)
+        except Exception as e:  # noqa: BLE001
+            pb_utils.Logger.log_warn(f"could not send the final response: {e}")
 
     def finalize(self) -> None:
+        self.stopping = True
+        self.worker.join(timeout=10)
         self.bundle = None

@@ -1,0 +1,140 @@
+"""Continuous batching for plain decoding: rows join and leave the running batch at every step.
+
+`generate` decodes a batch to completion before the next can start, so clients that arrive at
+different times wait behind each other. `ContinuousBatch` owns one static KV cache and keeps its
+active rows in cache rows 0..n-1: a step is one forward over that block, new rows are prefilled
+into the rows after it and join the next step, and a finished row's place is taken by the last
+active row (its K/V copied into the hole). Each row's arithmetic depends only on its own cache row
+and position, so its tokens equal `generate`'s for the same request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.runtime.generate import Request, Result, Sequence, prefill
+from pipeline.runtime.model import KVCache, Transformer
+from pipeline.runtime.sampling import next_token
+
+RowEmit = Callable[[Any, list[int]], None]
+
+
+@dataclass
+class _Row:
+    tag: Any
+    seq: Sequence
+    gen: torch.Generator
+    cur: int  # position (and cache slot) of `token`, the next token to feed
+    token: int
+    start: float
+
+
+def rows_view(cache: KVCache, start: int, stop: int) -> KVCache:
+    """Cache rows [start, stop) as a KVCache sharing storage (each layer's block stays contiguous)."""
+    view = object.__new__(KVCache)
+    view.k, view.v = cache.k[:, start:stop], cache.v[:, start:stop]
+    view.length, view.batch = cache.length, stop - start
+    return view
+
+
+class ContinuousBatch:
+    """Plain decoding of up to `max_rows` requests, admitted and retired between steps."""
+
+    def __init__(self, model: Transformer, max_rows: int, length: int = 256):
+        self.model, self.max_rows = model, max_rows
+        with torch.inference_mode():
+            self.cache = model.new_cache(max_rows, length)
+        self.rows: list[_Row] = []
+        self.dev = model.embed.weight.device
+
+    def tags(self) -> list:
+        return [r.tag for r in self.rows]
+
+    @property
+    def free(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def _ensure(self, need: int) -> None:
+        """Grow the cache (doubling, contents kept) when an admitted row needs more slots than it has."""
+        old = self.cache
+        if need <= old.length:
+            return
+        length = max((need + 63) // 64 * 64, 2 * old.length)
+        new = self.model.new_cache(self.max_rows, length)
+        n = len(self.rows)
+        new.k[:, :n, :, :old.length] = old.k[:, :n]
+        new.v[:, :n, :, :old.length] = old.v[:, :n]
+        self.cache = new
+
+    def _result(self, r: _Row) -> Result:
+        s = r.seq
+        return Result(tokens=s.tokens, finish_reason=s.finish_reason or "length", num_input_tokens=len(s.req.prompt),
+                      steps=len(s.tokens), first_token_s=(s.first_token_at - r.start) if s.first_token_at else 0.0,
+                      elapsed_s=time.perf_counter() - r.start)
+
+    def _retire(self, done: list[int]) -> list[tuple[Any, Result]]:
+        out = []
+        for i in sorted(done, reverse=True):
+            r = self.rows[i]
+            last = len(self.rows) - 1
+            if i != last:
+                used = self.rows[last].cur
+                self.cache.k[:, i, :, :used] = self.cache.k[:, last, :, :used]
+                self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+            out.append((r.tag, self._result(r)))
+        return out[::-1]
+
+    def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[int]:
+        """Sample each row's next token from its logits; return the rows that finished."""
+        done = []
+        for j, i in enumerate(rows):
+            r = self.rows[i]
+            t = next_token(logits[j], r.seq.req.params, r.gen)
+            emitted = r.seq.extend([t])
+            if emitted and on_emit:
+                on_emit(r.tag, emitted)
+            r.token = t
+            if r.seq.done:
+                done.append(i)
+        return done
+
+    @torch.inference_mode()
+    def admit(self, reqs: list[Request], tags: list, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:
+        """Prefill `reqs` into free rows and sample their first tokens; returns rows already finished."""
+        if len(reqs) > self.free:
+            raise ValueError(f"{len(reqs)} rows do not fit: {self.free} of {self.max_rows} are free")
+        if not reqs:
+            return []
+        self._ensure(max(len(r.prompt) + r.max_new_tokens for r in reqs) + 2)
+        n = len(self.rows)
+        now = time.perf_counter()
+        for req, tag in zip(reqs, tags):
+            self.rows.append(_Row(tag, Sequence(req), req.params.generator(), len(req.prompt), 0, now))
+        h = prefill(self.model, rows_view(self.cache, n, n + len(reqs)), [r.prompt for r in reqs])
+        done = self._take(self.model.logits(h), list(range(n, n + len(reqs))), on_emit)
+        return self._retire(done)
+
+    @torch.inference_mode()
+    def step(self, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:
+        """One token for every active row; returns (tag, result) for the rows that finished."""
+        n = len(self.rows)
+        if not n:
+            return []
+        toks = torch.tensor([[r.token] for r in self.rows], device=self.dev)
+        pos = torch.tensor([[r.cur] for r in self.rows], device=self.dev)
+        h = self.model(toks, pos, rows_view(self.cache, 0, n))
+        for r in self.rows:
+            r.cur += 1
+        return self._retire(self._take(self.model.logits(h[:, 0]), list(range(n)), on_emit))
+
+    @torch.inference_mode()
+    def remove(self, drop: Callable[[Any], bool]) -> list[tuple[Any, Result]]:
+        """Drop the rows whose tag `drop` selects (cancelled requests) between steps."""
+        return self._retire([i for i, r in enumerate(self.rows) if drop(r.tag)])

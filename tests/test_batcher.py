@@ -1,0 +1,78 @@
+"""Continuous batching: rows admitted at different steps, retired as they finish, each equal to its solo run."""
+
+import pytest
+import torch
+
+from pipeline.runtime.batcher import ContinuousBatch
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.sampling import SamplingParams
+from tests.test_speculative import prompts, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(seed=0)
+
+
+def _drive(pool: ContinuousBatch, arrivals: dict[int, list[tuple[int, Request]]], streamed: dict) -> dict:
+    """Admit each request at its step (when rows are free, else later), step until all finish."""
+    out, waiting, step = {}, [], 0
+    emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
+    while arrivals or waiting or pool.rows:
+        waiting += arrivals.pop(step, [])
+        while waiting and pool.free:
+            tag, req = waiting.pop(0)
+            out.update(pool.admit([req], [tag], emit))
+        out.update(pool.step(emit))
+        step += 1
+    return out
+
+
+def test_rows_joining_and_leaving_mid_flight_equal_their_solo_runs(target):
+    ps = prompts(10, 48, seed=60)
+    reqs = [Request(p, n, SamplingParams() if i % 3 else SamplingParams(0.9, seed=i), end_ids=(1,))
+            for i, (p, n) in enumerate(zip(ps, [20, 5, 33, 12, 1, 40, 8, 17, 26, 3]))]
+    arrivals = {0: [(0, reqs[0]), (1, reqs[1])], 2: [(2, reqs[2])], 3: [(3, reqs[3]), (4, reqs[4]), (5, reqs[5])],
+                7: [(6, reqs[6]), (7, reqs[7]), (8, reqs[8]), (9, reqs[9])]}
+    streamed: dict = {}
+    got = _drive(ContinuousBatch(target, max_rows=4, length=64), arrivals, streamed)
+    for i, req in enumerate(reqs):
+        (solo,) = generate(target, [req])
+        assert got[i].tokens == solo.tokens and got[i].finish_reason == solo.finish_reason, i
+        assert streamed.get(i, []) == solo.tokens
+        assert got[i].steps == len(solo.tokens)
+
+
+def test_cache_grows_for_a_long_request_without_disturbing_running_rows(target):
+    ps = prompts(2, 48, seed=61)
+    short, long_ = Request(ps[0], 30), Request(ps[1], 150)
+    pool = ContinuousBatch(target, max_rows=2, length=64)
+    got = _drive(pool, {0: [("a", short)], 4: [("b", long_)]}, {})
+    assert pool.cache.length >= len(ps[1]) + 150
+    assert got["a"].tokens == generate(target, [short])[0].tokens
+    assert got["b"].tokens == generate(target, [long_])[0].tokens
+
+
+def test_removed_rows_stop_and_the_others_run_on(target):
+    ps = prompts(3, 48, seed=62)
+    reqs = [Request(p, 25) for p in ps]
+    pool = ContinuousBatch(target, max_rows=3, length=16)  # admit grows the cache (under inference mode)
+    pool.admit(reqs, ["x", "y", "z"])
+    for _ in range(5):
+        pool.step()
+    assert not torch.is_inference_mode_enabled()  # remove() runs outside inference mode too
+    gone = pool.remove(lambda tag: tag == "x")
+    assert [t for t, _ in gone] == ["x"] and len(gone[0][1].tokens) == 6
+    out = {}
+    while pool.rows:
+        out.update(pool.step())
+    assert out["y"].tokens == generate(target, [reqs[1]])[0].tokens
+    assert out["z"].tokens == generate(target, [reqs[2]])[0].tokens
+
+
+def test_admitting_more_rows_than_are_free_is_refused(target):
+    pool = ContinuousBatch(target, max_rows=2)
+    with pytest.raises(ValueError, match="3 rows do not fit: 2 of 2 are free"):
+        pool.admit([Request([3, 4], 4)] * 3, [0, 1, 2])
