@@ -92,8 +92,9 @@ class SpeculationSpec:
     prompt_lookup_num_tokens: int = 4
     # Draft-target acceptance with sampling: token matching or logits-based (Leviathan) rejection.
     use_draft_logits: bool = True
-    # Batches of this many requests or more decode plainly (speculation stops paying under load;
-    # `make validate` measures the crossover and says what to set). 0 = never switch off.
+    # With this many requests in flight (rows of one batch, in process) or more, speculative requests
+    # decode plainly (speculation stops paying under load; `make validate` measures the crossover and
+    # says what to set). 0 = never switch off.
     disable_at_batch: int = 0
     # draft_target takes the prompt-lookup continuation instead of the draft's when the context ends in
     # an n-gram of at least this many tokens seen earlier (the draft model then does not run). 0 = the

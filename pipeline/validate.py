@@ -356,8 +356,9 @@ def advice(report: dict, methods: list[str]) -> dict:
             "set": f"speculation.disable_at_batch: {off}" if off else None,
             "why": (f"{best} is the fastest greedy-exact method at concurrency 1"
                     + (f"; at {off} concurrent requests baseline is as fast or faster: set "
-                       f"`speculation.disable_at_batch: {off}` in the spec and the server decodes batches of {off} "
-                       "or more requests plainly (the baseline code itself, so switching off costs nothing)"
+                       f"`speculation.disable_at_batch: {off}` in the spec and, with {off} or more requests in flight, "
+                       "the server decodes them plainly in its continuous batch (the baseline code itself, so "
+                       "switching off costs nothing)"
                        if off else "; it stayed faster at every measured concurrency") if best != "baseline"
                     else "no speculative method beat baseline")}
 
