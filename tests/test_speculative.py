@@ -185,7 +185,7 @@ def test_draft_cache_catches_up_after_lookup_rounds(target):
 
     prompts_ = [[5, 6, 7, 8, 5, 6], [9, 4, 3, 9, 4]]
     reqs = [Request(c, 20) for c in prompts_]
-    d = _ModelDrafter(target, reqs, 64, 2, 48, _LookupDrafter(4, 3, "cpu", min_ngram=2))
+    d = _ModelDrafter(target, reqs, 2, 48, _LookupDrafter(4, 3, "cpu", min_ngram=2))
     d.prefill(prompts_)
     gens = [torch.Generator() for _ in prompts_]
     ctx = [prompts_[0] + [7], prompts_[1] + [3]]
@@ -196,7 +196,7 @@ def test_draft_cache_catches_up_after_lookup_rounds(target):
     ctx[1] += [9, 14]
     _, _, limit = d.propose(ctx, torch.tensor([11, 7]), gens)
     assert limit == [2, 2]
-    ref = target.new_cache(2, 64)
+    ref = target.new_cache(2, d.cache.length)
     prefill(target, ref, ctx)
     for b, n in enumerate([12, 8]):
         assert d.fed[b] == n

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime.generate import Request, Result, Sequence, prefill
-from pipeline.runtime.model import KVCache, Transformer
+from pipeline.runtime.generate import Request, Result, Sequence, finish, prefill
+from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import next_token
 
 RowEmit = Callable[[Any, list[int]], None]
@@ -32,14 +32,6 @@ class _Row:
     cur: int  # position (and cache slot) of `token`, the next token to feed
     token: int
     start: float
-
-
-def rows_view(cache: KVCache, start: int, stop: int) -> KVCache:
-    """Cache rows [start, stop) as a KVCache sharing storage (each layer's block stays contiguous)."""
-    view = object.__new__(KVCache)
-    view.k, view.v = cache.k[:, start:stop], cache.v[:, start:stop]
-    view.length, view.batch = cache.length, stop - start
-    return view
 
 
 class ContinuousBatch:
@@ -71,12 +63,6 @@ class ContinuousBatch:
         new.v[:, :n, :, :old.length] = old.v[:, :n]
         self.cache = new
 
-    def _result(self, r: _Row) -> Result:
-        s = r.seq
-        return Result(tokens=s.tokens, finish_reason=s.finish_reason or "length", num_input_tokens=len(s.req.prompt),
-                      steps=len(s.tokens), first_token_s=(s.first_token_at - r.start) if s.first_token_at else 0.0,
-                      elapsed_s=time.perf_counter() - r.start)
-
     def _retire(self, done: list[int]) -> list[tuple[Any, Result]]:
         out = []
         for i in sorted(done, reverse=True):
@@ -88,7 +74,7 @@ class ContinuousBatch:
                 self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
                 self.rows[i] = self.rows[last]
             self.rows.pop()
-            out.append((r.tag, self._result(r)))
+            out.append((r.tag, finish([r.seq], r.start, [{"steps": len(r.seq.tokens)}])[0]))
         return out[::-1]
 
     def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[int]:
@@ -117,7 +103,7 @@ class ContinuousBatch:
         now = time.perf_counter()
         for req, tag in zip(reqs, tags):
             self.rows.append(_Row(tag, Sequence(req), req.params.generator(), len(req.prompt), 0, now))
-        h = prefill(self.model, rows_view(self.cache, n, n + len(reqs)), [r.prompt for r in reqs])
+        h = prefill(self.model, self.cache.rows(n, n + len(reqs)), [r.prompt for r in reqs])
         done = self._take(self.model.logits(h), list(range(n, n + len(reqs))), on_emit)
         return self._retire(done)
 
@@ -129,7 +115,7 @@ class ContinuousBatch:
             return []
         toks = torch.tensor([[r.token] for r in self.rows], device=self.dev)
         pos = torch.tensor([[r.cur] for r in self.rows], device=self.dev)
-        h = self.model(toks, pos, rows_view(self.cache, 0, n))
+        h = self.model(toks, pos, self.cache.rows(0, n))
         for r in self.rows:
             r.cur += 1
         return self._retire(self._take(self.model.logits(h[:, 0]), list(range(n)), on_emit))

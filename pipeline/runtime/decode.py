@@ -114,7 +114,7 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         from pipeline.runtime.speculative import draft_target
 
         lookup = {"lookup_min_ngram": b.options.get("draft_lookup_min_ngram", 0),
-                  "lookup_num_tokens": min(int(b.options.get("prompt_lookup_num_tokens", 4)), b.max_draft_len),
+                  "lookup_num_tokens": default_k(b, "prompt_lookup"),
                   "lookup_max_ngram": b.options.get("prompt_lookup_max_ngram", 3),
                   "draft_confidence": b.options.get("draft_confidence", 0.0)}
         return draft_target(b.target, b.draft, reqs, k, on_emit, **{**lookup, **opts})

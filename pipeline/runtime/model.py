@@ -103,6 +103,13 @@ class KVCache:
         self.length = length
         self.batch = batch
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Batch rows [start, stop) as a cache sharing this one's storage (each layer's block stays contiguous)."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.length, view.batch = self.length, stop - start
+        return view
+
     def compact(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
         """Copy slots `src` [n, m] to `dst` [n, m] for batch rows `rows` [n] in every layer (tree acceptance)."""
         r = rows[:, None]

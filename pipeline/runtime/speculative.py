@@ -129,11 +129,12 @@ class _ModelDrafter:
     found one; its cache catches up on the next model round.
     """
 
-    def __init__(self, draft: Transformer, reqs: list[Request], length: int, k: int, vocab: int,
-                 lookup: _LookupDrafter | None = None, confidence: float = 0.0):
+    def __init__(self, draft: Transformer, reqs: list[Request], k: int, vocab: int,
+                 lookup: _LookupDrafter | None = None, confidence: float = 0.0, keep_q: bool = True):
         self.model, self.k, self.vocab, self.lookup, self.confidence = draft, k, vocab, lookup, confidence
+        self.keep_q = keep_q  # False: sampled rows are accepted by matching, so q is not needed
         self.width = max(k, lookup.k if lookup else 0)
-        self.cache = draft.new_cache(len(reqs), length)
+        self.cache = draft.new_cache(len(reqs), cache_length(reqs, self.width + 2))
         self.ids = getattr(draft, "vocab_ids", None)
         self.dev = draft.embed.weight.device
         self.sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
@@ -172,11 +173,7 @@ class _ModelDrafter:
         B = len(ctx)
         found = [self.lookup.lookup(c) for c in ctx] if self.lookup is not None else [[]] * B
         if all(found):
-            w = max(len(f) for f in found)
-            drafts = torch.zeros(B, w, dtype=torch.long)
-            for b, f in enumerate(found):
-                drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
-            return drafts.to(dev), {}, [len(f) for f in found]
+            return _padded(found, dev), {}, [len(f) for f in found]
         h = self._catch_up(ctx, pos)
         w = max([k] + [len(f) for f in found])
         drafts = torch.zeros(B, w, dtype=torch.long, device=dev)
@@ -203,12 +200,20 @@ class _ModelDrafter:
                     break
             if i + 1 < k:
                 h = m(d[:, None], (pos + 1 + i)[:, None], self.cache)[:, 0]
-        for b, f in enumerate(found):
-            if f:
-                drafts[b] = 0
-                drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long, device=dev)
+        if any(found):
+            looked = torch.tensor([bool(f) for f in found], device=dev)[:, None]
+            drafts = torch.where(looked, _padded(found, dev, w), drafts)
         drafts = drafts[:, :max(limit)]
-        return drafts, {b: self._full(torch.stack(q[:limit[b]])) for b, q in qs.items()}, limit
+        full = {b: self._full(torch.stack(q[:limit[b]])) for b, q in qs.items()} if self.keep_q else {}
+        return drafts, full, limit
+
+
+def _padded(found: list[list[int]], dev, width: int = 0) -> Tensor:
+    """Per-row token lists as a zero-padded [B, max(width, longest)] tensor."""
+    out = torch.zeros(len(found), max([width] + [len(f) for f in found]), dtype=torch.long)
+    for b, f in enumerate(found):
+        out[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+    return out.to(dev)
 
 
 class _LookupDrafter:
@@ -216,7 +221,7 @@ class _LookupDrafter:
 
     def __init__(self, k: int, max_ngram: int, dev, min_ngram: int = 1):
         self.k, self.max_ngram, self.dev, self.min_ngram = k, max_ngram, dev, min_ngram
-        self.width = k
+        self.width = k  # the widest proposal, for sizing the target's cache
 
     def prefill(self, prompts: list[list[int]]) -> None:
         pass
@@ -233,17 +238,14 @@ class _LookupDrafter:
 
     def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
         found = [self.lookup(c) for c in ctx]
-        w = max(len(f) for f in found)
-        drafts = torch.zeros(len(ctx), w, dtype=torch.long)
-        for b, f in enumerate(found):
-            drafts[b, :len(f)] = torch.tensor(f, dtype=torch.long)
-        return drafts.to(self.dev), None, [len(f) for f in found]
+        return _padded(found, self.dev), None, [len(f) for f in found]
 
 
 def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
-               residual_fn: Residual = residual, use_q: bool = True) -> list[Result]:
-    """The shared loop. `use_q=False` accepts sampled rows by matching the target's own sample (TensorRT-LLM's
-    use_draft_logits=false): exact too, with lower acceptance than Leviathan's rule."""
+               residual_fn: Residual = residual) -> list[Result]:
+    """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
+    sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
+    Leviathan's rule."""
     start = time.perf_counter()
     dev = target.embed.weight.device
     B = len(reqs)
@@ -266,8 +268,6 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
     pos = torch.tensor([len(p) for p in prompts], device=dev)
     while not all(s.done for s in seqs):
         drafts, q, limit = drafter.propose(ctx, pos, gens)
-        if not use_q:
-            q = None
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
@@ -328,10 +328,8 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
             raise ValueError(f"draft_target lookup: max_ngram {lookup_max_ngram} must be >= min_ngram "
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
-    width = max(k, lookup_num_tokens if lookup else 0)
-    drafter = _ModelDrafter(draft, reqs, cache_length(reqs, width + 2), k, target.cfg.vocab_size, lookup,
-                            draft_confidence)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, use_q=use_draft_logits)
+    drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn)
 
 
 @torch.inference_mode()
