@@ -76,3 +76,48 @@ def test_admitting_more_rows_than_are_free_is_refused(target):
     pool = ContinuousBatch(target, max_rows=2)
     with pytest.raises(ValueError, match="3 rows do not fit: 2 of 2 are free"):
         pool.admit([Request([3, 4], 4)] * 3, [0, 1, 2])
+
+
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup", "medusa"])
+def test_rows_a_speculative_loop_hands_off_finish_plainly_with_their_solo_tokens(target, method):
+    from pipeline.runtime.generate import Handoff
+    from pipeline.runtime.medusa import make_engine
+    from pipeline.runtime.speculative import draft_target, prompt_lookup
+    from tests.test_medusa import random_heads
+
+    ps = prompts(3, 48, seed=63)
+    reqs = [Request(p, n, end_ids=e) for p, n, e in zip(ps, [30, 3, 40], [(), (1,), (1,)])]
+    calls = []
+    yield_to = lambda: calls.append(1) or len(calls) > 3  # noqa: E731 - three rounds, then the server is busy
+    streamed: dict = {}
+    emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
+    if method == "draft_target":
+        out = draft_target(target, tiny(base=target, noise=0.02, seed=7), reqs, 3, emit, yield_to=yield_to)
+    elif method == "prompt_lookup":
+        out = prompt_lookup(target, reqs, 3, emit, max_ngram=2, yield_to=yield_to)
+    else:
+        from pipeline.runtime.medusa import medusa_generate
+
+        engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
+        out = medusa_generate(target, engine, reqs, emit, yield_to=yield_to)
+    handed = {b: h for b, h in enumerate(out) if isinstance(h, Handoff)}
+    assert sorted(handed) == [0, 2] and not isinstance(out[1], Handoff)
+    assert all(h.stats["steps"] == 4 for h in handed.values())  # prefill + three rounds
+    pool = ContinuousBatch(target, max_rows=3, length=16)  # too short: adopting grows it
+    extra = Request(ps[1], 12)
+    got = dict(pool.admit([extra], ["new"], emit))
+    at = {b: len(h.seq.tokens) for b, h in handed.items()}
+    pool.adopt(list(handed.values()), list(handed))
+    got.update({b: r for b, r in enumerate(out) if b not in handed})
+    while pool.rows:
+        got.update(pool.step(emit))
+    for b, req in enumerate(reqs):
+        (solo,) = generate(target, [req])
+        assert got[b].tokens == solo.tokens and got[b].finish_reason == solo.finish_reason, b
+        assert streamed[b] == solo.tokens
+    for b, h in handed.items():
+        assert got[b].steps == 4 + len(got[b].tokens) - at[b]  # the plain steps add one each
+        assert got[b].draft_proposed == h.stats["draft_proposed"]  # the speculative part's statistics are kept
+    if method != "prompt_lookup":
+        assert all(h.stats["draft_proposed"] > 0 for h in handed.values())
+    assert got["new"].tokens == generate(target, [extra])[0].tokens

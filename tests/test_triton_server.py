@@ -193,6 +193,34 @@ def test_a_short_request_joins_a_running_one_and_finishes_first(served):
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
 
 
+def test_a_request_arriving_during_a_speculative_one_turns_it_plain_and_finishes_first(served):
+    """disable_at_batch 2: when a second request arrives, the running speculative one hands its KV cache to the
+    continuous batch instead of holding the newcomer until it ends; both answers equal their solo runs."""
+    s, srv = served
+    key = 'spec_decode_requests_speculation_off_total{method="draft_target",model="tensorrt_llm_bls"}'
+    short_prompt = f"{PROMPT} (short, during speculation)"
+    solo_long = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", end_id=UNUSED_END)["text"]
+    solo_short = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)["text"]
+    before = _metrics(s)
+    started, done, got = threading.Event(), [], {}
+
+    def long_run():
+        got["long"] = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="draft_target", stream=True,
+                               on_piece=lambda _: started.set(), end_id=UNUSED_END, disable_at_batch=2)
+        done.append("long")
+
+    t = threading.Thread(target=long_run)
+    t.start()
+    assert started.wait(60)
+    got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)
+    done.append("short")
+    t.join()
+    assert done == ["short", "long"]
+    assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
+    assert 0 < got["long"]["total_draft_tokens"] < 220  # it speculated, then stopped
+    assert _metrics(s)[key] - before[key] == 1
+
+
 def test_a_request_with_two_rows_gets_both_answers(served):
     s, srv = served
     one = generate(srv.grpc_url, "ensemble", PROMPT, 5, end_id=UNUSED_END)["text"]

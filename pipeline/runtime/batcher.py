@@ -5,7 +5,9 @@ different times wait behind each other. `ContinuousBatch` owns one static KV cac
 active rows in cache rows 0..n-1: a step is one forward over that block, new rows are prefilled
 into the rows after it and join the next step, and a finished row's place is taken by the last
 active row (its K/V copied into the hole). Each row's arithmetic depends only on its own cache row
-and position, so its tokens equal `generate`'s for the same request.
+and position, so its tokens equal `generate`'s for the same request. `adopt` takes over rows a
+speculative loop handed off mid-request (their K/V copied in), which is how a server turns
+speculation off for a running request once others arrive.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime.generate import Request, Result, Sequence, finish, prefill
+from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish, prefill
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import next_token
 
@@ -32,6 +34,8 @@ class _Row:
     cur: int  # position (and cache slot) of `token`, the next token to feed
     token: int
     start: float
+    stats: dict | None = None  # a row adopted from a speculative loop: its statistics so far
+    base: int = 0  # tokens it had when adopted
 
 
 class ContinuousBatch:
@@ -74,7 +78,9 @@ class ContinuousBatch:
                 self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
                 self.rows[i] = self.rows[last]
             self.rows.pop()
-            out.append((r.tag, finish([r.seq], r.start, [{"steps": len(r.seq.tokens)}])[0]))
+            stats = dict(r.stats or {})
+            stats["steps"] = stats.get("steps", 0) + len(r.seq.tokens) - r.base
+            out.append((r.tag, finish([r.seq], r.start, [stats])[0]))
         return out[::-1]
 
     def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[int]:
@@ -106,6 +112,20 @@ class ContinuousBatch:
         h = prefill(self.model, self.cache.rows(n, n + len(reqs)), [r.prompt for r in reqs])
         done = self._take(self.model.logits(h), list(range(n, n + len(reqs))), on_emit)
         return self._retire(done)
+
+    @torch.inference_mode()
+    def adopt(self, handoffs: list[Handoff], tags: list) -> None:
+        """Continue rows a speculative loop handed off: copy their K/V into free rows; they join the next step."""
+        if len(handoffs) > self.free:
+            raise ValueError(f"{len(handoffs)} rows do not fit: {self.free} of {self.max_rows} are free")
+        if not handoffs:
+            return
+        self._ensure(max(len(h.seq.req.prompt) + h.seq.req.max_new_tokens for h in handoffs) + 2)
+        for h, tag in zip(handoffs, tags, strict=True):
+            i = len(self.rows)
+            self.cache.k[:, i, :, :h.cur] = h.cache.k[:, h.row, :, :h.cur]
+            self.cache.v[:, i, :, :h.cur] = h.cache.v[:, h.row, :, :h.cur]
+            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens)))
 
     @torch.inference_mode()
     def step(self, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:

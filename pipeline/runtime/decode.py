@@ -96,7 +96,9 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     """Run `reqs` as one batch with `method`; raise ValueError naming the method when it is unavailable.
 
     A batch at or above `disable_at_batch` (default: the spec's) runs the baseline code itself, so
-    switching speculation off costs nothing; its results say `speculation_off`.
+    switching speculation off costs nothing; its results say `speculation_off`. A speculative method
+    given `yield_to` checks it between rounds and, once it is true, returns a `Handoff` instead of a
+    Result for each unfinished row (for `ContinuousBatch.adopt`).
     """
     if method not in b.methods():
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")

@@ -53,6 +53,7 @@ class Result:
 
 
 Emit = Callable[[int, list[int]], None]
+YieldTo = Callable[[], bool]
 
 
 class Sequence:
@@ -83,6 +84,32 @@ class Sequence:
         if out and not self.first_token_at:
             self.first_token_at = time.perf_counter()
         return out
+
+
+@dataclass
+class Handoff:
+    """An unfinished row a speculative loop gave up when its `yield_to` said so (the server got busy).
+
+    Plain decoding continues it: cache row `row` of `cache` holds its K/V for slots before `cur`,
+    and `token` (already emitted) is the next one to feed, at position `cur`.
+    """
+
+    seq: Sequence
+    gen: torch.Generator
+    cache: KVCache
+    row: int
+    cur: int
+    token: int
+    stats: dict
+    start: float
+
+
+def finish_or_hand_off(seqs: list[Sequence], start: float, stats: list[dict], gens: list[torch.Generator],
+                       cache: KVCache, cur: list[int], tokens: list[int]) -> list[Result | Handoff]:
+    """Results for the finished rows, Handoffs for the others (a speculative loop stopping early)."""
+    done = finish(seqs, start, stats)
+    return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], start)
+            for b, (s, r) in enumerate(zip(seqs, done, strict=True))]
 
 
 def cache_length(reqs: list[Request], extra: int) -> int:

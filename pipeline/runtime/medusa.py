@@ -38,7 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.runtime.generate import Emit, Request, Result, Sequence, cache_length, finish, prefill
+from pipeline.runtime.generate import (
+    Emit,
+    Handoff,
+    Request,
+    Result,
+    Sequence,
+    YieldTo,
+    cache_length,
+    finish,
+    finish_or_hand_off,
+    prefill,
+)
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import sample, warp
@@ -329,12 +340,13 @@ def _check_acceptance(reqs: list[Request], acceptance: str | None) -> list[str]:
 def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Request], on_emit: Emit | None = None,
                     acceptance: str | None = None, posterior_threshold: float | None = None,
                     posterior_alpha: float | None = None, timings: dict | None = None,
-                    **_unused) -> list[Result]:
+                    yield_to: YieldTo | None = None, **_unused) -> list[Result | Handoff]:
     """Decode a batch with Medusa tree verification; see the module docstring for the acceptance rules.
 
     `acceptance`: None (greedy rows greedy, sampled rows exact), "exact", "greedy" or "typical"
     (lossy). Rows have their own committed lengths and accept different path lengths. `timings`, when
     given, accumulates seconds spent in heads / forward / logits / accept / compact (where the time goes).
+    When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding.
     """
     clock = _Clock(timings)
     start = time.perf_counter()
@@ -360,6 +372,8 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
             on_emit(b, out)
     L = torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long)
     while not all(s.done for s in seqs):
+        if yield_to is not None and yield_to():
+            return finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
         clock("other")
         cand = heads.topk(hidden, target, K)
         clock("heads")

@@ -25,7 +25,18 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pipeline.runtime.generate import Emit, Request, Result, Sequence, cache_length, finish, prefill
+from pipeline.runtime.generate import (
+    Emit,
+    Handoff,
+    Request,
+    Result,
+    Sequence,
+    YieldTo,
+    cache_length,
+    finish,
+    finish_or_hand_off,
+    prefill,
+)
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
 
@@ -242,10 +253,10 @@ class _LookupDrafter:
 
 
 def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
-               residual_fn: Residual = residual) -> list[Result]:
+               residual_fn: Residual = residual, yield_to: YieldTo | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
-    Leviathan's rule."""
+    Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs."""
     start = time.perf_counter()
     dev = target.embed.weight.device
     B = len(reqs)
@@ -267,6 +278,9 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
             on_emit(b, emitted)
     pos = torch.tensor([len(p) for p in prompts], device=dev)
     while not all(s.done for s in seqs):
+        if yield_to is not None and yield_to():
+            return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
+                                      [c[-1] for c in ctx])
         drafts, q, limit = drafter.propose(ctx, pos, gens)
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
@@ -309,7 +323,7 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
 def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None,
                  residual_fn: Residual = residual, use_draft_logits: bool = True, lookup_min_ngram: int = 0,
                  lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
-                 **opts) -> list[Result]:
+                 yield_to: YieldTo | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
 
     `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
@@ -329,16 +343,17 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to)
 
 
 @torch.inference_mode()
 def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
-                  **opts) -> list[Result]:
+                  yield_to: YieldTo | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
-    return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device))
+    return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
+                      yield_to=yield_to)
 
 
 __all__ = ["draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",

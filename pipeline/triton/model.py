@@ -8,8 +8,10 @@ ones whose load reaches `disable_at_batch`) join a continuous batch (`pipeline.r
 rows are admitted and retired at every step, so clients arriving at different times share steps
 instead of queueing behind each other. Speculative requests run as batches grouped by (method,
 draft length) through `pipeline.runtime.decode.decode` when the continuous batch is empty (new plain
-rows wait meanwhile, so neither kind starves). A bad request gets an error naming the input and
-never disturbs the others; a cancelled request stops at its next step.
+rows wait meanwhile, so neither kind starves). Between speculative rounds the worker looks at what
+has arrived: once the load reaches `disable_at_batch`, the running rows hand their KV cache over to
+the continuous batch and finish there, plainly, next to the newcomers. A bad request gets an error
+naming the input and never disturbs the others; a cancelled request stops at its next step.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class Row:
     job: Job
     index: int
     tokens: list[int] = field(default_factory=list)
-    sent: str = ""
+    sent: str = ""  # text streamed so far
+    prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
+    read: int = 0
 
 
 class TritonPythonModel:
@@ -124,6 +128,7 @@ class TritonPythonModel:
 
         self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size)
         self.inbox: queue.Queue = queue.Queue()
+        self.waiting: list[Job] = []  # parsed jobs the worker has not started (worker thread only)
         self.stopping = False
         self.worker = threading.Thread(target=self._serve, name="decode", daemon=True)
         self.worker.start()
@@ -300,20 +305,35 @@ class TritonPythonModel:
     # ---- the decode worker ----------------------------------------------------------------------
 
     def _serve(self) -> None:
-        pending: list[Job] = []
         while not self.stopping:
-            idle = not pending and not self.pool.rows
+            idle = not self.waiting and not self.pool.rows
             try:
-                pending.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
-                while True:
-                    pending.append(self.inbox.get_nowait())
+                self.waiting.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
             except queue.Empty:
                 pass
+            self._collect()
             try:
-                self._schedule(pending)
+                self._schedule(self.waiting)
             except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
                 pb_utils.Logger.log_error(f"decode worker: {type(e).__name__}: {e}")
                 self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
+
+    def _collect(self) -> None:
+        """Move everything `execute` queued into the worker's waiting list (worker thread only)."""
+        try:
+            while True:
+                self.waiting.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _busy(self, method: str, rows: int, disable_at_batch: int | None) -> bool:
+        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch?"""
+        from pipeline.runtime.decode import speculation_off
+
+        self._collect()
+        if not self.waiting:
+            return False
+        return speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch)
 
     def _schedule(self, pending: list[Job]) -> None:
         """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
@@ -361,16 +381,19 @@ class TritonPythonModel:
         self._stream(job, row)
 
     def _stream(self, job: Job, row: Row) -> None:
-        """Send the new text of a streamed row; hold back a trailing partial UTF-8 character."""
-        text = self._decode_text(row.tokens).rstrip("\ufffd")
-        if len(text) <= len(row.sent) or not text.startswith(row.sent):
+        """Send the new text of a streamed row, decoding only a window of recent tokens (a long stream
+        costs linear time, not quadratic); hold back a trailing partial UTF-8 character."""
+        before = self._decode_text(row.tokens[row.prefix:row.read])
+        text = self._decode_text(row.tokens[row.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
             return
-        piece, row.sent = text[len(row.sent):], text
-        if piece:
-            try:
-                self._send(job, [piece])
-            except Exception:  # noqa: BLE001 - the client went away: treat as cancelled
-                job.cancelled = True
+        piece = text[len(before):]
+        row.sent += piece
+        row.prefix, row.read = row.read, len(row.tokens)
+        try:
+            self._send(job, [piece])
+        except Exception:  # noqa: BLE001 - the client went away: treat as cancelled
+            job.cancelled = True
 
     def _finished(self, done: list) -> None:
         for row, result in done:
@@ -460,9 +483,10 @@ class TritonPythonModel:
             opts["use_draft_logits"] = use_logits
         if method == "medusa_typical":
             runtime_method, opts["acceptance"] = "medusa", "typical"
+        busy = lambda: self._busy(method, len(reqs), disable_at_batch)  # noqa: E731
         try:
             results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
-                             disable_at_batch=disable_at_batch, **opts)
+                             disable_at_batch=disable_at_batch, yield_to=busy, **opts)
         except Cancelled:
             for j in jobs:
                 self._fail(j.sender, "request cancelled by the client", "cancelled", method, "CANCELLED")
@@ -472,12 +496,17 @@ class TritonPythonModel:
             for j in jobs:
                 self._fail(j.sender, f"decoding failed ({method}): {type(e).__name__}: {e}", "errors", method)
             return
+        from pipeline.runtime.generate import Handoff
+
         at = 0
         for job in jobs:
-            res = results[at: at + len(job.reqs)]
-            rws = rows[at: at + len(job.reqs)]
+            job.rows, job.results = rows[at: at + len(job.reqs)], [None] * len(job.reqs)
             at += len(job.reqs)
-            self._complete(job, method, res, rws)
+        handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
+        for row, _ in handed:
+            row.job.plain = True  # speculation switched off mid-request: the rest decodes in the continuous batch
+        self.pool.adopt([h for _, h in handed], [row for row, _ in handed])
+        self._finished([(row, r) for row, r in zip(rows, results, strict=True) if not isinstance(r, Handoff)])
 
     def _complete(self, job: Job, method: str, res: list, rws: list[Row]) -> None:
         """Count a finished request and send its final response (or its cancellation)."""
