@@ -121,3 +121,45 @@ def test_rows_a_speculative_loop_hands_off_finish_plainly_with_their_solo_tokens
     if method != "prompt_lookup":
         assert all(h.stats["draft_proposed"] > 0 for h in handed.values())
     assert got["new"].tokens == generate(target, [extra])[0].tokens
+
+
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup"])
+def test_rows_go_speculative_plain_and_speculative_again_with_their_solo_tokens(target, method):
+    """Speculation switched off (handoff into the continuous batch) and back on (release, resume) mid-request."""
+    from pipeline.runtime.generate import Handoff
+    from pipeline.runtime.speculative import draft_target, prompt_lookup
+
+    draft = tiny(base=target, noise=0.02, seed=7)
+    run = {"draft_target": lambda reqs, **kw: draft_target(target, draft, reqs, 3, emit, **kw),
+           "prompt_lookup": lambda reqs, **kw: prompt_lookup(target, reqs, 3, emit, max_ngram=2, **kw)}[method]
+    ps = prompts(2, 48, seed=64)
+    reqs = [Request(p, n) for p, n in zip(ps, [45, 38])]
+    streamed: dict = {}
+    emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
+    calls = []
+    out = run(reqs, yield_to=lambda: calls.append(1) or len(calls) > 2)
+    assert all(isinstance(h, Handoff) for h in out)
+    pool = ContinuousBatch(target, max_rows=3, length=32)
+    pool.adopt(out, [0, 1])
+    for _ in range(6):
+        pool.step(emit)
+    back = pool.release(lambda tag: True)
+    assert [t for t, _ in back] == [0, 1] and not pool.rows
+    before = [h.stats["draft_proposed"] for _, h in back]
+    done = run([h.seq.req for _, h in back], resume=[h for _, h in back])
+    for b, req in enumerate(reqs):
+        (solo,) = generate(target, [req])
+        assert done[b].tokens == solo.tokens and streamed[b] == solo.tokens, b
+        assert done[b].steps >= 3 + 6 + 1 and done[b].draft_proposed >= before[b]
+    if method == "draft_target":
+        assert all(d.draft_proposed > p for d, p in zip(done, before))  # it speculated again
+
+
+def test_resume_is_refused_where_it_cannot_continue_the_rows(target):
+    from pipeline.runtime.decode import Bundle, decode
+
+    b = Bundle(target, None, {"build_config": {"max_draft_len": 4}}, options={"disable_at_batch": 1})
+    with pytest.raises(ValueError, match="resume: 'baseline' cannot continue handed-off rows"):
+        decode(b, "baseline", [Request([3, 4], 4)], resume=[object()])
+    with pytest.raises(ValueError, match="resume: 'prompt_lookup' cannot continue"):
+        decode(b, "prompt_lookup", [Request([3, 4], 4)], resume=[object()])  # at disable_at_batch

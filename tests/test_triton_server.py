@@ -193,9 +193,10 @@ def test_a_short_request_joins_a_running_one_and_finishes_first(served):
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
 
 
-def test_a_request_arriving_during_a_speculative_one_turns_it_plain_and_finishes_first(served):
+def test_a_request_arriving_during_a_speculative_one_turns_it_plain_until_it_finishes_first(served):
     """disable_at_batch 2: when a second request arrives, the running speculative one hands its KV cache to the
-    continuous batch instead of holding the newcomer until it ends; both answers equal their solo runs."""
+    continuous batch instead of holding the newcomer until it ends, and speculates again once the newcomer
+    has left; both answers equal their solo runs."""
     s, srv = served
     key = 'spec_decode_requests_speculation_off_total{method="draft_target",model="tensorrt_llm_bls"}'
     short_prompt = f"{PROMPT} (short, during speculation)"
@@ -217,7 +218,9 @@ def test_a_request_arriving_during_a_speculative_one_turns_it_plain_and_finishes
     t.join()
     assert done == ["short", "long"]
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
-    assert 0 < got["long"]["total_draft_tokens"] < 220  # it speculated, then stopped
+    # The self-draft accepts everything, so drafted tokens count the speculative part: a few rounds before the
+    # short request arrived (about 8 tokens), then most of the rest once it left and speculation resumed.
+    assert 110 < got["long"]["total_draft_tokens"] < 220
     assert _metrics(s)[key] - before[key] == 1
 
 

@@ -7,7 +7,8 @@ into the rows after it and join the next step, and a finished row's place is tak
 active row (its K/V copied into the hole). Each row's arithmetic depends only on its own cache row
 and position, so its tokens equal `generate`'s for the same request. `adopt` takes over rows a
 speculative loop handed off mid-request (their K/V copied in), which is how a server turns
-speculation off for a running request once others arrive.
+speculation off for a running request once others arrive; `release` gives rows back (K/V copied
+out) so speculation can resume when the load drops again.
 """
 
 from __future__ import annotations
@@ -67,20 +68,29 @@ class ContinuousBatch:
         new.v[:, :n, :, :old.length] = old.v[:, :n]
         self.cache = new
 
+    def _drop(self, i: int) -> _Row:
+        """Take row i out; the last active row moves into its cache row."""
+        r = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            used = self.rows[last].cur
+            self.cache.k[:, i, :, :used] = self.cache.k[:, last, :, :used]
+            self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        return r
+
+    @staticmethod
+    def _stats(r: _Row) -> dict:
+        stats = dict(r.stats or {})
+        stats["steps"] = stats.get("steps", 0) + len(r.seq.tokens) - r.base
+        return stats
+
     def _retire(self, done: list[int]) -> list[tuple[Any, Result]]:
         out = []
         for i in sorted(done, reverse=True):
-            r = self.rows[i]
-            last = len(self.rows) - 1
-            if i != last:
-                used = self.rows[last].cur
-                self.cache.k[:, i, :, :used] = self.cache.k[:, last, :, :used]
-                self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
-                self.rows[i] = self.rows[last]
-            self.rows.pop()
-            stats = dict(r.stats or {})
-            stats["steps"] = stats.get("steps", 0) + len(r.seq.tokens) - r.base
-            out.append((r.tag, finish([r.seq], r.start, [stats])[0]))
+            r = self._drop(i)
+            out.append((r.tag, finish([r.seq], r.start, [self._stats(r)])[0]))
         return out[::-1]
 
     def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[int]:
@@ -126,6 +136,24 @@ class ContinuousBatch:
             self.cache.k[:, i, :, :h.cur] = h.cache.k[:, h.row, :, :h.cur]
             self.cache.v[:, i, :, :h.cur] = h.cache.v[:, h.row, :, :h.cur]
             self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens)))
+
+    @torch.inference_mode()
+    def release(self, take: Callable[[Any], bool]) -> list[tuple[Any, Handoff]]:
+        """Hand the rows whose tag `take` selects back to a speculative loop (`resume`), K/V copied out."""
+        picked = [i for i, r in enumerate(self.rows) if take(r.tag)]
+        if not picked:
+            return []
+        length = max(self.rows[i].cur for i in picked) + 1
+        cache = self.model.new_cache(len(picked), length)
+        out = []
+        for j, i in enumerate(picked):
+            r = self.rows[i]
+            cache.k[:, j, :, :r.cur] = self.cache.k[:, i, :, :r.cur]
+            cache.v[:, j, :, :r.cur] = self.cache.v[:, i, :, :r.cur]
+            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start)))
+        for i in sorted(picked, reverse=True):
+            self._drop(i)
+        return out
 
     @torch.inference_mode()
     def step(self, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:

@@ -14,6 +14,7 @@ from pipeline.runtime.generate import Emit, Request, Result, generate
 from pipeline.runtime.model import Transformer
 
 METHODS = ("baseline", "draft_target", "prompt_lookup", "medusa")
+RESUMABLE = ("draft_target", "prompt_lookup")  # can continue rows handed off mid-request (`resume=`)
 
 
 @dataclass
@@ -98,10 +99,14 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     A batch at or above `disable_at_batch` (default: the spec's) runs the baseline code itself, so
     switching speculation off costs nothing; its results say `speculation_off`. A speculative method
     given `yield_to` checks it between rounds and, once it is true, returns a `Handoff` instead of a
-    Result for each unfinished row (for `ContinuousBatch.adopt`).
+    Result for each unfinished row (for `ContinuousBatch.adopt`); `resume=` Handoffs (from
+    `ContinuousBatch.release`, with `reqs` their requests) continue such rows speculatively.
     """
     if method not in b.methods():
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
+    if opts.get("resume") and (method not in RESUMABLE or speculation_off(b, method, len(reqs), disable_at_batch)):
+        raise ValueError(f"resume: {method!r} cannot continue handed-off rows here; {RESUMABLE} can, below "
+                         "disable_at_batch (keep such rows in the continuous batch instead)")
     if method == "baseline":
         return generate(b.target, reqs, on_emit)
     if speculation_off(b, method, len(reqs), disable_at_batch):

@@ -104,12 +104,23 @@ class Handoff:
     start: float
 
 
-def finish_or_hand_off(seqs: list[Sequence], start: float, stats: list[dict], gens: list[torch.Generator],
-                       cache: KVCache, cur: list[int], tokens: list[int]) -> list[Result | Handoff]:
+def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: list[dict],
+                       gens: list[torch.Generator], cache: KVCache, cur: list[int],
+                       tokens: list[int]) -> list[Result | Handoff]:
     """Results for the finished rows, Handoffs for the others (a speculative loop stopping early)."""
-    done = finish(seqs, start, stats)
-    return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], start)
+    starts = start if isinstance(start, list) else [start] * len(seqs)
+    done = finish(seqs, starts, stats)
+    return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], starts[b])
             for b, (s, r) in enumerate(zip(seqs, done, strict=True))]
+
+
+def resume_cache(model: Transformer, handoffs: list[Handoff], length: int) -> KVCache:
+    """A fresh cache holding each handed-off row's K/V (slots before its `cur`), one row per handoff."""
+    cache = model.new_cache(len(handoffs), length)
+    for b, h in enumerate(handoffs):
+        cache.k[:, b, :, :h.cur] = h.cache.k[:, h.row, :, :h.cur]
+        cache.v[:, b, :, :h.cur] = h.cache.v[:, h.row, :, :h.cur]
+    return cache
 
 
 def cache_length(reqs: list[Request], extra: int) -> int:
@@ -132,12 +143,15 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> Ten
     return hidden[torch.arange(B, device=dev), last]
 
 
-def finish(seqs: list[Sequence], start: float, stats: list[dict] | None = None) -> list[Result]:
+def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] | None = None) -> list[Result]:
+    """Results with timings from `start` (one time, or one per row: rows resumed from handoffs began earlier)."""
     end = time.perf_counter()
+    starts = start if isinstance(start, list) else [start] * len(seqs)
     out = []
     for i, s in enumerate(seqs):
+        t0 = starts[i]
         r = Result(tokens=s.tokens, finish_reason=s.finish_reason or "length", num_input_tokens=len(s.req.prompt),
-                   first_token_s=(s.first_token_at - start) if s.first_token_at else 0.0, elapsed_s=end - start)
+                   first_token_s=(s.first_token_at - t0) if s.first_token_at else 0.0, elapsed_s=end - t0)
         if stats:
             for k, v in stats[i].items():
                 setattr(r, k, v)

@@ -36,6 +36,7 @@ from pipeline.runtime.generate import (
     finish,
     finish_or_hand_off,
     prefill,
+    resume_cache,
 )
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
@@ -110,6 +111,15 @@ class _Stats:
         self.accepted = 0
         self.acc_pos = [0] * k
         self.prop_pos = [0] * k
+
+    @classmethod
+    def of(cls, d: dict, k: int) -> _Stats:
+        """Statistics carried by a handoff (speculative rounds, then plain steps counted in `steps`)."""
+        st = cls(k)
+        st.steps, st.proposed, st.accepted = d.get("steps", 1), d.get("draft_proposed", 0), d.get("draft_accepted", 0)
+        st.acc_pos = list(d.get("accepted_per_position") or st.acc_pos)
+        st.prop_pos = list(d.get("proposed_per_position") or st.prop_pos)
+        return st
 
     def add(self, proposed: int, accepted: int) -> None:
         grow = proposed - len(self.prop_pos)
@@ -253,30 +263,40 @@ class _LookupDrafter:
 
 
 def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
-               residual_fn: Residual = residual, yield_to: YieldTo | None = None) -> list[Result | Handoff]:
+               residual_fn: Residual = residual, yield_to: YieldTo | None = None,
+               resume: list[Handoff] | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
-    Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs."""
-    start = time.perf_counter()
+    Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
+    `resume` (Handoffs, with `reqs` their requests) continues such rows speculatively from their K/V."""
     dev = target.embed.weight.device
     B = len(reqs)
-    seqs = [Sequence(r) for r in reqs]
-    gens = [r.params.generator() for r in reqs]
-    greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
-    all_greedy = bool(greedy.all())
-    stats = [_Stats(k) for _ in reqs]
-    prompts = [r.prompt for r in reqs]
-    cache = target.new_cache(B, cache_length(reqs, drafter.width + 2))
-    logits = target.logits(prefill(target, cache, prompts))
-    drafter.prefill(prompts)
-    ctx = [list(p) for p in prompts]
-    for b, s in enumerate(seqs):
-        t = next_token(logits[b], s.req.params, gens[b])
-        ctx[b].append(t)
-        emitted = s.extend([t])
-        if emitted and on_emit:
-            on_emit(b, emitted)
-    pos = torch.tensor([len(p) for p in prompts], device=dev)
+    all_greedy = all(r.params.greedy for r in reqs)
+    length = cache_length(reqs, drafter.width + 2)
+    if resume:
+        start: float | list[float] = [h.start for h in resume]
+        seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
+        stats = [_Stats.of(h.stats, k) for h in resume]
+        cache = resume_cache(target, resume, length)  # the drafter's own cache starts empty: round one feeds it
+        ctx = [h.seq.req.prompt + h.seq.tokens for h in resume]
+        pos = torch.tensor([h.cur for h in resume], device=dev)
+    else:
+        start = time.perf_counter()
+        seqs = [Sequence(r) for r in reqs]
+        gens = [r.params.generator() for r in reqs]
+        stats = [_Stats(k) for _ in reqs]
+        prompts = [r.prompt for r in reqs]
+        cache = target.new_cache(B, length)
+        logits = target.logits(prefill(target, cache, prompts))
+        drafter.prefill(prompts)
+        ctx = [list(p) for p in prompts]
+        for b, s in enumerate(seqs):
+            t = next_token(logits[b], s.req.params, gens[b])
+            ctx[b].append(t)
+            emitted = s.extend([t])
+            if emitted and on_emit:
+                on_emit(b, emitted)
+        pos = torch.tensor([len(p) for p in prompts], device=dev)
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
@@ -323,7 +343,8 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
 def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None,
                  residual_fn: Residual = residual, use_draft_logits: bool = True, lookup_min_ngram: int = 0,
                  lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
-                 yield_to: YieldTo | None = None, **opts) -> list[Result | Handoff]:
+                 yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
+                 **opts) -> list[Result | Handoff]:
     """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
 
     `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
@@ -343,17 +364,18 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume)
 
 
 @torch.inference_mode()
 def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
-                  yield_to: YieldTo | None = None, **opts) -> list[Result | Handoff]:
+                  yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
+                  **opts) -> list[Result | Handoff]:
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
     return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
-                      yield_to=yield_to)
+                      yield_to=yield_to, resume=resume)
 
 
 __all__ = ["draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",

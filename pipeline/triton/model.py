@@ -354,13 +354,15 @@ class TritonPythonModel:
             if j.method != "baseline" and not j.plain:
                 spec.append(j)
         if spec and not self.pool.rows:
-            first = spec[0]
-            key = (first.method, first.k, first.use_draft_logits, first.disable_at_batch)
-            group = [j for j in spec if (j.method, j.k, j.use_draft_logits, j.disable_at_batch) == key]
-            chunk = self._pack(group, self.max_batch_size)
-            for j in chunk:
+            key = self._group(spec[0])
+            rows = []
+            for j in self._pack([j for j in spec if self._group(j) == key], self.max_batch_size):
                 pending.remove(j)
-            self._run(first.method, first.k, first.use_draft_logits, chunk, first.disable_at_batch)
+                j.rows, j.results = [Row(j, i) for i in range(len(j.reqs))], [None] * len(j.reqs)
+                rows += j.rows
+            self._run(key, rows)
+            return
+        if not pending and self._resume():
             return
         if not spec:
             for job in list(pending):
@@ -372,6 +374,27 @@ class TritonPythonModel:
                 self._finished(self.pool.admit(job.reqs, job.rows, self._emit))
         if self.pool.rows:
             self._finished(self.pool.step(self._emit))
+
+    @staticmethod
+    def _group(job: Job) -> tuple:
+        """Requests that can share one speculative batch: (method, k, use_draft_logits, disable_at_batch)."""
+        return job.method, job.k, job.use_draft_logits, job.disable_at_batch
+
+    def _resume(self) -> bool:
+        """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
+        one resumable group (draft_target or prompt_lookup) and are fewer than its disable_at_batch."""
+        from pipeline.runtime.decode import RESUMABLE, speculation_off
+
+        tags = self.pool.tags()
+        keys = {self._group(t.job) for t in tags}
+        if len(keys) != 1:
+            return False
+        key = keys.pop()
+        if key[0] not in RESUMABLE or speculation_off(self.bundle, key[0], len(tags), key[3]):
+            return False
+        back = self.pool.release(lambda t: True)
+        self._run(key, [t for t, _ in back], [h for _, h in back])
+        return True
 
     def _emit(self, row: Row, toks: list[int]) -> None:
         row.tokens.extend(toks)
@@ -459,11 +482,16 @@ class TritonPythonModel:
     def _decode_text(self, tokens: list[int]) -> str:
         return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _run(self, method: str, k: int, use_logits: bool, jobs: list[Job], disable_at_batch: int | None = None) -> None:
+    def _run(self, key: tuple, rows: list[Row], resume: list | None = None) -> None:
+        """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
+        Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
+        to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
         from pipeline.runtime.decode import decode
+        from pipeline.runtime.generate import Handoff
 
-        rows = [Row(j, i) for j in jobs for i in range(len(j.reqs))]
-        reqs = [j.reqs[i] for j in jobs for i in range(len(j.reqs))]
+        method, k, use_logits, disable_at_batch = key
+        reqs = [r.job.reqs[r.index] for r in rows]
+        jobs = list({id(r.job): r.job for r in rows}.values())
 
         def on_emit(b: int, toks: list[int]) -> None:
             row = rows[b]
@@ -483,6 +511,8 @@ class TritonPythonModel:
             opts["use_draft_logits"] = use_logits
         if method == "medusa_typical":
             runtime_method, opts["acceptance"] = "medusa", "typical"
+        if resume:
+            opts["resume"] = resume
         busy = lambda: self._busy(method, len(reqs), disable_at_batch)  # noqa: E731
         try:
             results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
@@ -496,12 +526,6 @@ class TritonPythonModel:
             for j in jobs:
                 self._fail(j.sender, f"decoding failed ({method}): {type(e).__name__}: {e}", "errors", method)
             return
-        from pipeline.runtime.generate import Handoff
-
-        at = 0
-        for job in jobs:
-            job.rows, job.results = rows[at: at + len(job.reqs)], [None] * len(job.reqs)
-            at += len(job.reqs)
         handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
         for row, _ in handed:
             row.job.plain = True  # speculation switched off mid-request: the rest decodes in the continuous batch
