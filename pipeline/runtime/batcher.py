@@ -73,9 +73,7 @@ class ContinuousBatch:
         r = self.rows[i]
         last = len(self.rows) - 1
         if i != last:
-            used = self.rows[last].cur
-            self.cache.k[:, i, :, :used] = self.cache.k[:, last, :, :used]
-            self.cache.v[:, i, :, :used] = self.cache.v[:, last, :, :used]
+            self.cache.copy_row(i, self.cache, last, self.rows[last].cur)
             self.rows[i] = self.rows[last]
         self.rows.pop()
         return r
@@ -132,9 +130,7 @@ class ContinuousBatch:
             return
         self._ensure(max(len(h.seq.req.prompt) + h.seq.req.max_new_tokens for h in handoffs) + 2)
         for h, tag in zip(handoffs, tags, strict=True):
-            i = len(self.rows)
-            self.cache.k[:, i, :, :h.cur] = h.cache.k[:, h.row, :, :h.cur]
-            self.cache.v[:, i, :, :h.cur] = h.cache.v[:, h.row, :, :h.cur]
+            self.cache.copy_row(len(self.rows), h.cache, h.row, h.cur)
             self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens)))
 
     @torch.inference_mode()
@@ -148,8 +144,7 @@ class ContinuousBatch:
         out = []
         for j, i in enumerate(picked):
             r = self.rows[i]
-            cache.k[:, j, :, :r.cur] = self.cache.k[:, i, :, :r.cur]
-            cache.v[:, j, :, :r.cur] = self.cache.v[:, i, :, :r.cur]
+            cache.copy_row(j, self.cache, i, r.cur)
             out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start)))
         for i in sorted(picked, reverse=True):
             self._drop(i)

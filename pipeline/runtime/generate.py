@@ -118,8 +118,7 @@ def resume_cache(model: Transformer, handoffs: list[Handoff], length: int) -> KV
     """A fresh cache holding each handed-off row's K/V (slots before its `cur`), one row per handoff."""
     cache = model.new_cache(len(handoffs), length)
     for b, h in enumerate(handoffs):
-        cache.k[:, b, :, :h.cur] = h.cache.k[:, h.row, :, :h.cur]
-        cache.v[:, b, :, :h.cur] = h.cache.v[:, h.row, :, :h.cur]
+        cache.copy_row(b, h.cache, h.row, h.cur)
     return cache
 
 

@@ -110,6 +110,11 @@ class KVCache:
         view.length, view.batch = self.length, stop - start
         return view
 
+    def copy_row(self, row: int, src: KVCache, src_row: int, n: int) -> None:
+        """Slots [0, n) of `src`'s row `src_row` into this cache's row `row` (a request moving between caches)."""
+        self.k[:, row, :, :n] = src.k[:, src_row, :, :n]
+        self.v[:, row, :, :n] = src.v[:, src_row, :, :n]
+
     def compact(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
         """Copy slots `src` [n, m] to `dst` [n, m] for batch rows `rows` [n] in every layer (tree acceptance)."""
         r = rows[:, None]
