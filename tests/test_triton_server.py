@@ -199,6 +199,7 @@ def test_a_request_arriving_during_a_speculative_one_turns_it_plain_until_it_fin
     has left; both answers equal their solo runs."""
     s, srv = served
     key = 'spec_decode_requests_speculation_off_total{method="draft_target",model="tensorrt_llm_bls"}'
+    resumed = 'spec_decode_speculation_resumed_total{method="draft_target",model="tensorrt_llm_bls"}'
     short_prompt = f"{PROMPT} (short, during speculation)"
     solo_long = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", end_id=UNUSED_END)["text"]
     solo_short = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)["text"]
@@ -221,7 +222,8 @@ def test_a_request_arriving_during_a_speculative_one_turns_it_plain_until_it_fin
     # The self-draft accepts everything, so drafted tokens count the speculative part: a few rounds before the
     # short request arrived (about 8 tokens), then most of the rest once it left and speculation resumed.
     assert 110 < got["long"]["total_draft_tokens"] < 220
-    assert _metrics(s)[key] - before[key] == 1
+    after = _metrics(s)
+    assert after[key] - before[key] == 1 and after[resumed] - before[resumed] == 1
 
 
 def test_a_request_with_two_rows_gets_both_answers(served):

@@ -145,11 +145,14 @@ class TritonPythonModel:
             "errors": ("spec_decode_request_errors_total", "Requests rejected or failed"),
             "cancelled": ("spec_decode_requests_cancelled_total", "Requests cancelled by their client"),
             "plain": ("spec_decode_requests_speculation_off_total",
-                      "Requests decoded plainly because their batch reached speculation.disable_at_batch"),
+                      "Requests decoded plainly (wholly or in part) because the requests in flight reached "
+                      "speculation.disable_at_batch"),
+            "resumed": ("spec_decode_speculation_resumed_total",
+                        "Times a request switched to plain decoding went back to speculating as the load dropped"),
         }
         self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=kind) for k, (n, d) in fams.items()}
         self.counters: dict = {}
-        for what in ("requests", "proposed", "accepted", "output", "steps", "plain"):
+        for what in ("requests", "proposed", "accepted", "output", "steps", "plain", "resumed"):
             for method in self.methods:
                 self._count(what, method, 0)
 
@@ -393,6 +396,7 @@ class TritonPythonModel:
         if key[0] not in RESUMABLE or speculation_off(self.bundle, key[0], len(tags), key[3]):
             return False
         back = self.pool.release(lambda t: True)
+        self._count("resumed", key[0], len(back))
         self._run(key, [t for t, _ in back], [h for _, h in back])
         return True
 
