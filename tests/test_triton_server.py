@@ -169,18 +169,14 @@ def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_an
         "the three requests that queued behind the long one were not batched"
 
 
-def test_a_short_request_joins_a_running_one_and_finishes_first(served):
-    """Continuous batching: a request arriving mid-way joins the running batch at the next step instead of
-    waiting for the long request to finish, and both answers equal their solo runs."""
-    s, srv = served
-    short_prompt = f"{PROMPT} (short)"
-    solo_long = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", end_id=UNUSED_END)["text"]
-    solo_short = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)["text"]
+def _short_during_long(srv, short_prompt: str, method: str, **long_opts) -> tuple[list[str], dict]:
+    """Stream a 220-token request with `method`; once its first piece arrives, send a 4-token baseline request.
+    Returns the order they finished in and both responses."""
     started, done, got = threading.Event(), [], {}
 
     def long_run():
-        got["long"] = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", stream=True,
-                               on_piece=lambda _: started.set(), end_id=UNUSED_END)
+        got["long"] = generate(srv.grpc_url, "ensemble", PROMPT, 220, method=method, stream=True,
+                               on_piece=lambda _: started.set(), end_id=UNUSED_END, **long_opts)
         done.append("long")
 
     t = threading.Thread(target=long_run)
@@ -189,6 +185,20 @@ def test_a_short_request_joins_a_running_one_and_finishes_first(served):
     got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)
     done.append("short")
     t.join()
+    return done, got
+
+
+def _solo(srv, prompt: str, n: int) -> str:
+    return generate(srv.grpc_url, "ensemble", prompt, n, method="baseline", end_id=UNUSED_END)["text"]
+
+
+def test_a_short_request_joins_a_running_one_and_finishes_first(served):
+    """Continuous batching: a request arriving mid-way joins the running batch at the next step instead of
+    waiting for the long request to finish, and both answers equal their solo runs."""
+    s, srv = served
+    short_prompt = f"{PROMPT} (short)"
+    solo_long, solo_short = _solo(srv, PROMPT, 220), _solo(srv, short_prompt, 4)
+    done, got = _short_during_long(srv, short_prompt, "baseline")
     assert done == ["short", "long"]
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
 
@@ -201,22 +211,9 @@ def test_a_request_arriving_during_a_speculative_one_turns_it_plain_until_it_fin
     key = 'spec_decode_requests_speculation_off_total{method="draft_target",model="tensorrt_llm_bls"}'
     resumed = 'spec_decode_speculation_resumed_total{method="draft_target",model="tensorrt_llm_bls"}'
     short_prompt = f"{PROMPT} (short, during speculation)"
-    solo_long = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="baseline", end_id=UNUSED_END)["text"]
-    solo_short = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)["text"]
+    solo_long, solo_short = _solo(srv, PROMPT, 220), _solo(srv, short_prompt, 4)
     before = _metrics(s)
-    started, done, got = threading.Event(), [], {}
-
-    def long_run():
-        got["long"] = generate(srv.grpc_url, "ensemble", PROMPT, 220, method="draft_target", stream=True,
-                               on_piece=lambda _: started.set(), end_id=UNUSED_END, disable_at_batch=2)
-        done.append("long")
-
-    t = threading.Thread(target=long_run)
-    t.start()
-    assert started.wait(60)
-    got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)
-    done.append("short")
-    t.join()
+    done, got = _short_during_long(srv, short_prompt, "draft_target", disable_at_batch=2)
     assert done == ["short", "long"]
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
     # The self-draft accepts everything, so drafted tokens count the speculative part: a few rounds before the

@@ -309,14 +309,14 @@ class TritonPythonModel:
 
     def _serve(self) -> None:
         while not self.stopping:
-            idle = not self.waiting and not self.pool.rows
-            try:
-                self.waiting.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
-            except queue.Empty:
-                pass
+            if not self.waiting and not self.pool.rows:
+                try:
+                    self.waiting.append(self.inbox.get(timeout=0.1))
+                except queue.Empty:
+                    continue
             self._collect()
             try:
-                self._schedule(self.waiting)
+                self._schedule()
             except Exception as e:  # noqa: BLE001 - fail what was running, keep serving
                 pb_utils.Logger.log_error(f"decode worker: {type(e).__name__}: {e}")
                 self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
@@ -338,10 +338,11 @@ class TritonPythonModel:
             return False
         return speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch)
 
-    def _schedule(self, pending: list[Job]) -> None:
+    def _schedule(self) -> None:
         """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
         from pipeline.runtime.decode import speculation_off
 
+        pending = self.waiting
         for job in [j for j in pending if self._is_cancelled(j)]:
             pending.remove(job)
             self._fail(job.sender, "request cancelled by the client", "cancelled", job.method, "CANCELLED")
