@@ -163,3 +163,32 @@ def test_resume_is_refused_where_it_cannot_continue_the_rows(target):
         decode(b, "baseline", [Request([3, 4], 4)], resume=[object()])
     with pytest.raises(ValueError, match="resume: 'prompt_lookup' cannot continue"):
         decode(b, "prompt_lookup", [Request([3, 4], 4)], resume=[object()])  # at disable_at_batch
+
+
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup", "medusa"])
+def test_a_speculative_batch_reports_each_row_as_it_finishes(target, method):
+    """on_finish hears of a short row while its long batch-mate still runs, once, with the Result the batch
+    returns at the end (a server answers it then, not when the batch ends)."""
+    from pipeline.runtime.medusa import make_engine, medusa_generate
+    from pipeline.runtime.speculative import draft_target, prompt_lookup
+    from tests.test_medusa import random_heads
+
+    ps = prompts(3, 48, seed=65)
+    reqs = [Request(p, n) for p, n in zip(ps, [40, 4, 1])]
+    events: list = []
+    emit = lambda b, toks: events.append(("emit", b, len(toks)))  # noqa: E731
+    on_finish = lambda b, r: events.append(("finish", b, list(r.tokens), r.draft_proposed))  # noqa: E731
+    if method == "draft_target":
+        out = draft_target(target, tiny(base=target, noise=0.02, seed=7), reqs, 3, emit, on_finish=on_finish)
+    elif method == "prompt_lookup":
+        out = prompt_lookup(target, reqs, 3, emit, max_ngram=2, on_finish=on_finish)
+    else:
+        engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
+        out = medusa_generate(target, engine, reqs, emit, on_finish=on_finish)
+    finished = [e for e in events if e[0] == "finish"]
+    assert sorted(e[1] for e in finished) == [0, 1, 2]
+    for _, b, toks, proposed in finished:
+        assert toks == out[b].tokens and proposed == out[b].draft_proposed
+    order = [e[:2] for e in events]
+    assert order.index(("finish", 2)) < order.index(("finish", 1)) < order.index(("finish", 0))
+    assert any(e[:2] == ("emit", 0) for e in events[order.index(("finish", 1)) + 1:])  # row 0 ran on after

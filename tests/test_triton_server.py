@@ -169,9 +169,10 @@ def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_an
         "the three requests that queued behind the long one were not batched"
 
 
-def _short_during_long(srv, short_prompt: str, method: str, **long_opts) -> tuple[list[str], dict]:
-    """Stream a 220-token request with `method`; once its first piece arrives, send a 4-token baseline request.
-    Returns the order they finished in and both responses."""
+def _short_during_long(srv, short_prompt: str, method: str, short_opts: dict | None = None,
+                       **long_opts) -> tuple[list[str], dict]:
+    """Stream a 220-token request with `method`; once its first piece arrives, send a 4-token request (baseline
+    unless `short_opts` say otherwise). Returns the order they finished in and both responses."""
     started, done, got = threading.Event(), [], {}
 
     def long_run():
@@ -182,7 +183,8 @@ def _short_during_long(srv, short_prompt: str, method: str, **long_opts) -> tupl
     t = threading.Thread(target=long_run)
     t.start()
     assert started.wait(60)
-    got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, method="baseline", end_id=UNUSED_END)
+    got["short"] = generate(srv.grpc_url, "ensemble", short_prompt, 4, end_id=UNUSED_END,
+                            **(short_opts or {"method": "baseline"}))
     done.append("short")
     t.join()
     return done, got
@@ -221,6 +223,27 @@ def test_a_request_arriving_during_a_speculative_one_turns_it_plain_until_it_fin
     assert 110 < got["long"]["total_draft_tokens"] < 220
     after = _metrics(s)
     assert after[key] - before[key] == 1 and after[resumed] - before[resumed] == 1
+
+
+def test_a_speculative_request_arriving_below_disable_at_batch_joins_the_running_speculative_batch(served):
+    """disable_at_batch 0 (never switch off): a draft_target request arriving during another one joins its batch
+    at the next round instead of waiting for it to end, both speculate throughout, and both answers equal their
+    solo runs. Nothing counts as decoded plainly or resumed."""
+    s, srv = served
+    off = 'spec_decode_requests_speculation_off_total{method="draft_target",model="tensorrt_llm_bls"}'
+    resumed = 'spec_decode_speculation_resumed_total{method="draft_target",model="tensorrt_llm_bls"}'
+    short_prompt = f"{PROMPT} (short, joining)"
+    solo_long, solo_short = _solo(srv, PROMPT, 220), _solo(srv, short_prompt, 4)
+    before = _metrics(s)
+    done, got = _short_during_long(srv, short_prompt, "draft_target", disable_at_batch=0,
+                                   short_opts={"method": "draft_target", "disable_at_batch": 0})
+    assert done == ["short", "long"]
+    assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
+    # The self-draft accepts everything, k=4: the long stream's 219 tokens after its first come 5 a round (176
+    # drafted), and the short one's 3 in one round.
+    assert got["short"]["total_draft_tokens"] >= 3 and got["long"]["total_draft_tokens"] >= 170
+    after = _metrics(s)
+    assert after.get(off, 0) == before.get(off, 0) and after.get(resumed, 0) == before.get(resumed, 0)
 
 
 def test_a_request_with_two_rows_gets_both_answers(served):

@@ -54,6 +54,7 @@ class Result:
 
 Emit = Callable[[int, list[int]], None]
 YieldTo = Callable[[], bool]
+OnFinish = Callable[[int, "Result"], None]
 
 
 class Sequence:
@@ -112,6 +113,18 @@ def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: 
     done = finish(seqs, starts, stats)
     return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], starts[b])
             for b, (s, r) in enumerate(zip(seqs, done, strict=True))]
+
+
+def report_finished(seqs: list[Sequence], reported: list[bool], start: float | list[float],
+                    stats: Callable[[int], dict], on_finish: OnFinish | None) -> None:
+    """Give `on_finish` each row's Result as soon as the row is done, once, while its batch-mates run on (a
+    server answers a short request without waiting for the longest one in its batch)."""
+    if on_finish is None:
+        return
+    for b, s in enumerate(seqs):
+        if s.done and not reported[b]:
+            reported[b] = True
+            on_finish(b, finish([s], [start[b] if isinstance(start, list) else start], [stats(b)])[0])
 
 
 def resume_cache(model: Transformer, handoffs: list[Handoff], length: int) -> KVCache:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
+    OnFinish,
     Request,
     Result,
     Sequence,
@@ -49,6 +50,7 @@ from pipeline.runtime.generate import (
     finish,
     finish_or_hand_off,
     prefill,
+    report_finished,
 )
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer
@@ -340,13 +342,15 @@ def _check_acceptance(reqs: list[Request], acceptance: str | None) -> list[str]:
 def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Request], on_emit: Emit | None = None,
                     acceptance: str | None = None, posterior_threshold: float | None = None,
                     posterior_alpha: float | None = None, timings: dict | None = None,
-                    yield_to: YieldTo | None = None, **_unused) -> list[Result | Handoff]:
+                    yield_to: YieldTo | None = None, on_finish: OnFinish | None = None,
+                    **_unused) -> list[Result | Handoff]:
     """Decode a batch with Medusa tree verification; see the module docstring for the acceptance rules.
 
     `acceptance`: None (greedy rows greedy, sampled rows exact), "exact", "greedy" or "typical"
     (lossy). Rows have their own committed lengths and accept different path lengths. `timings`, when
     given, accumulates seconds spent in heads / forward / logits / accept / compact (where the time goes).
-    When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding.
+    When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding;
+    `on_finish(b, result)` hears of each row as it finishes.
     """
     clock = _Clock(timings)
     start = time.perf_counter()
@@ -371,6 +375,8 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         if out and on_emit:
             on_emit(b, out)
     L = torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long)
+    reported = [False] * B
+    report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
@@ -418,6 +424,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         last = torch.tensor([p[-1] for p in paths])
         hidden = h[torch.arange(B), last]
         L = L + torch.tensor([0 if s.done else len(p) for s, p in zip(seqs, paths, strict=True)])
+        report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     return finish(seqs, start, stats)
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
+    OnFinish,
     Request,
     Result,
     Sequence,
@@ -36,6 +37,7 @@ from pipeline.runtime.generate import (
     finish,
     finish_or_hand_off,
     prefill,
+    report_finished,
     resume_cache,
 )
 from pipeline.runtime.model import Transformer
@@ -264,11 +266,12 @@ class _LookupDrafter:
 
 def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
                residual_fn: Residual = residual, yield_to: YieldTo | None = None,
-               resume: list[Handoff] | None = None) -> list[Result | Handoff]:
+               resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
     Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
-    `resume` (Handoffs, with `reqs` their requests) continues such rows speculatively from their K/V."""
+    `resume` (Handoffs, with `reqs` their requests) continues such rows speculatively from their K/V.
+    `on_finish(b, result)` hears of each row as it finishes (the returned list has its Result too)."""
     dev = target.embed.weight.device
     B = len(reqs)
     all_greedy = all(r.params.greedy for r in reqs)
@@ -297,6 +300,8 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
             if emitted and on_emit:
                 on_emit(b, emitted)
         pos = torch.tensor([len(p) for p in prompts], device=dev)
+    reported = [False] * B
+    report_finished(seqs, reported, start, lambda b: stats[b].as_dict(), on_finish)
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
@@ -336,6 +341,7 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
                 on_emit(b, emitted)
             adv.append(n + 1)
         pos = pos + torch.tensor(adv, device=dev)
+        report_finished(seqs, reported, start, lambda b: stats[b].as_dict(), on_finish)
     return finish(seqs, start, [st.as_dict() for st in stats])
 
 
@@ -344,7 +350,7 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                  residual_fn: Residual = residual, use_draft_logits: bool = True, lookup_min_ngram: int = 0,
                  lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
                  yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
-                 **opts) -> list[Result | Handoff]:
+                 on_finish: OnFinish | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
 
     `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
@@ -364,18 +370,18 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume)
+    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
 
 
 @torch.inference_mode()
 def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
                   yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
-                  **opts) -> list[Result | Handoff]:
+                  on_finish: OnFinish | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
     return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
-                      yield_to=yield_to, resume=resume)
+                      yield_to=yield_to, resume=resume, on_finish=on_finish)
 
 
 __all__ = ["draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",

@@ -10,8 +10,11 @@ instead of queueing behind each other. Speculative requests run as batches group
 draft length) through `pipeline.runtime.decode.decode` when the continuous batch is empty (new plain
 rows wait meanwhile, so neither kind starves). Between speculative rounds the worker looks at what
 has arrived: once the load reaches `disable_at_batch`, the running rows hand their KV cache over to
-the continuous batch and finish there, plainly, next to the newcomers. A bad request gets an error
-naming the input and never disturbs the others; a cancelled request stops at its next step.
+the continuous batch and finish there, plainly, next to the newcomers; below it, newcomers of the
+same group (draft_target, prompt_lookup) join the running batch: its rows step aside into the
+continuous batch, the newcomers are prefilled next to them, and all speculate on together. Each row
+is answered as it finishes. A bad request gets an error naming the input and never disturbs the
+others; a cancelled request stops at its next step.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Row:
     sent: str = ""  # text streamed so far
     prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
     read: int = 0
+    plain: bool = False  # took plain steps in the continuous batch since it last speculated
 
 
 class TritonPythonModel:
@@ -329,14 +333,20 @@ class TritonPythonModel:
         except queue.Empty:
             pass
 
-    def _busy(self, method: str, rows: int, disable_at_batch: int | None) -> bool:
-        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch?"""
-        from pipeline.runtime.decode import speculation_off
+    def _busy(self, key: tuple, rows: int) -> bool:
+        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
+        (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
+        from pipeline.runtime.decode import RESUMABLE, speculation_off
 
         self._collect()
         if not self.waiting:
             return False
-        return speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch)
+        method, disable_at_batch = key[0], key[3]
+        if speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
+            return True
+        return method in RESUMABLE and any(
+            self._group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
+            for j in self.waiting)
 
     def _schedule(self) -> None:
         """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
@@ -366,6 +376,8 @@ class TritonPythonModel:
                 rows += j.rows
             self._run(key, rows)
             return
+        if spec and self._join(self._group(spec[0]), spec):
+            return
         if not pending and self._resume():
             return
         if not spec:
@@ -377,6 +389,9 @@ class TritonPythonModel:
                 job.results = [None] * len(job.reqs)
                 self._finished(self.pool.admit(job.reqs, job.rows, self._emit))
         if self.pool.rows:
+            for t in self.pool.tags():
+                if t.job.method != "baseline":
+                    t.plain = t.job.plain = True  # a speculative request decoding plainly, wholly or in part
             self._finished(self.pool.step(self._emit))
 
     @staticmethod
@@ -384,22 +399,55 @@ class TritonPythonModel:
         """Requests that can share one speculative batch: (method, k, use_draft_logits, disable_at_batch)."""
         return job.method, job.k, job.use_draft_logits, job.disable_at_batch
 
-    def _resume(self) -> bool:
-        """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
-        one resumable group (draft_target or prompt_lookup) and are fewer than its disable_at_batch."""
+    def _resumable(self, key: tuple, rows: int) -> bool:
+        """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
+        (draft_target, prompt_lookup), and `rows` of them stay below its disable_at_batch."""
         from pipeline.runtime.decode import RESUMABLE, speculation_off
 
+        return (key[0] in RESUMABLE and all(self._group(t.job) == key for t in self.pool.tags())
+                and not speculation_off(self.bundle, key[0], rows, key[3]))
+
+    def _resume(self) -> bool:
+        """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
+        one resumable group and are fewer than its disable_at_batch."""
         tags = self.pool.tags()
         keys = {self._group(t.job) for t in tags}
         if len(keys) != 1:
             return False
         key = keys.pop()
-        if key[0] not in RESUMABLE or speculation_off(self.bundle, key[0], len(tags), key[3]):
+        if not self._resumable(key, len(tags)):
             return False
-        back = self.pool.release(lambda t: True)
-        self._count("resumed", key[0], len(back))
-        self._run(key, [t for t, _ in back], [h for _, h in back])
+        self._speculate_pool(key)
         return True
+
+    def _join(self, key: tuple, spec: list[Job]) -> bool:
+        """Speculative batching across arrivals: when the continuous batch holds only rows of group `key` (a
+        speculative batch that yielded for the newcomers), admit the waiting jobs of that group next to them
+        (prefill and first token), then speculate on all of them together."""
+        if not self.pool.rows:
+            return False
+        jobs = [j for j in spec if self._group(j) == key]
+        jobs = self._pack(jobs, self.pool.free) if jobs and len(jobs[0].reqs) <= self.pool.free else []
+        if not jobs or not self._resumable(key, len(self.pool.rows) + sum(len(j.reqs) for j in jobs)):
+            return False
+        for job in jobs:
+            self.waiting.remove(job)
+            job.rows, job.results = [Row(job, i) for i in range(len(job.reqs))], [None] * len(job.reqs)
+            self._finished(self.pool.admit(job.reqs, job.rows, self._emit))
+        if self.pool.rows:
+            self._speculate_pool(key)
+        return True
+
+    def _speculate_pool(self, key: tuple) -> None:
+        """Release every row of the continuous batch into one speculative batch of group `key`; rows that were
+        plain because of the load count as resumed."""
+        back = self.pool.release(lambda t: True)
+        rows = [t for t, _ in back]
+        if any(r.plain for r in rows):
+            self._count("resumed", key[0], sum(r.plain for r in rows))
+        for r in rows:
+            r.plain = False
+        self._run(key, rows, [h for _, h in back])
 
     def _emit(self, row: Row, toks: list[int]) -> None:
         row.tokens.extend(toks)
@@ -518,24 +566,34 @@ class TritonPythonModel:
             runtime_method, opts["acceptance"] = "medusa", "typical"
         if resume:
             opts["resume"] = resume
-        busy = lambda: self._busy(method, len(reqs), disable_at_batch)  # noqa: E731
+        busy = lambda: self._busy(key, len(reqs))  # noqa: E731
+        answered: set[int] = set()
+
+        def on_finish(b: int, result) -> None:
+            answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
+            self._finished([(rows[b], result)])
+
         try:
             results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
-                             disable_at_batch=disable_at_batch, yield_to=busy, **opts)
+                             disable_at_batch=disable_at_batch, yield_to=busy, on_finish=on_finish, **opts)
         except Cancelled:
-            for j in jobs:
+            for j in self._unanswered(jobs):
                 self._fail(j.sender, "request cancelled by the client", "cancelled", method, "CANCELLED")
             return
         except Exception as e:  # noqa: BLE001 - report to the clients, keep serving
             pb_utils.Logger.log_error(f"decode failed ({method}, k={k}): {type(e).__name__}: {e}")
-            for j in jobs:
+            for j in self._unanswered(jobs):
                 self._fail(j.sender, f"decoding failed ({method}): {type(e).__name__}: {e}", "errors", method)
             return
         handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
-        for row, _ in handed:
-            row.job.plain = True  # speculation switched off mid-request: the rest decodes in the continuous batch
         self.pool.adopt([h for _, h in handed], [row for row, _ in handed])
-        self._finished([(row, r) for row, r in zip(rows, results, strict=True) if not isinstance(r, Handoff)])
+        self._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
+                        if not isinstance(r, Handoff) and b not in answered])
+
+    @staticmethod
+    def _unanswered(jobs: list[Job]) -> list[Job]:
+        """Jobs whose final response has not gone out (rows answered as they finished may have completed some)."""
+        return [j for j in jobs if any(r is None for r in j.results)]
 
     def _complete(self, job: Job, method: str, res: list, rws: list[Row]) -> None:
         """Count a finished request and send its final response (or its cancellation)."""
