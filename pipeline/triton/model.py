@@ -539,7 +539,7 @@ class TritonPythonModel:
         """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
         Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
         to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
-        from pipeline.runtime.decode import decode
+        from pipeline.runtime.decode import RESUMABLE, decode
         from pipeline.runtime.generate import Handoff
 
         method, k, use_logits, disable_at_batch = key
@@ -566,8 +566,13 @@ class TritonPythonModel:
             runtime_method, opts["acceptance"] = "medusa", "typical"
         if resume:
             opts["resume"] = resume
-        busy = lambda: self._busy(key, len(reqs))  # noqa: E731
         answered: set[int] = set()
+
+        def busy() -> bool:
+            # Also yield once half the batch has finished, so the rest resume without the finished rows:
+            # they would otherwise ride along in every verify pass until the longest row ends.
+            return self._busy(key, len(rows) - len(answered)) or (
+                method in RESUMABLE and bool(answered) and 2 * len(answered) >= len(rows))
 
         def on_finish(b: int, result) -> None:
             answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
