@@ -45,7 +45,7 @@ test: setup
 	$(PY) -m pytest -q tests $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check pipeline tests
+	$(VENV)/bin/ruff check pipeline tests experiments
 
 clean:
 	rm -rf engines triton_repo reports .pytest_cache
