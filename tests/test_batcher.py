@@ -123,15 +123,19 @@ def test_rows_a_speculative_loop_hands_off_finish_plainly_with_their_solo_tokens
     assert got["new"].tokens == generate(target, [extra])[0].tokens
 
 
-@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup"])
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup", "medusa"])
 def test_rows_go_speculative_plain_and_speculative_again_with_their_solo_tokens(target, method):
     """Speculation switched off (handoff into the continuous batch) and back on (release, resume) mid-request."""
     from pipeline.runtime.generate import Handoff
+    from pipeline.runtime.medusa import make_engine, medusa_generate
     from pipeline.runtime.speculative import draft_target, prompt_lookup
+    from tests.test_medusa import random_heads
 
     draft = tiny(base=target, noise=0.02, seed=7)
+    engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
     run = {"draft_target": lambda reqs, **kw: draft_target(target, draft, reqs, 3, emit, **kw),
-           "prompt_lookup": lambda reqs, **kw: prompt_lookup(target, reqs, 3, emit, max_ngram=2, **kw)}[method]
+           "prompt_lookup": lambda reqs, **kw: prompt_lookup(target, reqs, 3, emit, max_ngram=2, **kw),
+           "medusa": lambda reqs, **kw: medusa_generate(target, engine, reqs, emit, **kw)}[method]
     ps = prompts(2, 48, seed=64)
     reqs = [Request(p, n) for p, n in zip(ps, [45, 38])]
     streamed: dict = {}
@@ -151,7 +155,7 @@ def test_rows_go_speculative_plain_and_speculative_again_with_their_solo_tokens(
         (solo,) = generate(target, [req])
         assert done[b].tokens == solo.tokens and streamed[b] == solo.tokens, b
         assert done[b].steps >= 3 + 6 + 1 and done[b].draft_proposed >= before[b]
-    if method == "draft_target":
+    if method != "prompt_lookup":
         assert all(d.draft_proposed > p for d, p in zip(done, before))  # it speculated again
 
 

@@ -14,7 +14,7 @@ from pipeline.runtime.generate import Emit, Request, Result, generate
 from pipeline.runtime.model import Transformer
 
 METHODS = ("baseline", "draft_target", "prompt_lookup", "medusa")
-RESUMABLE = ("draft_target", "prompt_lookup")  # can continue rows handed off mid-request (`resume=`)
+RESUMABLE = ("draft_target", "prompt_lookup", "medusa")  # can continue rows handed off mid-request (`resume=`)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from pipeline.runtime.generate import (
     finish_or_hand_off,
     prefill,
     report_finished,
+    resume_cache,
 )
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer
@@ -343,38 +344,49 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
                     acceptance: str | None = None, posterior_threshold: float | None = None,
                     posterior_alpha: float | None = None, timings: dict | None = None,
                     yield_to: YieldTo | None = None, on_finish: OnFinish | None = None,
-                    **_unused) -> list[Result | Handoff]:
+                    resume: list[Handoff] | None = None, **_unused) -> list[Result | Handoff]:
     """Decode a batch with Medusa tree verification; see the module docstring for the acceptance rules.
 
     `acceptance`: None (greedy rows greedy, sampled rows exact), "exact", "greedy" or "typical"
     (lossy). Rows have their own committed lengths and accept different path lengths. `timings`, when
     given, accumulates seconds spent in heads / forward / logits / accept / compact (where the time goes).
     When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding;
-    `on_finish(b, result)` hears of each row as it finishes.
+    `resume` (Handoffs, with `reqs` their requests) continues such rows with Medusa, and `on_finish(b, result)`
+    hears of each row as it finishes.
     """
     clock = _Clock(timings)
-    start = time.perf_counter()
+    start: float | list[float] = time.perf_counter()
     rules = _check_acceptance(reqs, acceptance)
     eps = medusa.posterior_threshold if posterior_threshold is None else posterior_threshold
     alpha = medusa.posterior_alpha if posterior_alpha is None else posterior_alpha
     tree, heads = medusa.tree, medusa.heads
     K, depth_max = tree.topk(), tree.max_depth
     B = len(reqs)
-    seqs = [Sequence(r) for r in reqs]
-    gens = [r.params.generator() for r in reqs]
-    stats = [{"steps": 1, "draft_proposed": 0, "draft_accepted": 0, "accepted_per_position": [0] * depth_max,
-              "proposed_per_position": [0] * depth_max} for _ in reqs]
-    cache = target.new_cache(B, cache_length(reqs, tree.size))
-    hidden = prefill(target, cache, [r.prompt for r in reqs])
-    logits = target.logits(hidden)
-    probs = _warp_rows(logits, reqs, rules, [True] * B)
-    roots = torch.zeros(B, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        roots[b] = int(logits[b].argmax()) if rules[b] == "greedy" else int(sample(probs[b], gens[b]))
-        out = s.extend([int(roots[b])])
-        if out and on_emit:
-            on_emit(b, out)
-    L = torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long)
+    stats = [_medusa_stats(h.stats if resume else {}, depth_max) for h in (resume or reqs)]
+    if resume:
+        start = [h.start for h in resume]
+        seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
+        cache = resume_cache(target, resume, cache_length(reqs, tree.size))
+        roots = torch.tensor([h.token for h in resume], dtype=torch.long)
+        L = torch.tensor([h.cur for h in resume], dtype=torch.long)
+        # The heads need the hidden state that chose each pending token: feed the token before it again at
+        # its own slot (rewriting the same K/V), one target pass for the whole batch.
+        before = torch.tensor([[(h.seq.req.prompt + h.seq.tokens)[h.cur - 1]] for h in resume])
+        hidden = target(before, (L - 1)[:, None], cache)[:, 0]
+    else:
+        seqs = [Sequence(r) for r in reqs]
+        gens = [r.params.generator() for r in reqs]
+        cache = target.new_cache(B, cache_length(reqs, tree.size))
+        hidden = prefill(target, cache, [r.prompt for r in reqs])
+        logits = target.logits(hidden)
+        probs = _warp_rows(logits, reqs, rules, [True] * B)
+        roots = torch.zeros(B, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            roots[b] = int(logits[b].argmax()) if rules[b] == "greedy" else int(sample(probs[b], gens[b]))
+            out = s.extend([int(roots[b])])
+            if out and on_emit:
+                on_emit(b, out)
+        L = torch.tensor([len(r.prompt) for r in reqs], dtype=torch.long)
     reported = [False] * B
     report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     while not all(s.done for s in seqs):
@@ -426,6 +438,17 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         L = L + torch.tensor([0 if s.done else len(p) for s, p in zip(seqs, paths, strict=True)])
         report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     return finish(seqs, start, stats)
+
+
+def _medusa_stats(carried: dict, depth: int) -> dict:
+    """A row's statistics, continuing those a handoff carried (speculative steps, then plain ones)."""
+    def per(key: str) -> list[int]:
+        got = list(carried.get(key) or [])
+        return got + [0] * (depth - len(got))
+
+    return {"steps": carried.get("steps", 1), "draft_proposed": carried.get("draft_proposed", 0),
+            "draft_accepted": carried.get("draft_accepted", 0), "accepted_per_position": per("accepted_per_position"),
+            "proposed_per_position": per("proposed_per_position")}
 
 
 def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:

@@ -11,7 +11,7 @@ draft length) through `pipeline.runtime.decode.decode` when the continuous batch
 rows wait meanwhile, so neither kind starves). Between speculative rounds the worker looks at what
 has arrived: once the load reaches `disable_at_batch`, the running rows hand their KV cache over to
 the continuous batch and finish there, plainly, next to the newcomers; below it, newcomers of the
-same group (draft_target, prompt_lookup) join the running batch: its rows step aside into the
+same group (draft_target, prompt_lookup, medusa) join the running batch: its rows step aside into the
 continuous batch, the newcomers are prefilled next to them, and all speculate on together. Each row
 is answered as it finishes. A bad request gets an error naming the input and never disturbs the
 others; a cancelled request stops at its next step.
@@ -90,6 +90,13 @@ class Row:
     prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
     read: int = 0
     plain: bool = False  # took plain steps in the continuous batch since it last speculated
+
+
+def _resumable_method(method: str) -> bool:
+    """Rows of this method can step aside into the continuous batch and speculate again (`resume=`)."""
+    from pipeline.runtime.decode import RESUMABLE
+
+    return method in RESUMABLE or method == "medusa_typical"
 
 
 class TritonPythonModel:
@@ -336,7 +343,7 @@ class TritonPythonModel:
     def _busy(self, key: tuple, rows: int) -> bool:
         """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
         (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
-        from pipeline.runtime.decode import RESUMABLE, speculation_off
+        from pipeline.runtime.decode import speculation_off
 
         self._collect()
         if not self.waiting:
@@ -344,7 +351,7 @@ class TritonPythonModel:
         method, disable_at_batch = key[0], key[3]
         if speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
             return True
-        return method in RESUMABLE and any(
+        return _resumable_method(method) and any(
             self._group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
             for j in self.waiting)
 
@@ -401,10 +408,10 @@ class TritonPythonModel:
 
     def _resumable(self, key: tuple, rows: int) -> bool:
         """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
-        (draft_target, prompt_lookup), and `rows` of them stay below its disable_at_batch."""
-        from pipeline.runtime.decode import RESUMABLE, speculation_off
+        (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
+        from pipeline.runtime.decode import speculation_off
 
-        return (key[0] in RESUMABLE and all(self._group(t.job) == key for t in self.pool.tags())
+        return (_resumable_method(key[0]) and all(self._group(t.job) == key for t in self.pool.tags())
                 and not speculation_off(self.bundle, key[0], rows, key[3]))
 
     def _resume(self) -> bool:
@@ -539,7 +546,7 @@ class TritonPythonModel:
         """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
         Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
         to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
-        from pipeline.runtime.decode import RESUMABLE, decode
+        from pipeline.runtime.decode import decode
         from pipeline.runtime.generate import Handoff
 
         method, k, use_logits, disable_at_batch = key
@@ -572,7 +579,7 @@ class TritonPythonModel:
             # Also yield once half the batch has finished, so the rest resume without the finished rows:
             # they would otherwise ride along in every verify pass until the longest row ends.
             return self._busy(key, len(rows) - len(answered)) or (
-                method in RESUMABLE and bool(answered) and 2 * len(answered) >= len(rows))
+                _resumable_method(method) and bool(answered) and 2 * len(answered) >= len(rows))
 
         def on_finish(b: int, result) -> None:
             answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
