@@ -196,3 +196,32 @@ def test_a_speculative_batch_reports_each_row_as_it_finishes(target, method):
     order = [e[:2] for e in events]
     assert order.index(("finish", 2)) < order.index(("finish", 1)) < order.index(("finish", 0))
     assert any(e[:2] == ("emit", 0) for e in events[order.index(("finish", 1)) + 1:])  # row 0 ran on after
+
+
+def test_a_resumed_draft_keeps_its_cache_and_feeds_only_the_tokens_decoded_plainly(target):
+    """The draft's K/V travel with a handoff: after resume its first forward covers the few tokens decoded
+    plainly meanwhile, not the whole context; a request that joined through the continuous batch gets its
+    own draft prefill (batch 1, not padding the others); and a draft identical to the target still has every
+    token accepted (the carried and prefilled K/V are right)."""
+    from pipeline.runtime.speculative import draft_target
+
+    draft = tiny(base=target, noise=0.0)
+    fed: list = []
+    draft.register_forward_hook(lambda m, args, out: fed.append(tuple(args[0].shape)))
+    reqs = [Request(p, n) for p, n in zip(prompts(3, 48, seed=66, lo=40, hi=48), [40, 36, 20])]
+    calls = []
+    out = draft_target(target, draft, reqs[:2], 3, yield_to=lambda: calls.append(1) or len(calls) > 2)
+    pool = ContinuousBatch(target, max_rows=3, length=32)
+    pool.adopt(out, [0, 1])
+    pool.admit([reqs[2]], [2])
+    for _ in range(5):
+        pool.step()
+    back = pool.release(lambda tag: True)
+    fed.clear()
+    done = draft_target(target, draft, [h.seq.req for _, h in back], 3, resume=[h for _, h in back])
+    joined = back[2][1].cur
+    assert fed[0] == (1, joined) and joined >= 40  # the joined request's own draft prefill
+    assert fed[1][1] <= 4 + 5 + 1  # then last round's accepted tokens + 5 plain ones + the pending one
+    for b, req in enumerate(reqs):
+        assert done[b].tokens == generate(target, [req])[0].tokens
+        assert done[b].draft_accepted == done[b].draft_proposed > (out[b].stats["draft_proposed"] if b < 2 else 0)

@@ -37,6 +37,7 @@ class _Row:
     start: float
     stats: dict | None = None  # a row adopted from a speculative loop: its statistics so far
     base: int = 0  # tokens it had when adopted
+    draft: tuple | None = None  # the draft model's cache state, kept for resuming (Handoff.draft)
 
 
 class ContinuousBatch:
@@ -131,7 +132,7 @@ class ContinuousBatch:
         self._ensure(max(len(h.seq.req.prompt) + h.seq.req.max_new_tokens for h in handoffs) + 2)
         for h, tag in zip(handoffs, tags, strict=True):
             self.cache.copy_row(len(self.rows), h.cache, h.row, h.cur)
-            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens)))
+            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft))
 
     @torch.inference_mode()
     def release(self, take: Callable[[Any], bool]) -> list[tuple[Any, Handoff]]:
@@ -145,7 +146,7 @@ class ContinuousBatch:
         for j, i in enumerate(picked):
             r = self.rows[i]
             cache.copy_row(j, self.cache, i, r.cur)
-            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start)))
+            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start, r.draft)))
         for i in sorted(picked, reverse=True):
             self._drop(i)
         return out

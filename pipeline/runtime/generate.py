@@ -92,7 +92,9 @@ class Handoff:
     """An unfinished row a speculative loop gave up when its `yield_to` said so (the server got busy).
 
     Plain decoding continues it: cache row `row` of `cache` holds its K/V for slots before `cur`,
-    and `token` (already emitted) is the next one to feed, at position `cur`.
+    and `token` (already emitted) is the next one to feed, at position `cur`. `draft` (draft-model
+    loops) is (draft cache, row, slots fed): resuming copies it back, so the draft only catches up
+    on the tokens decoded plainly meanwhile instead of the whole context.
     """
 
     seq: Sequence
@@ -103,15 +105,17 @@ class Handoff:
     token: int
     stats: dict
     start: float
+    draft: tuple[KVCache, int, int] | None = None
 
 
 def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: list[dict],
                        gens: list[torch.Generator], cache: KVCache, cur: list[int],
-                       tokens: list[int]) -> list[Result | Handoff]:
+                       tokens: list[int], drafts: list | None = None) -> list[Result | Handoff]:
     """Results for the finished rows, Handoffs for the others (a speculative loop stopping early)."""
     starts = start if isinstance(start, list) else [start] * len(seqs)
     done = finish(seqs, starts, stats)
-    return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], starts[b])
+    return [r if s.done else Handoff(s, gens[b], cache, b, cur[b], tokens[b], stats[b], starts[b],
+                                     drafts[b] if drafts else None)
             for b, (s, r) in enumerate(zip(seqs, done, strict=True))]
 
 

@@ -168,6 +168,24 @@ class _ModelDrafter:
         prefill(self.model, self.cache, prompts)
         self.fed = [len(p) for p in prompts]
 
+    def resume(self, handoffs: list[Handoff]) -> None:
+        """Take back the draft K/V rows handed off with the target's; prefill rows that bring none (requests
+        that joined through the continuous batch) on their own, so the first round's catch-up stays short
+        for every row instead of padding all of them to the longest context."""
+        for b, h in enumerate(handoffs):
+            if h.draft is not None:
+                cache, row, fed = h.draft
+                fed = min(fed, h.cur, self.cache.length)
+                self.cache.copy_row(b, cache, row, fed)
+                self.fed[b] = fed
+            elif h.cur > 0:
+                prefill(self.model, self.cache.rows(b, b + 1), [(h.seq.req.prompt + h.seq.tokens)[:h.cur]])
+                self.fed[b] = h.cur
+
+    def hand_off(self) -> list[tuple]:
+        """Each row's draft state for its Handoff: (cache, row, context tokens whose K/V it holds)."""
+        return [(self.cache, b, f) for b, f in enumerate(self.fed)]
+
     def _full(self, probs: Tensor) -> Tensor:
         if self.ids is None:
             return probs
@@ -249,6 +267,12 @@ class _LookupDrafter:
     def prefill(self, prompts: list[list[int]]) -> None:
         pass
 
+    def resume(self, handoffs: list[Handoff]) -> None:
+        pass
+
+    def hand_off(self) -> None:
+        return None
+
     def lookup(self, ctx: list[int]) -> list[int]:
         L = len(ctx)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
@@ -280,7 +304,8 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
         start: float | list[float] = [h.start for h in resume]
         seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
         stats = [_Stats.of(h.stats, k) for h in resume]
-        cache = resume_cache(target, resume, length)  # the drafter's own cache starts empty: round one feeds it
+        cache = resume_cache(target, resume, length)
+        drafter.resume(resume)  # draft K/V handed off with the rows; round one feeds what it lacks
         ctx = [h.seq.req.prompt + h.seq.tokens for h in resume]
         pos = torch.tensor([h.cur for h in resume], device=dev)
     else:
@@ -305,7 +330,7 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
-                                      [c[-1] for c in ctx])
+                                      [c[-1] for c in ctx], drafter.hand_off())
         drafts, q, limit = drafter.propose(ctx, pos, gens)
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
