@@ -30,6 +30,22 @@ def _drive(pool: ContinuousBatch, arrivals: dict[int, list[tuple[int, Request]]]
     return out
 
 
+def _speculative(target, method: str, emit):
+    """`run(reqs, **options)` for `method` on the tiny target: a partly agreeing draft (k=3), prompt lookup, or
+    random Medusa heads on a 4-node tree."""
+    from pipeline.runtime.medusa import make_engine, medusa_generate
+    from pipeline.runtime.speculative import draft_target, prompt_lookup
+    from tests.test_medusa import random_heads
+
+    if method == "draft_target":
+        draft = tiny(base=target, noise=0.02, seed=7)
+        return lambda reqs, **kw: draft_target(target, draft, reqs, 3, emit, **kw)
+    if method == "prompt_lookup":
+        return lambda reqs, **kw: prompt_lookup(target, reqs, 3, emit, max_ngram=2, **kw)
+    engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
+    return lambda reqs, **kw: medusa_generate(target, engine, reqs, emit, **kw)
+
+
 def test_rows_joining_and_leaving_mid_flight_equal_their_solo_runs(target):
     ps = prompts(10, 48, seed=60)
     reqs = [Request(p, n, SamplingParams() if i % 3 else SamplingParams(0.9, seed=i), end_ids=(1,))
@@ -81,25 +97,13 @@ def test_admitting_more_rows_than_are_free_is_refused(target):
 @pytest.mark.parametrize("method", ["draft_target", "prompt_lookup", "medusa"])
 def test_rows_a_speculative_loop_hands_off_finish_plainly_with_their_solo_tokens(target, method):
     from pipeline.runtime.generate import Handoff
-    from pipeline.runtime.medusa import make_engine
-    from pipeline.runtime.speculative import draft_target, prompt_lookup
-    from tests.test_medusa import random_heads
-
     ps = prompts(3, 48, seed=63)
     reqs = [Request(p, n, end_ids=e) for p, n, e in zip(ps, [30, 3, 40], [(), (1,), (1,)])]
     calls = []
     yield_to = lambda: calls.append(1) or len(calls) > 3  # noqa: E731 - three rounds, then the server is busy
     streamed: dict = {}
     emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
-    if method == "draft_target":
-        out = draft_target(target, tiny(base=target, noise=0.02, seed=7), reqs, 3, emit, yield_to=yield_to)
-    elif method == "prompt_lookup":
-        out = prompt_lookup(target, reqs, 3, emit, max_ngram=2, yield_to=yield_to)
-    else:
-        from pipeline.runtime.medusa import medusa_generate
-
-        engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
-        out = medusa_generate(target, engine, reqs, emit, yield_to=yield_to)
+    out = _speculative(target, method, emit)(reqs, yield_to=yield_to)
     handed = {b: h for b, h in enumerate(out) if isinstance(h, Handoff)}
     assert sorted(handed) == [0, 2] and not isinstance(out[1], Handoff)
     assert all(h.stats["steps"] == 4 for h in handed.values())  # prefill + three rounds
@@ -127,19 +131,12 @@ def test_rows_a_speculative_loop_hands_off_finish_plainly_with_their_solo_tokens
 def test_rows_go_speculative_plain_and_speculative_again_with_their_solo_tokens(target, method):
     """Speculation switched off (handoff into the continuous batch) and back on (release, resume) mid-request."""
     from pipeline.runtime.generate import Handoff
-    from pipeline.runtime.medusa import make_engine, medusa_generate
-    from pipeline.runtime.speculative import draft_target, prompt_lookup
-    from tests.test_medusa import random_heads
 
-    draft = tiny(base=target, noise=0.02, seed=7)
-    engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
-    run = {"draft_target": lambda reqs, **kw: draft_target(target, draft, reqs, 3, emit, **kw),
-           "prompt_lookup": lambda reqs, **kw: prompt_lookup(target, reqs, 3, emit, max_ngram=2, **kw),
-           "medusa": lambda reqs, **kw: medusa_generate(target, engine, reqs, emit, **kw)}[method]
     ps = prompts(2, 48, seed=64)
     reqs = [Request(p, n) for p, n in zip(ps, [45, 38])]
     streamed: dict = {}
     emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
+    run = _speculative(target, method, emit)
     calls = []
     out = run(reqs, yield_to=lambda: calls.append(1) or len(calls) > 2)
     assert all(isinstance(h, Handoff) for h in out)
@@ -173,22 +170,12 @@ def test_resume_is_refused_where_it_cannot_continue_the_rows(target):
 def test_a_speculative_batch_reports_each_row_as_it_finishes(target, method):
     """on_finish hears of a short row while its long batch-mate still runs, once, with the Result the batch
     returns at the end (a server answers it then, not when the batch ends)."""
-    from pipeline.runtime.medusa import make_engine, medusa_generate
-    from pipeline.runtime.speculative import draft_target, prompt_lookup
-    from tests.test_medusa import random_heads
-
     ps = prompts(3, 48, seed=65)
     reqs = [Request(p, n) for p, n in zip(ps, [40, 4, 1])]
     events: list = []
     emit = lambda b, toks: events.append(("emit", b, len(toks)))  # noqa: E731
     on_finish = lambda b, r: events.append(("finish", b, list(r.tokens), r.draft_proposed))  # noqa: E731
-    if method == "draft_target":
-        out = draft_target(target, tiny(base=target, noise=0.02, seed=7), reqs, 3, emit, on_finish=on_finish)
-    elif method == "prompt_lookup":
-        out = prompt_lookup(target, reqs, 3, emit, max_ngram=2, on_finish=on_finish)
-    else:
-        engine = make_engine(random_heads(target), [[0], [1], [0, 0], [0, 0, 0]])
-        out = medusa_generate(target, engine, reqs, emit, on_finish=on_finish)
+    out = _speculative(target, method, emit)(reqs, on_finish=on_finish)
     finished = [e for e in events if e[0] == "finish"]
     assert sorted(e[1] for e in finished) == [0, 1, 2]
     for _, b, toks, proposed in finished:
