@@ -119,6 +119,18 @@ def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: 
             for b, (s, r) in enumerate(zip(seqs, done, strict=True))]
 
 
+def row_stats(carried: dict, width: int) -> dict:
+    """A speculative row's statistics: fresh (prefill counted as one step), or continuing those a handoff
+    carried (speculative rounds, then plain steps counted in `steps`); per-position lists at least `width` long."""
+    def per(key: str) -> list[int]:
+        got = list(carried.get(key) or [])
+        return got + [0] * (width - len(got))
+
+    return {"steps": carried.get("steps", 1), "draft_proposed": carried.get("draft_proposed", 0),
+            "draft_accepted": carried.get("draft_accepted", 0), "accepted_per_position": per("accepted_per_position"),
+            "proposed_per_position": per("proposed_per_position")}
+
+
 def report_finished(seqs: list[Sequence], reported: list[bool], start: float | list[float],
                     stats: Callable[[int], dict], on_finish: OnFinish | None) -> None:
     """Give `on_finish` each row's Result as soon as the row is done, once, while its batch-mates run on (a

@@ -52,6 +52,7 @@ from pipeline.runtime.generate import (
     prefill,
     report_finished,
     resume_cache,
+    row_stats,
 )
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer
@@ -362,8 +363,8 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     tree, heads = medusa.tree, medusa.heads
     K, depth_max = tree.topk(), tree.max_depth
     B = len(reqs)
-    stats = [_medusa_stats(h.stats if resume else {}, depth_max) for h in (resume or reqs)]
     if resume:
+        stats = [row_stats(h.stats, depth_max) for h in resume]
         start = [h.start for h in resume]
         seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
         cache = resume_cache(target, resume, cache_length(reqs, tree.size))
@@ -374,6 +375,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         before = torch.tensor([[(h.seq.req.prompt + h.seq.tokens)[h.cur - 1]] for h in resume])
         hidden = target(before, (L - 1)[:, None], cache)[:, 0]
     else:
+        stats = [row_stats({}, depth_max) for _ in reqs]
         seqs = [Sequence(r) for r in reqs]
         gens = [r.params.generator() for r in reqs]
         cache = target.new_cache(B, cache_length(reqs, tree.size))
@@ -438,17 +440,6 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         L = L + torch.tensor([0 if s.done else len(p) for s, p in zip(seqs, paths, strict=True)])
         report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     return finish(seqs, start, stats)
-
-
-def _medusa_stats(carried: dict, depth: int) -> dict:
-    """A row's statistics, continuing those a handoff carried (speculative steps, then plain ones)."""
-    def per(key: str) -> list[int]:
-        got = list(carried.get(key) or [])
-        return got + [0] * (depth - len(got))
-
-    return {"steps": carried.get("steps", 1), "draft_proposed": carried.get("draft_proposed", 0),
-            "draft_accepted": carried.get("draft_accepted", 0), "accepted_per_position": per("accepted_per_position"),
-            "proposed_per_position": per("proposed_per_position")}
 
 
 def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:

@@ -39,6 +39,7 @@ from pipeline.runtime.generate import (
     prefill,
     report_finished,
     resume_cache,
+    row_stats,
 )
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
@@ -107,21 +108,10 @@ def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tu
 
 
 class _Stats:
-    def __init__(self, k: int):
-        self.steps = 1
-        self.proposed = 0
-        self.accepted = 0
-        self.acc_pos = [0] * k
-        self.prop_pos = [0] * k
-
-    @classmethod
-    def of(cls, d: dict, k: int) -> _Stats:
-        """Statistics carried by a handoff (speculative rounds, then plain steps counted in `steps`)."""
-        st = cls(k)
-        st.steps, st.proposed, st.accepted = d.get("steps", 1), d.get("draft_proposed", 0), d.get("draft_accepted", 0)
-        st.acc_pos = list(d.get("accepted_per_position") or st.acc_pos)
-        st.prop_pos = list(d.get("proposed_per_position") or st.prop_pos)
-        return st
+    def __init__(self, k: int, carried: dict | None = None):
+        d = row_stats(carried or {}, k)
+        self.steps, self.proposed, self.accepted = d["steps"], d["draft_proposed"], d["draft_accepted"]
+        self.acc_pos, self.prop_pos = d["accepted_per_position"], d["proposed_per_position"]
 
     def add(self, proposed: int, accepted: int) -> None:
         grow = proposed - len(self.prop_pos)
@@ -303,7 +293,7 @@ def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit |
     if resume:
         start: float | list[float] = [h.start for h in resume]
         seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
-        stats = [_Stats.of(h.stats, k) for h in resume]
+        stats = [_Stats(k, h.stats) for h in resume]
         cache = resume_cache(target, resume, length)
         drafter.resume(resume)  # draft K/V handed off with the rows; round one feeds what it lacks
         ctx = [h.seq.req.prompt + h.seq.tokens for h in resume]
