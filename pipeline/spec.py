@@ -43,6 +43,11 @@ class TargetSpec:
     source: str = "smollm2"
     # Name of the model family, used by the TensorRT-LLM planner (examples/<family>/convert_checkpoint.py).
     family: Literal["llama", "mistral", "qwen", "gemma"] = "llama"
+    # Weight-only quantization of the target's linear layers and LM head (TensorRT-LLM's W8A16 / W4A16):
+    # int8 per output channel, int4 group-wise (group_size input columns share a scale). int4_awq and
+    # fp8 go through TensorRT-LLM's quantization script and exist for the tensorrt_llm backend only.
+    quantization: Literal["none", "int8", "int4", "int4_awq", "fp8"] = "none"
+    group_size: int = 128
 
 
 @dataclass
@@ -53,6 +58,9 @@ class DraftSpec:
     # Reduced draft vocabulary: keep this many of the most frequent target tokens (0 = full vocabulary).
     vocab: int = 0
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    # Weight-only quantization of the draft, as target.quantization (the draft's bytes set its cost).
+    quantization: Literal["none", "int8", "int4", "int4_awq", "fp8"] = "none"
+    group_size: int = 128
     train: TrainBudget = field(default_factory=TrainBudget)
 
 
@@ -137,6 +145,8 @@ class TensorRTLLMSpec:
     draft_arch: str = "auto"
     # Tensor parallelism of the draft engine (draft-target); its GPUs follow the target's when free.
     draft_tp: int = 1
+    # KV cache precision: "auto" follows the model dtype; fp8 (Hopper/Ada) or int8 halve the cache.
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
     # Decoupled (streaming) transaction policy for the LLM models; unary gRPC infer needs false.
     decoupled: bool = False
 
@@ -324,6 +334,20 @@ def validate(spec: Spec) -> Spec:
         _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
                spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
                "number of tokens: set it to 0 for the tensorrt_llm backend")
+    for key, q, g in (("target", spec.target.quantization, spec.target.group_size),
+                      ("draft", spec.draft.quantization, spec.draft.group_size)):
+        if spec.backend == "torch":
+            _check(q in ("none", "int8", "int4"), f"{key}.quantization", q,
+                   "the torch backend quantizes weight-only: none, int8 or int4 (int4_awq and fp8 need "
+                   "backend: tensorrt_llm)")
+        if q in ("int4", "int4_awq"):
+            _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
+    _check(spec.draft.quantization == "none" or spec.has_draft, "draft.quantization", spec.draft.quantization,
+           "quantizes the draft model: set draft.source, or leave quantization: none")
+    if spec.backend == "torch":
+        _check(spec.tensorrt_llm.kv_cache_dtype == "auto", "tensorrt_llm.kv_cache_dtype",
+               spec.tensorrt_llm.kv_cache_dtype, "a quantized KV cache is a tensorrt_llm backend setting: "
+               "leave it 'auto' for backend: torch")
     _check(spec.draft.layers >= 1, "draft.layers", spec.draft.layers, "must be 1 or more")
     _check(spec.draft.vocab >= 0, "draft.vocab", spec.draft.vocab, "must be 0 (full vocabulary) or a token count")
     _validate_budget(spec.draft.train, "draft.train")
