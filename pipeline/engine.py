@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.runtime.model import ModelConfig, Transformer, build_model, hf_to_runtime
+from pipeline.runtime.model import ARCHITECTURES, ModelConfig, Transformer, build_model, hf_to_runtime
 from pipeline.spec import Spec
 
 ENGINE_FORMAT = "pipeline-torch-engine/1"
@@ -108,7 +108,8 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
         "version": ENGINE_FORMAT,
         "backend": "torch",
         "pretrained_config": {
-            "architecture": "LlamaForCausalLM",
+            "architecture": ARCHITECTURES.get(mcfg.model_type, "LlamaForCausalLM"),
+            **({"qwen_type": "qwen2"} if mcfg.model_type == "qwen2" else {}),
             "dtype": dtype,
             "vocab_size": mcfg.vocab_size,
             "hidden_size": mcfg.hidden_size,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.runtime.model import FAMILIES
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -82,9 +84,9 @@ def load_hf(src: Source) -> tuple[dict[str, Any], dict, Any]:
         raise SourceError(f"cannot load {src.description} from {src.path}: {e}") from None
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
-    if cfg.get("model_type") not in ("llama", "mistral"):
+    if cfg.get("model_type") not in FAMILIES:
         raise SourceError(f"{src.path}: model_type {cfg.get('model_type')!r} is not a Llama-family model; "
-                          "the torch runtime supports llama and mistral")
+                          f"the torch runtime supports {', '.join(FAMILIES)}")
     state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
     return cfg, state, tok
 

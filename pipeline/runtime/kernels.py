@@ -64,7 +64,7 @@ def _load():
     P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.skinny_matmul.argtypes = [P, P, P] + [Int] * 5
     lib.fused_linear.argtypes = [P, P, F32, P, P] + [Int] * 7
-    lib.rope_write.argtypes = [P] * 8 + [Int] * 6
+    lib.rope_write.argtypes = [P] * 9 + [Int] * 6
     lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
     for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
         f.restype = None
@@ -126,12 +126,13 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None 
 
 
 def rope_write(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int) -> torch.Tensor:
-    """Rotate q/k, write k/v into the caches at `slots`; return rotated q [B, S, Hq, D]."""
+               kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Add the q/k/v bias (fp32, when given), rotate q/k, write k/v into the caches at `slots`; return rotated q."""
     B, S, _, D = qkv.shape
     q = torch.empty(B, S, hq, D, dtype=torch.float32)
-    _lib.rope_write(qkv.data_ptr(), pos.data_ptr(), slots.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                    kc.data_ptr(), vc.data_ptr(), B, S, hq, hkv, D, kc.shape[2])
+    _lib.rope_write(qkv.data_ptr(), bias.data_ptr() if bias is not None else None, pos.data_ptr(), slots.data_ptr(),
+                    cos.data_ptr(), sin.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), B, S, hq, hkv, D,
+                    kc.shape[2])
     return q
 
 

@@ -17,6 +17,9 @@ from torch import Tensor, nn
 from pipeline.runtime import kernels
 from pipeline.runtime.kernels import linear
 
+FAMILIES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
 
 @dataclass
 class ModelConfig:
@@ -33,17 +36,28 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: list[int] | None = None
+    # Qwen2 adds a bias to the q, k and v projections (Llama-family blocks otherwise).
+    qkv_bias: bool = False
+    model_type: str = "llama"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        """Read a transformers LlamaConfig dict; refuse features this runtime does not implement."""
+        """Read a transformers Llama/Mistral/Qwen2 config dict; refuse features this runtime does not implement."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not supported by the torch runtime; "
+                             f"it runs {', '.join(FAMILIES)}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type")) not in (None, "default"):
             raise ValueError(f"rope type {rope} is not supported by the torch runtime; "
                              "use a model without rope scaling")
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("attention_bias/mlp_bias models are not supported by the torch runtime")
+        if cfg.get("mlp_bias") or cfg.get("attention_bias"):
+            raise ValueError("mlp_bias / attention_bias (biases on o_proj and the MLP) are not supported by the "
+                             "torch runtime; Qwen2's q/k/v biases are")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window: true) is not supported by the torch "
+                             "runtime; use a checkpoint with use_sliding_window: false")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -60,6 +74,8 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=[eos] if isinstance(eos, int) else eos,
+            qkv_bias=model_type == "qwen2",
+            model_type=model_type,
         )
 
     def to_dict(self) -> dict:
@@ -129,7 +145,7 @@ class Block(nn.Module):
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q, cfg.hidden_size, bias=False)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -142,7 +158,7 @@ class Block(nn.Module):
         B, S, _ = x.shape
         qkv = kernels.fused_linear(x, self.wqkv.weight, norm=self.attn_norm.weight, eps=cfg.rms_norm_eps)
         q = kernels.rope_write(qkv.view(B, S, -1, cfg.head_dim), pos, slots, *tables, kc, vc, cfg.num_heads,
-                               cfg.num_kv_heads)
+                               cfg.num_kv_heads, bias=self.wqkv.bias)
         o = kernels.attention(q, kc, vc, mask, kv_len)
         kernels.fused_linear(o.view(B, S, -1), self.wo.weight, out=x)
         h = kernels.fused_linear(x, self.w13.weight, norm=self.ffn_norm.weight, eps=cfg.rms_norm_eps)
@@ -155,7 +171,10 @@ class Block(nn.Module):
         B, S, _ = x.shape
         D = cfg.head_dim
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(self.attn_norm(x), self.wqkv.weight).view(B, S, Hq + 2 * Hkv, D)
+        qkv = linear(self.attn_norm(x), self.wqkv.weight)
+        if self.wqkv.bias is not None:
+            qkv = qkv + self.wqkv.bias.to(qkv.dtype)
+        qkv = qkv.view(B, S, Hq + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)
         q = qk[:, :, :Hq].transpose(1, 2)
         kc[rows, :, slots] = qk[:, :, Hq:]
@@ -240,6 +259,9 @@ def hf_to_runtime(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
         out[f"layers.{i}.ffn_norm.weight"] = state[p + "post_attention_layernorm.weight"]
         out[f"layers.{i}.wqkv.weight"] = torch.cat(
             [state[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+        if cfg.qkv_bias:
+            out[f"layers.{i}.wqkv.bias"] = torch.cat(
+                [state[p + f"self_attn.{n}_proj.bias"] for n in ("q", "k", "v")], dim=0)
         out[f"layers.{i}.wo.weight"] = state[p + "self_attn.o_proj.weight"]
         out[f"layers.{i}.w13.weight"] = torch.cat(
             [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0)
@@ -259,6 +281,10 @@ def runtime_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
         wq, wk, wv = state[r + "wqkv.weight"].split([q, kv, kv], dim=0)
         out[p + "self_attn.q_proj.weight"], out[p + "self_attn.k_proj.weight"] = wq, wk
         out[p + "self_attn.v_proj.weight"] = wv
+        if cfg.qkv_bias:
+            bq, bk, bv = state[r + "wqkv.bias"].split([q, kv, kv], dim=0)
+            out[p + "self_attn.q_proj.bias"], out[p + "self_attn.k_proj.bias"] = bq, bk
+            out[p + "self_attn.v_proj.bias"] = bv
         out[p + "self_attn.o_proj.weight"] = state[r + "wo.weight"]
         gate, up = state[r + "w13.weight"].chunk(2, dim=0)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
@@ -274,8 +300,9 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
     """Construct on the meta device and assign weights, so nothing is initialised twice."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    # Norm weights stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32.
-    state = {k: v.to(device=device, dtype=torch.float32 if "norm" in k and device_type(device) == "cpu" else dtype)
+    # Norm weights and biases stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32.
+    state = {k: v.to(device=device, dtype=torch.float32 if ("norm" in k or k.endswith(".bias"))
+                     and device_type(device) == "cpu" else dtype)
              for k, v in state.items()}
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["embed.weight"])

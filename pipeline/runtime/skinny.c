@@ -143,10 +143,11 @@ void fused_linear(const float *x, const float *g, float eps, const void *w, floa
     free(buf);
 }
 
-// qkv [B, S, Hq + 2 Hkv, D]: rotate q and k (half-rotation RoPE, cos/sin tables [*, D] indexed by pos),
-// write q to q_out [B, S, Hq, D] and k, v to the caches [B, Hkv, L, D] at each token's slot.
-void rope_write(const float *qkv, const int64_t *pos, const int64_t *slots, const float *cos_t, const float *sin_t,
-                float *q_out, float *kc, float *vc, int B, int S, int Hq, int Hkv, int D, int L) {
+// qkv [B, S, Hq + 2 Hkv, D]: add the q/k/v bias [(Hq + 2 Hkv) D] when given (Qwen2), rotate q and k
+// (half-rotation RoPE, cos/sin tables [*, D] indexed by pos), write q to q_out [B, S, Hq, D] and k, v to
+// the caches [B, Hkv, L, D] at each token's slot.
+void rope_write(const float *qkv, const float *bias, const int64_t *pos, const int64_t *slots, const float *cos_t,
+                const float *sin_t, float *q_out, float *kc, float *vc, int B, int S, int Hq, int Hkv, int D, int L) {
     int H = Hq + 2 * Hkv, half = D / 2;
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
@@ -155,17 +156,22 @@ void rope_write(const float *qkv, const int64_t *pos, const int64_t *slots, cons
             const float *row = qkv + t * H * D;
             for (int h = 0; h < Hq + Hkv; h++) {
                 const float *x = row + (int64_t)h * D;
+                const float *bh = bias ? bias + (int64_t)h * D : NULL;
                 float *o = h < Hq ? q_out + (t * Hq + h) * D
                                   : kc + (((int64_t)b * Hkv + (h - Hq)) * L + slots[t]) * D;
                 for (int i = 0; i < half; i++) {
                     float x1 = x[i], x2 = x[i + half];
+                    if (bh) { x1 += bh[i]; x2 += bh[i + half]; }
                     o[i] = x1 * c[i] - x2 * sn[i];
                     o[i + half] = x2 * c[i + half] + x1 * sn[i + half];
                 }
             }
             for (int h = 0; h < Hkv; h++) {
                 const float *x = row + (int64_t)(Hq + Hkv + h) * D;
-                memcpy(vc + (((int64_t)b * Hkv + h) * L + slots[t]) * D, x, sizeof(float) * D);
+                float *o = vc + (((int64_t)b * Hkv + h) * L + slots[t]) * D;
+                if (!bias) { memcpy(o, x, sizeof(float) * D); continue; }
+                const float *bh = bias + (int64_t)(Hq + Hkv + h) * D;
+                for (int i = 0; i < D; i++) o[i] = x[i] + bh[i];
             }
         }
 }

@@ -1,0 +1,104 @@
+"""Qwen2 in the torch runtime: q/k/v biases (C kernels and torch path), rope theta, separate output weight."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from pipeline.runtime import kernels
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import ModelConfig, build_model, hf_to_runtime, runtime_to_hf
+from pipeline.runtime.speculative import draft_target, prompt_lookup
+
+TOL = 1e-4
+
+
+def _qwen(seed=0, tie=False):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie, use_sliding_window=False)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # the default init is zero, which would hide a dropped bias
+    mc = ModelConfig.from_hf(cfg.to_dict())
+    return hf, mc, build_model(mc, hf_to_runtime(hf.state_dict(), mc), torch.float32, "cpu")
+
+
+def test_qwen2_config_reads_bias_theta_and_untied_head():
+    _, mc, ours = _qwen()
+    assert mc.qkv_bias and mc.model_type == "qwen2" and mc.rope_theta == 1e6 and not mc.tie_embeddings
+    assert ours.layers[0].wqkv.bias is not None
+    assert ours.lm_head.weight.data_ptr() != ours.embed.weight.data_ptr()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["c-kernels", "torch"])
+def test_qwen2_prefill_and_decode_logits_match_transformers(fast, monkeypatch):
+    hf, _, ours = _qwen()
+    if not fast:
+        monkeypatch.setattr(kernels, "fast_path", lambda tokens: False)
+    elif not kernels.available():
+        pytest.skip("no C kernel on this machine")
+    ids = torch.randint(0, 101, (1, 14))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    cache = ours.new_cache(1, 64)
+    got = ours.logits(ours(ids[:, :6], torch.arange(6)[None], cache))[0]
+    assert (got - ref[:6]).abs().max() <= TOL
+    for t in range(6, 14):
+        step = ours.logits(ours(ids[:, t:t + 1], torch.tensor([[t]]), cache))[0, 0]
+        assert (step - ref[t]).abs().max() <= TOL
+
+
+def test_qwen2_without_biases_differs_so_the_bias_is_really_applied():
+    hf, mc, ours = _qwen()
+    state = hf_to_runtime(hf.state_dict(), mc)
+    zeroed = {k: (torch.zeros_like(v) if k.endswith("wqkv.bias") else v) for k, v in state.items()}
+    other = build_model(mc, zeroed, torch.float32, "cpu")
+    ids = torch.randint(0, 101, (1, 8))
+    a = ours.logits(ours(ids, torch.arange(8)[None], ours.new_cache(1, 16)))
+    b = other.logits(other(ids, torch.arange(8)[None], other.new_cache(1, 16)))
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_qwen2_layout_round_trips_to_hf_keys():
+    hf, mc, ours = _qwen()
+    back = runtime_to_hf(ours.state_dict(), mc)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(back[k], v), k
+
+
+def test_qwen2_sliding_window_is_refused():
+    cfg = Qwen2Config(vocab_size=101, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(cfg.to_dict())
+
+
+def test_qwen2_greedy_equals_transformers_generate():
+    hf, _, ours = _qwen(seed=2)
+    g = torch.Generator().manual_seed(1)
+    for n in (3, 11):
+        ids = torch.randint(0, 101, (1, n), generator=g)
+        ref = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, n:].tolist()
+        (res,) = generate(ours, [Request(ids[0].tolist(), 20)])
+        assert res.tokens == ref
+
+
+def test_qwen2_speculative_greedy_equals_baseline_in_a_ragged_batch():
+    _, mc, target = _qwen(seed=3)
+    # A partly agreeing Qwen2 draft: the target's weights with noise (biases included).
+    g = torch.Generator().manual_seed(5)
+    st = {k: v * (1 + 0.1 * torch.randn(v.shape, generator=g)) for k, v in target.state_dict().items()}
+    draft = build_model(mc, st, torch.float32, "cpu")
+    gp = torch.Generator().manual_seed(9)
+    reqs = [Request(torch.randint(2, 101, (n,), generator=gp).tolist(), m) for n, m in ((4, 25), (13, 9), (7, 31))]
+    base = generate(target, reqs)
+    for k in (2, 4):
+        spec = draft_target(target, draft, reqs, k)
+        assert [r.tokens for r in spec] == [r.tokens for r in base]
+        assert sum(r.draft_accepted for r in spec) > 0
+    lookup = prompt_lookup(target, reqs, 3)
+    assert [r.tokens for r in lookup] == [r.tokens for r in base]
