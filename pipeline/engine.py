@@ -144,6 +144,16 @@ def save_tokenizer(tok, dest: Path) -> None:
     tok.save_pretrained(str(dest))
 
 
+def end_ids(mcfg: ModelConfig, tok) -> list[int]:
+    """Every id that ends a turn: the config's, the tokenizer's eos, and for Qwen2 also <|endoftext|>
+    (its generation config stops on both <|im_end|> and <|endoftext|>)."""
+    ids = list(mcfg.eos_token_id or [])
+    extra = [tok.eos_token_id]
+    if mcfg.model_type == "qwen2":
+        extra.append(tok.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tok.get_vocab() else None)
+    return ids + [i for i in extra if i is not None and i not in ids]
+
+
 def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/target from the spec's target source (a no-op when inputs are unchanged)."""
     from pipeline import sources
@@ -158,13 +168,14 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     t0 = time.perf_counter()
     log(f"loading {src.description} ...")
     hf_cfg, state, tok = sources.load_hf(src)
+    dtype = DTYPES[spec.dtype]
+    for k in list(state):  # in place, key by key: a 1.5B model in fp32 is 6 GB, so never hold two copies
+        state[k] = state[k].to(dtype)
     mcfg = ModelConfig.from_hf(hf_cfg)
-    if tok.eos_token_id is not None and tok.eos_token_id not in (mcfg.eos_token_id or []):
-        mcfg.eos_token_id = [*(mcfg.eos_token_id or []), tok.eos_token_id]
+    mcfg.eos_token_id = end_ids(mcfg, tok)
     if spec.limits.max_seq_len > mcfg.max_position_embeddings:
         raise EngineError(f"limits.max_seq_len {spec.limits.max_seq_len} exceeds the model's "
                           f"max_position_embeddings {mcfg.max_position_embeddings}; lower it")
-    dtype = DTYPES[spec.dtype]
 
     def write(tmp: Path) -> dict:
         weights = {k: v.to(dtype).contiguous() for k, v in hf_to_runtime(state, mcfg).items()}

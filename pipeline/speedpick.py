@@ -57,15 +57,27 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
 
 
 def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
-                       max_new: int = 48) -> list[float]:
-    """P(draft position i is accepted) for i < max_k, greedy, over the given prompts."""
+                       max_new: int = 48, emitted: list[int] | None = None) -> list[float]:
+    """P(draft position i is accepted) for i < max_k, greedy, over the given prompts; the target's tokens
+    are appended to `emitted` when given."""
     from pipeline.runtime.speculative import draft_target
 
     acc, prop = [0] * max_k, [0] * max_k
     for r in draft_target(target, draft, [Request(p, max_new) for p in prompts], max_k):
         acc = [a + b for a, b in zip(acc, r.accepted_per_position)]
         prop = [a + b for a, b in zip(prop, r.proposed_per_position)]
+        if emitted is not None:
+            emitted += r.tokens
     return [a / p if p else 0.0 for a, p in zip(acc, prop)]
+
+
+def vocab_coverage(draft: Transformer, tokens: list[int]) -> float | None:
+    """Share of the target's tokens a reduced draft head can propose (None for a full head)."""
+    ids = getattr(draft, "vocab_ids", None)
+    if ids is None or not tokens:
+        return None
+    kept = set(ids.tolist())
+    return sum(t in kept for t in tokens) / len(tokens)
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -103,13 +115,20 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
                      log=print) -> dict:
     """Measure, print the table, return the `speculation` block stored in the draft engine's config."""
     costs = measure_costs(target, draft, max_k)
-    rates = measure_acceptance(target, draft, prompts, max_k)
+    emitted: list[int] = []
+    rates = measure_acceptance(target, draft, prompts, max_k, emitted=emitted)
     rows = speed_table(costs, rates)
     best = max(rows, key=lambda r: r["speedup"])
     log(format_table(rows, costs))
     log(f"num_draft_tokens: auto -> k = {best['k']} (expected speedup {best['speedup']:.2f}x on this machine)")
-    return {"num_draft_tokens": best["k"], "chosen_by": "measured", "expected_speedup": best["speedup"],
-            "table": rows, "costs_s": costs}
+    out = {"num_draft_tokens": best["k"], "chosen_by": "measured", "expected_speedup": best["speedup"],
+           "table": rows, "costs_s": costs, "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
+    cov = vocab_coverage(draft, emitted)
+    if cov is not None:
+        out["coverage"] = round(cov, 4)
+        log(f"reduced draft head covers {cov:.1%} of the target's tokens on the tuning prompts")
+    log(f"draft step = {out['draft_step_fraction']:.3f} of a target step")
+    return out
 
 
 def store(engine_dir: Path, speculation: dict) -> None:

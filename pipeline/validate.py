@@ -95,6 +95,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         for m in methods:
             _request(url, chat_text(tok, warm), 8, m)
         report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
+                        "trimmed": trimmed(spec),
                         "acceptance_definition": "acceptance_rate = accepted draft tokens / proposed draft tokens; "
                         "mean_accepted_len = tokens emitted per target forward pass",
                         "methods": {}, "peers": {}}
@@ -136,19 +137,23 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         report["suspicious"] = suspicious(report, bundle)
 
         # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
-        hf = hf_model(bundle.target, torch.float32)
+        # Peers in the engine's own dtype (the pair: bf16 both), so the comparison is like for like.
+        peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
+        hf = hf_model(bundle.target, peer_dtype)
         ids = [tokens_of(tok, t) for t in texts[: max(2, len(texts) // 2)]]
         report["peers"]["hf_generate"] = {"tokens_per_s": statistics.median(
-            [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids)}
+            [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids),
+            "dtype": str(peer_dtype).removeprefix("torch.")}
         draft_dir = spec.engine_dir / "draft_hf"
         if draft_dir.is_dir():
             from transformers import AutoModelForCausalLM
 
-            d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+            d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype).eval()
             k = default_k(bundle, "draft_target")
             report["peers"]["hf_assisted"] = {"tokens_per_s": statistics.median(
                 [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
-                "num_assistant_tokens": k}
+                "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}
+            del d
         else:
             report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
         del hf
@@ -174,6 +179,27 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     finally:
         if started is not None:
             started.stop()
+
+
+def trimmed(spec: Spec) -> list[str]:
+    """What this run leaves out against the full validation (the defaults and the whole prompt file)."""
+    from pipeline.sources import read_prompts
+    from pipeline.spec import ValidateSpec
+
+    v, full = spec.validate, ValidateSpec()
+    out = []
+    total = len(read_prompts(spec.path(v.prompts)))
+    if v.max_prompts and v.max_prompts < total - 1:
+        out.append(f"{v.max_prompts} of {total - 1} prompts (validate.max_prompts)")
+    for key, what in (("max_new_tokens", "new tokens per request"), ("distribution_samples", "distribution samples")):
+        if getattr(v, key) < getattr(full, key):
+            out.append(f"{getattr(v, key)} {what} (full run: {getattr(full, key)}; validate.{key})")
+    if max(v.concurrency) < max(full.concurrency):
+        out.append(f"concurrency curve to {max(v.concurrency)} (full run: to {max(full.concurrency)}; "
+                   "validate.concurrency)")
+    if len(v.temperatures) < len(full.temperatures):
+        out.append(f"temperatures {v.temperatures} (full run: {full.temperatures}; validate.temperatures)")
+    return out
 
 
 def _mean_accepted(rs: list[dict]) -> float:
@@ -416,6 +442,8 @@ def plots(report: dict, out: Path) -> None:
 def markdown(r: dict) -> str:
     lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
              "", r["acceptance_definition"], "",
+             *([f"Trimmed to fit the main job's time budget: {'; '.join(r['trimmed'])}.", ""] if r.get("trimmed")
+               else []),
              "| method | tokens/s | speedup | acceptance | mean accepted len | greedy identical | p50 ms | p95 ms |"
              " TTFT p50 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for m, e in r["methods"].items():

@@ -48,6 +48,7 @@ from pipeline.spec import Spec
 TEACHER_TOPK = 32
 HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
 HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
+TUNE_PROMPTS = 8  # a pretrained draft's k and vocabulary are chosen on this many training prompts
 
 
 def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
@@ -255,18 +256,25 @@ def hf_state(draft: Transformer, vocab_ids: Tensor | None) -> dict[str, Tensor]:
 
 
 def save_hf(dest: Path, hf_cfg: dict, state: dict[str, Tensor], tokenizer, dtype: str, tied: bool) -> None:
-    """An ordinary LlamaForCausalLM directory, written to a temporary dir and renamed into place."""
-    from transformers import LlamaConfig
+    """An ordinary Hugging Face checkpoint of the draft's family (Llama, Mistral, Qwen2), written to a
+    temporary dir and renamed into place."""
+    from transformers import CONFIG_MAPPING
+
+    from pipeline.runtime.model import ARCHITECTURES
 
     cfg = dict(hf_cfg)
-    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype"):
+    model_type = cfg.pop("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+        model_type = "llama"
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "layer_types",
+                "_model_name_or_path"):
         cfg.pop(key, None)
     cfg.update(num_hidden_layers=state_layers(state), tie_word_embeddings=tied, dtype=dtype,
-               architectures=["LlamaForCausalLM"], model_type="llama")
+               architectures=[ARCHITECTURES[model_type]])
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
-        LlamaConfig(**cfg).save_pretrained(str(tmp))
+        CONFIG_MAPPING[model_type](**cfg).save_pretrained(str(tmp))
         st = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
         save_file(st, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(str(tmp))
@@ -362,14 +370,27 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         out = train_draft(target, data, torch.tensor(data["held"]), spec, log=log)
         draft, vocab_ids, stats = out["model"], out["vocab_ids"], out["stats"]
         draft_tok, source_desc = tok, f"distilled from {tdir} ({stats['steps']} steps)"
+        hf_draft_state = hf_state(draft, vocab_ids)
+        held_prompts = [chat_ids(tok, p) for p in held_texts] or [chat_ids(tok, p) for p in texts[:4]]
     else:
         draft, hf_draft_cfg, draft_tok, _ = load_source_draft(spec, tok, log)
         hf_cfg, source_desc = hf_draft_cfg, f"{spec.draft.source}"
+        # The HF checkpoint keeps the pretrained draft whole (full head), for transformers and TensorRT-LLM.
+        hf_draft_state = runtime_to_hf(draft.state_dict(), draft.cfg)
+        # A pretrained draft is tuned (k, vocabulary) on the training prompts; the evaluation prompts stay unseen.
+        tune = train_texts if train_path.is_file() else held_texts
+        held_prompts = [chat_ids(tok, p) for p in tune[:TUNE_PROMPTS]] or [chat_ids(tok, p) for p in texts[:4]]
+        if 0 < spec.draft.vocab < draft.cfg.vocab_size:
+            vocab_ids = pretrained_vocab(tok, held_prompts, spec.draft.vocab, draft.cfg.vocab_size)
+            attach_draft_head(draft, draft.lm_head.weight[vocab_ids].clone(), vocab_ids)
+            log(f"reduced draft head: {len(vocab_ids)} of {draft.cfg.vocab_size} tokens")
     dtype = draft_dtype(spec)
-    held_prompts = [chat_ids(tok, p) for p in held_texts] or [chat_ids(tok, p) for p in texts[:4]]
     speculation = choose_k(spec, target, draft, held_prompts, dtype, log)
-    hf_tied = vocab_ids is None and draft.cfg.tie_embeddings
-    save_hf(hf_dest, hf_cfg, hf_state(draft, vocab_ids), draft_tok, dtype, hf_tied)
+    if vocab_ids is not None and "coverage" in speculation:
+        stats = {**stats, "vocab_coverage": speculation["coverage"]}
+    hf_tied = vocab_ids is None and draft.cfg.tie_embeddings if spec.draft.source == "train" else \
+        draft.cfg.tie_embeddings
+    save_hf(hf_dest, hf_cfg, hf_draft_state, draft_tok, dtype, hf_tied)
 
     def write(tmp: Path) -> dict:
         st = {k: v.to(DTYPES[dtype]).contiguous() for k, v in draft.state_dict().items()
@@ -390,6 +411,22 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     write_atomic(dest, write)
     log(f"draft engine built in {time.perf_counter() - t0:.0f}s: {dest} (HF checkpoint: {hf_dest})")
     return dest
+
+
+def pretrained_vocab(tok, prompts: list[list[int]], n: int, V: int) -> Tensor:
+    """The kept tokens of a pretrained draft's reduced head: special and added tokens, every token of the
+    tuning prompts, then the lowest ids. Byte-level BPE ids follow merge order, the order of pair frequency
+    in the tokenizer's training corpus, so low ids are the common subwords; the build reports the share of
+    the target's own tokens the set covers (`vocab_coverage`)."""
+    order = [*tok.all_special_ids, *getattr(tok, "added_tokens_decoder", {}), *(i for p in prompts for i in p),
+             *range(V)]
+    keep: dict[int, None] = {}
+    for i in order:
+        if 0 <= i < V:
+            keep.setdefault(i)
+            if len(keep) == n:
+                break
+    return torch.tensor(sorted(keep), dtype=torch.long)
 
 
 def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[list[int]], dtype: str,
