@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from pipeline.runtime.model import ARCHITECTURES, ModelConfig, Transformer, build_model, hf_to_runtime
 from pipeline.spec import Spec
@@ -140,6 +141,39 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
     }
 
 
+def save_hf(dest: Path, hf_cfg: dict, state: dict[str, Tensor], tokenizer, dtype: str, tied: bool) -> None:
+    """An ordinary Hugging Face checkpoint of the draft's family (Llama, Mistral, Qwen2), written to a
+    temporary dir and renamed into place."""
+    from transformers import CONFIG_MAPPING
+
+    cfg = dict(hf_cfg)
+    model_type = cfg.pop("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+        model_type = "llama"
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "layer_types",
+                "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg.update(num_hidden_layers=state_layers(state), tie_word_embeddings=tied, dtype=dtype,
+               architectures=[ARCHITECTURES[model_type]])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        CONFIG_MAPPING[model_type](**cfg).save_pretrained(str(tmp))
+        st = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
+        save_file(st, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(str(tmp))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def state_layers(state: dict[str, Tensor]) -> int:
+    return len({k.split(".")[2] for k in state if k.startswith("model.layers.")})
+
+
 def save_tokenizer(tok, dest: Path) -> None:
     tok.save_pretrained(str(dest))
 
@@ -162,7 +196,8 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     src = sources.resolve(spec.target.source, Path(spec.root))
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
     want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode)
-    if not force and is_current(dest, want):
+    hf_ok = src.kind != "gguf" or (spec.engine_dir / "target_hf" / "config.json").is_file()
+    if not force and is_current(dest, want) and hf_ok:
         log(f"target engine {dest} is up to date")
         return dest
     t0 = time.perf_counter()
@@ -177,13 +212,21 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
         raise EngineError(f"limits.max_seq_len {spec.limits.max_seq_len} exceeds the model's "
                           f"max_position_embeddings {mcfg.max_position_embeddings}; lower it")
 
+    hf_dir = None
+    if src.kind == "gguf":
+        # A dequantized Hugging Face checkpoint of the target, for TensorRT-LLM's converters and the peers.
+        hf_dir = spec.engine_dir / "target_hf"
+        log(f"writing {hf_dir} (Hugging Face checkpoint, {spec.dtype}) ...")
+        save_hf(hf_dir, hf_cfg, state, tok, spec.dtype, mcfg.tie_embeddings)
+
     def write(tmp: Path) -> dict:
         weights = {k: v.to(dtype).contiguous() for k, v in hf_to_runtime(state, mcfg).items()}
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
         return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len,
-                             input_hash=want, source=src.description)
+                             input_hash=want, source=src.description,
+                             **({"hf_checkpoint": str(hf_dir)} if hf_dir else {}))
 
     log(f"writing {dest} ({spec.dtype}) ...")
     write_atomic(dest, write)

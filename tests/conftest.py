@@ -42,22 +42,27 @@ def train_tokenizer(vocab: int = 320):
 
 
 def make_model_dir(path: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                   seed: int = 0, vocab: int = 320, tie: bool = True, tokenizer=None) -> Path:
-    """Save a random LlamaForCausalLM + tokenizer as a Hugging Face directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                   seed: int = 0, vocab: int = 320, tie: bool = True, tokenizer=None, family: str = "llama") -> Path:
+    """Save a random LlamaForCausalLM (or Qwen2ForCausalLM, with random q/k/v biases) + tokenizer as a
+    Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = tokenizer or train_tokenizer(vocab)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=512, rope_theta=1000.0, tie_word_embeddings=tie,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg)
+    config, model_cls = (Qwen2Config, Qwen2ForCausalLM) if family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    extra = {"use_sliding_window": False} if family == "qwen2" else {}
+    cfg = config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                 max_position_embeddings=512, rope_theta=1000.0, tie_word_embeddings=tie,
+                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    model = model_cls(cfg)
     # Sharper logits than the default init, so greedy decoding has few near-ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))

@@ -102,3 +102,58 @@ def test_qwen2_speculative_greedy_equals_baseline_in_a_ragged_batch():
         assert sum(r.draft_accepted for r in spec) > 0
     lookup = prompt_lookup(target, reqs, 3)
     assert [r.tokens for r in lookup] == [r.tokens for r in base]
+
+
+@pytest.fixture(scope="module")
+def qwen_root(tmp_path_factory, tiny_tokenizer):
+    """A tiny untied Qwen2 target and a one-layer Qwen2 draft (same tokenizer) as Hugging Face directories."""
+    from tests.conftest import make_model_dir
+
+    root = tmp_path_factory.mktemp("qwen")
+    make_model_dir(root / "models" / "target", family="qwen2", tie=False, tokenizer=tiny_tokenizer)
+    make_model_dir(root / "models" / "draft", family="qwen2", layers=1, seed=4, tie=False, tokenizer=tiny_tokenizer)
+    return root
+
+
+def test_qwen2_pipeline_builds_target_and_pretrained_draft_with_a_reduced_head(qwen_root, tiny_tokenizer):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import spec as specmod
+    from pipeline.engine import build_target
+    from pipeline.runtime.decode import decode, load_bundle
+    from tests.conftest import prompts, write_spec
+
+    tune = qwen_root / "tune.txt"
+    tune.write_text("\n".join(prompts()[:3]) + "\n")
+    p = write_spec(qwen_root, name="qw", draft={"source": "models/draft", "vocab": 200, "dtype": "float32",
+                                                "train": {"prompts": str(tune)}},
+                   speculation={"num_draft_tokens": "auto"})
+    s = specmod.load(p)
+    build_target(s, log=lambda *a: None)
+    from pipeline.train.draft import build_draft
+
+    logs: list[str] = []
+    out = build_draft(s, log=logs.append)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pretrained_config"]["architecture"] == "Qwen2ForCausalLM"
+    assert cfg["draft"]["vocab"] == 200 and 0 < cfg["draft"]["training"]["vocab_coverage"] <= 1
+    assert 0 < cfg["speculation"]["draft_step_fraction"] < 10
+    # The reduced head keeps every special token and every token of the tuning prompts.
+    b = load_bundle(s.engine_dir, "cpu")
+    kept = set(b.draft.vocab_ids.tolist())
+    assert set(tiny_tokenizer.all_special_ids) <= kept
+    for t in prompts()[:3]:
+        ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        assert set(ids["input_ids"] if hasattr(ids, "keys") else ids) <= kept
+    # draft_hf is the pretrained draft whole: a Qwen2 checkpoint with its biases and its full head.
+    hf = AutoModelForCausalLM.from_pretrained(str(s.engine_dir / "draft_hf"), dtype=torch.float32)
+    src = AutoModelForCausalLM.from_pretrained(str(qwen_root / "models" / "draft"), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    for k, v in src.state_dict().items():
+        assert torch.equal(hf.state_dict()[k], v), k
+    reqs = [Request(tiny_tokenizer(t)["input_ids"], 20) for t in prompts()[5:9]]
+    base = decode(b, "baseline", reqs)
+    spec_out = decode(b, "draft_target", reqs, num_draft_tokens=3)
+    assert [r.tokens for r in spec_out] == [r.tokens for r in base]

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from pipeline.engine import (
     is_current,
     load_engine,
     read_config,
+    save_hf,
     write_atomic,
 )
 from pipeline.runtime.generate import prefill
@@ -253,41 +252,6 @@ def hf_state(draft: Transformer, vocab_ids: Tensor | None) -> dict[str, Tensor]:
         st["lm_head.weight"] = full
     cfg = ModelConfig(**{**draft.cfg.to_dict(), "tie_embeddings": vocab_ids is None})
     return runtime_to_hf(st, cfg)
-
-
-def save_hf(dest: Path, hf_cfg: dict, state: dict[str, Tensor], tokenizer, dtype: str, tied: bool) -> None:
-    """An ordinary Hugging Face checkpoint of the draft's family (Llama, Mistral, Qwen2), written to a
-    temporary dir and renamed into place."""
-    from transformers import CONFIG_MAPPING
-
-    from pipeline.runtime.model import ARCHITECTURES
-
-    cfg = dict(hf_cfg)
-    model_type = cfg.pop("model_type", "llama")
-    if model_type not in ARCHITECTURES:
-        model_type = "llama"
-    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "layer_types",
-                "_model_name_or_path"):
-        cfg.pop(key, None)
-    cfg.update(num_hidden_layers=state_layers(state), tie_word_embeddings=tied, dtype=dtype,
-               architectures=[ARCHITECTURES[model_type]])
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        CONFIG_MAPPING[model_type](**cfg).save_pretrained(str(tmp))
-        st = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")}
-        save_file(st, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(str(tmp))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def state_layers(state: dict[str, Tensor]) -> int:
-    return len({k.split(".")[2] for k in state if k.startswith("model.layers.")})
 
 
 def draft_dtype(spec: Spec) -> str:
