@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch engine repo serve stop client validate bench load test lint all clean
+.PHONY: setup fetch peers engine repo serve stop client validate bench load test lint all clean
 
 all: setup engine repo validate
 
@@ -21,6 +21,12 @@ setup: $(VENV)/.installed
 # that need them; the tests never call this.
 fetch: setup
 	$(PY) -m pipeline fetch $(SPEC)
+
+# Optional peer: llama.cpp through llama-cpp-python, built from source (about 20 minutes on 2 cores).
+# bench and validate run it on the target's GGUF when it is installed.
+peers: setup
+	$(VENV)/bin/pip install --quiet diskcache==5.6.3 jinja2 typing-extensions
+	$(VENV)/bin/pip install --quiet --no-deps llama-cpp-python==0.3.36
 
 engine: fetch
 	$(PY) -m pipeline engine $(SPEC) $(ARGS)

@@ -157,6 +157,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         else:
             report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
         del hf
+        report["peers"].update(gguf_peers(spec, ids, new, log))
 
         # 3b. Concurrency curve.
         report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
@@ -179,6 +180,24 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     finally:
         if started is not None:
             started.stop()
+
+
+def gguf_peers(spec: Spec, ids: list[list[int]], new: int, log) -> dict:
+    """llama.cpp on the target's own GGUF file, plain and with its prompt lookup, when `make peers` installed it."""
+    import os
+
+    from pipeline import peers
+
+    gguf = peers.gguf_of(spec)
+    if gguf is None:
+        return {}
+    if not peers.llama_cpp_available():
+        return {"llama_cpp": {"tokens_per_s": None, "note": "llama-cpp-python not installed (make peers)"}}
+    threads = spec.threads or os.cpu_count() or 1
+    out = {"llama_cpp": peers.llama_cpp_peer(gguf, ids, new, threads, log=log)}
+    out["llama_cpp_lookup"] = peers.llama_cpp_peer(gguf, ids, new, threads, spec.speculation.prompt_lookup_num_tokens,
+                                                   log=log)
+    return out
 
 
 def trimmed(spec: Spec) -> list[str]:
@@ -452,7 +471,9 @@ def markdown(r: dict) -> str:
                      f"{e['latency_ms']['p50']:.0f} | {e['latency_ms']['p95']:.0f} | {e['ttft_ms']['p50']:.0f} |")
     for name, p in r["peers"].items():
         tps = p.get("tokens_per_s")
-        lines.append(f"| transformers {name} | {tps:.1f} | | | | | | | |" if tps else f"| {name} | n/a | | | | | | | |")
+        who = name if name.startswith("llama_cpp") else f"transformers {name}"
+        cell = f"{tps:.1f}" if tps else f"n/a ({p.get('note', '')})"
+        lines.append(f"| {who} | {cell} | | | | | | | |")
     for m, e in r["methods"].items():
         for d in e["divergences"]:
             lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
