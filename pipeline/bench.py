@@ -44,8 +44,10 @@ def hf_model(model, dtype: torch.dtype):
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_position_embeddings, **extra)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is assigned below; a random init of 1.5B parameters costs seconds
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     state = {k: v.to(dtype) for k, v in runtime_to_hf(model.state_dict(), c).items()}
     if c.tie_embeddings:
         state.pop("lm_head.weight", None)

@@ -133,6 +133,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
                 "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
                 "total_draft_tokens": proposed, "total_accepted_draft_tokens": accepted,
             }
+        report["draft"] = draft_summary(spec)
         report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
         report["suspicious"] = suspicious(report, bundle)
 
@@ -180,6 +181,25 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     finally:
         if started is not None:
             started.stop()
+
+
+def draft_summary(spec: Spec) -> dict:
+    """The draft engine as built: source, head size, dtype, quantization, the k chosen and its cost per step
+    as a fraction of a target step (measured at build time by `num_draft_tokens: auto`)."""
+    import json
+
+    p = spec.engine_dir / "draft" / "config.json"
+    if not p.is_file():
+        return {}
+    cfg = json.loads(p.read_text())
+    sp, d = cfg.get("speculation", {}), cfg.get("draft", {})
+    return {"source": cfg.get("source"), "layers": cfg["pretrained_config"]["num_hidden_layers"],
+            "vocab": d.get("vocab") or cfg["pretrained_config"]["vocab_size"],
+            "vocab_coverage": (d.get("training") or {}).get("vocab_coverage"),
+            "dtype": cfg["pretrained_config"]["dtype"],
+            "quantization": (cfg["pretrained_config"].get("quantization") or {}).get("quant_algo"),
+            "num_draft_tokens": sp.get("num_draft_tokens"), "chosen_by": sp.get("chosen_by"),
+            "step_fraction_of_target": sp.get("draft_step_fraction")}
 
 
 def gguf_peers(spec: Spec, ids: list[list[int]], new: int, log) -> dict:
@@ -458,11 +478,22 @@ def plots(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _draft_line(d: dict) -> str:
+    frac = d.get("step_fraction_of_target")
+    cov = d.get("vocab_coverage")
+    return (f"Draft: {d['source']}, {d['layers']} layers, {d['dtype']}"
+            + (f" {d['quantization']}" if d.get("quantization") else "")
+            + f", head of {d['vocab']} tokens" + (f" (covers {cov:.1%} of the target's tokens)" if cov else "")
+            + f"; k = {d['num_draft_tokens']} ({d['chosen_by']})"
+            + (f"; a draft step costs {frac:.3f} of a target step" if frac else "") + ".")
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
              "", r["acceptance_definition"], "",
              *([f"Trimmed to fit the main job's time budget: {'; '.join(r['trimmed'])}.", ""] if r.get("trimmed")
                else []),
+             *([_draft_line(r["draft"]), ""] if r.get("draft") else []),
              "| method | tokens/s | speedup | acceptance | mean accepted len | greedy identical | p50 ms | p95 ms |"
              " TTFT p50 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for m, e in r["methods"].items():

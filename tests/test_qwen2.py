@@ -157,3 +157,14 @@ def test_qwen2_pipeline_builds_target_and_pretrained_draft_with_a_reduced_head(q
     base = decode(b, "baseline", reqs)
     spec_out = decode(b, "draft_target", reqs, num_draft_tokens=3)
     assert [r.tokens for r in spec_out] == [r.tokens for r in base]
+
+
+def test_the_transformers_peer_of_a_qwen2_engine_holds_its_weights():
+    from pipeline.bench import hf_model
+
+    hf_ref, _, ours = _qwen(seed=6)
+    peer = hf_model(ours, torch.float32)
+    assert type(peer).__name__ == "Qwen2ForCausalLM"
+    ids = torch.randint(0, 101, (1, 9))
+    with torch.no_grad():
+        assert (peer(ids).logits - hf_ref(ids).logits).abs().max() <= TOL
