@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.runtime import quant
 from pipeline.runtime.model import ARCHITECTURES, ModelConfig, Transformer, build_model, hf_to_runtime
 from pipeline.spec import Spec
 
@@ -102,8 +103,13 @@ def read_config(engine_dir: Path, verify: bool = True) -> dict:
     return cfg
 
 
-def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int, **extra) -> dict:
-    """A config.json in TensorRT-LLM's shape, plus the runtime's own fields."""
+def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int,
+                  quantization: str = "none", group_size: int = 128, **extra) -> dict:
+    """A config.json in TensorRT-LLM's shape, plus the runtime's own fields.
+
+    `quantization` (none/int8/int4) is recorded as TensorRT-LLM records it:
+    `pretrained_config.quantization.quant_algo` W8A16 / W4A16 (null when none) with `group_size`.
+    """
     return {
         "version": ENGINE_FORMAT,
         "backend": "torch",
@@ -124,6 +130,7 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
             "norm_epsilon": mcfg.rms_norm_eps,
             "max_position_embeddings": mcfg.max_position_embeddings,
             "share_embedding_table": mcfg.tie_embeddings,
+            "quantization": quant.quant_config(quantization, group_size),
             "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
         },
         "build_config": {
@@ -161,7 +168,10 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     dest = spec.engine_dir / "target"
     src = sources.resolve(spec.target.source, Path(spec.root))
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
-    want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode)
+    qz, gs = spec.target.quantization, spec.target.group_size
+    # Quantization joins the hash only when on, so unquantized engines built before it stay current.
+    qpart = () if qz == "none" else ((qz, gs),)
+    want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode, *qpart)
     if not force and is_current(dest, want):
         log(f"target engine {dest} is up to date")
         return dest
@@ -178,14 +188,16 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
                           f"max_position_embeddings {mcfg.max_position_embeddings}; lower it")
 
     def write(tmp: Path) -> dict:
-        weights = {k: v.to(dtype).contiguous() for k, v in hf_to_runtime(state, mcfg).items()}
+        # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
+        weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        weights = quant.cast_state(weights, dtype)
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
-        return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len,
+        return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len, qz, gs,
                              input_hash=want, source=src.description)
 
-    log(f"writing {dest} ({spec.dtype}) ...")
+    log(f"writing {dest} ({spec.dtype}{'' if qz == 'none' else f', {qz} weights'}) ...")
     write_atomic(dest, write)
     log(f"target engine built in {time.perf_counter() - t0:.1f}s: {dest}")
     return dest
@@ -206,7 +218,7 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        return quant.weight_bytes(self.model)
 
 
 def resolve_device(device: str) -> torch.device:
