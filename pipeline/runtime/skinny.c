@@ -37,15 +37,19 @@ static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float f) { return _mm512_set1_ps(f); }
 static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline v16 v_iota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 static inline v16 v_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline v16 v_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-// 16 bytes -> the low nibbles (columns k..k+15) and high nibbles (k+16..k+31), as unsigned 0..15.
-static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+// 16 bytes -> columns k..k+15 (low nibbles) and k+16..k+31 (high nibbles), dequantized. `tab` holds
+// (u - 8) * s for u = 0..15 (each rounded once): vpermps looks the nibble up, which costs less than
+// converting and scaling it, and gives the same value as the AVX2 path's fma(u, s, -8 s).
+static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
+    (void)vs, (void)vo;
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    *lo = _mm512_permutexvar_ps(b, tab);  // only the low 4 bits of each index are used
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
 }
 static inline float v_hsum(v16 a) {
     __m256 lo = _mm512_castps512_ps256(a);
@@ -67,6 +71,10 @@ static inline v16 v_fma(v16 a, v16 b, v16 c) {
     return r;
 }
 static inline v16 v_loadf(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline v16 v_iota(void) {
+    v16 r = {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
+    return r;
+}
 static inline __m256 bf8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -75,14 +83,16 @@ static inline __m256 i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline v16 v_i8(const int8_t *p) { v16 r = {i8x8(p), i8x8(p + 8)}; return r; }
-static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+// As the AVX-512 v_u4: (u - 8) * s rounded once, here as fma(u, s, -8 s) (`tab` is unused).
+static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
+    (void)tab;
     __m128i raw = _mm_loadu_si128((const __m128i *)p);
     __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
     __m256i m = _mm256_set1_epi32(15);
-    lo->a = _mm256_cvtepi32_ps(_mm256_and_si256(b0, m));
-    lo->b = _mm256_cvtepi32_ps(_mm256_and_si256(b1, m));
-    hi->a = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-    hi->b = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    lo->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), vs.a, vo.a);
+    lo->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), vs.b, vo.b);
+    hi->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vs.a, vo.a);
+    hi->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vs.b, vo.b);
 }
 static inline float v_hsum(v16 a) { return hsum256(_mm256_add_ps(a.a, a.b)); }
 // 16 ymm registers, two per 16-lane accumulator.
@@ -125,21 +135,25 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     if (wt == WT_I4) {
         const int ng = K / gs;
-        for (int k = 0; k < K; k += 32) {
-            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, _MM_HINT_T0);
-            v16 lo[MAXR], hi[MAXR];
+        const v16 iota = v_iota();
+        for (int g0 = 0; g0 < K; g0 += gs) {
+            v16 tab[MAXR], vs[MAXR], vo[MAXR];
             for (int r = 0; r < R; r++) {
-                float s = sc[(int64_t)(n + r) * ng + k / gs];
-                v16 vs = v_set1(s), vo = v_set1(-8.0f * s);
-                v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), &lo[r], &hi[r]);
-                lo[r] = v_fma(lo[r], vs, vo);  // (u - 8) * s, rounded once
-                hi[r] = v_fma(hi[r], vs, vo);
+                float s = sc[(int64_t)(n + r) * ng + g0 / gs];
+                vs[r] = v_set1(s), vo[r] = v_set1(-8.0f * s);
+                tab[r] = v_fma(iota, vs[r], vo[r]);  // (u - 8) * s, rounded once
             }
-            for (int i = 0; i < G; i++) {
-                const float *xr = x + (int64_t)(s0 + i) * K + k;
-                v16 x0 = v_loadf(xr), x1 = v_loadf(xr + 16);
-                for (int r = 0; r < R; r++) acc[r][i] = v_fma(lo[r], x0, acc[r][i]);
-                for (int r = 0; r < R; r++) acc[r][i] = v_fma(hi[r], x1, acc[r][i]);
+            for (int k = g0; k < g0 + gs; k += 32) {
+                for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, _MM_HINT_T0);
+                v16 lo[MAXR], hi[MAXR];
+                for (int r = 0; r < R; r++)
+                    v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), tab[r], vs[r], vo[r], &lo[r], &hi[r]);
+                for (int i = 0; i < G; i++) {
+                    const float *xr = x + (int64_t)(s0 + i) * K + k;
+                    v16 x0 = v_loadf(xr), x1 = v_loadf(xr + 16);
+                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(lo[r], x0, acc[r][i]);
+                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(hi[r], x1, acc[r][i]);
+                }
             }
         }
     } else {
