@@ -295,3 +295,29 @@ def test_build_model_refuses_float16_on_cpu_naming_the_fix():
     cfg = _cfg()
     with pytest.raises(ValueError, match="bfloat16"):
         build_model(cfg, _state(cfg, 0), torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
+    cfg = ModelConfig(**{**_cfg(tie=False).to_dict(), "qkv_bias": True, "model_type": "qwen2"})
+    st = _state(cfg, 8)
+    st = {k: (torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if k.endswith(".bias") else v)
+          for k, v in st.items()}
+    a = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu")
+    b = quant.quantize_model(build_model(cfg, st, torch.float32, "cpu"), algo, 32)
+    assert a.layers[0].wqkv.bias is not None and torch.equal(a.layers[0].wqkv.bias, st["layers.0.wqkv.bias"])
+    toks = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    pos = torch.arange(6)[None]
+    with torch.inference_mode():
+        fast = a.logits(a(toks, pos, a.new_cache(1, 8)))
+        assert torch.equal(fast, b.logits(b(toks, pos, b.new_cache(1, 8))))
+        prev = kernels.set_path("torch")
+        try:
+            slow = a.logits(a(toks, pos, a.new_cache(1, 8)))
+        finally:
+            kernels.set_path(prev)
+        nobias = build_model(cfg, quant.quantize_state({k: v * 0 if k.endswith(".bias") else v for k, v in st.items()},
+                                                       algo, 32), torch.float32, "cpu")
+        other = nobias.logits(nobias(toks, pos, nobias.new_cache(1, 8)))
+    assert (fast - slow).abs().max() <= 1e-4
+    assert (fast - other).abs().max() > 1e-3  # the bias is applied, not dropped
