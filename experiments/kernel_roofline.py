@@ -11,7 +11,8 @@ the bytes a step reads (every weight but the embedding, which is a row lookup).
     .venv/bin/python experiments/kernel_roofline.py --json out.json
 
 Figures are the fastest of `--reps` steps (medians alongside); on a shared machine run it twice and
-compare ratios.
+compare ratios, or use `--clock cpu` (one thread, its CPU time: other processes' time slices are not
+counted).
 """
 
 from __future__ import annotations
@@ -75,16 +76,19 @@ def read_bytes(model: Transformer) -> int:
     return total - model.embed.weight.numel() * model.embed.weight.element_size()
 
 
+CLOCK = time.perf_counter
+
+
 def bandwidth_gbs(mb: int = 1024, reps: int = 7) -> float:
-    """Sustained read bandwidth with the same threads: sum a buffer much larger than the caches."""
+    """Sustained read bandwidth with the same threads and clock: sum a buffer much larger than the caches."""
     x = torch.ones(mb * 1024 * 1024 // 4)
     x.sum()
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = CLOCK()
         x.sum()
-        ts.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(ts) / 1e9
+        ts.append(CLOCK() - t)
+    return x.numel() * 4 / min(ts) / 1e9
 
 
 @torch.inference_mode()
@@ -101,9 +105,9 @@ def step_ms(model: Transformer, rows: int, reps: int, ctx: int = 64) -> tuple[fl
     pos = torch.arange(ctx, ctx + rows)[None]
     ts = []
     for _ in range(reps + 1):
-        t = time.perf_counter()
+        t = CLOCK()
         model.logits(model(new, pos, cache))
-        ts.append(time.perf_counter() - t)
+        ts.append(CLOCK() - t)
     return 1000 * statistics.median(ts[1:]), 1000 * min(ts[1:])
 
 
@@ -116,10 +120,17 @@ def main() -> None:
     ap.add_argument("--precisions", default="bfloat16,int8,int4")
     ap.add_argument("--small", action="store_true", help="1/4 of the layers and vocabulary")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the thread's CPU time, one thread (robust to other processes on a shared machine: "
+                         "time spent descheduled is not counted, memory stalls are)")
     a = ap.parse_args()
+    global CLOCK
+    if a.clock == "cpu":
+        CLOCK, a.threads = time.thread_time, 1
     kernels.configure_threads(a.threads)
     tcfg, dcfg = (scaled(TARGET, 4), scaled(DRAFT, 4)) if a.small else (TARGET, DRAFT)
-    out = {"kernel_path": kernels.path(), "threads": a.threads, "group_size": a.group_size, "small": a.small,
+    out = {"kernel_path": kernels.path(), "threads": a.threads, "clock": a.clock, "group_size": a.group_size,
+           "small": a.small,
            "target": {}, "draft": {}}
     bws = []
     for role, cfg in (("target", tcfg), ("draft", dcfg)):
