@@ -179,6 +179,15 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
                           "fraction_of_limit": report["methods"]["baseline"]["tokens_per_s"] / limit,
                           "skinny_kernel": kernels.available()}
 
+    # Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4.
+    from pipeline.precision import engine_float_state, precision_table
+
+    mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
+    report["bandwidth_gbs"] = bw
+    report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, bw,
+                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log)
+    del fstate
+
     # Verify cost: one target forward over S new tokens, relative to S = 1.
     report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
 
@@ -272,6 +281,8 @@ def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
 def environment(spec: Spec) -> dict:
     import importlib.metadata as md
 
+    from pipeline.runtime import kernels
+
     pk = {}
     for name in ("torch", "transformers", "numpy", "tritonclient", "nvidia-pytriton", "tokenizers"):
         try:
@@ -290,7 +301,8 @@ def environment(spec: Spec) -> dict:
 
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
             "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "kernel_path": kernels.path(),
+            "kernel_threads": kernels.threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}
 
 

@@ -15,13 +15,11 @@ def _spec(args) -> specmod.Spec:
 
 
 def _setup_threads(spec: specmod.Spec) -> None:
-    import torch
-
+    """One setting for torch's threads and the C kernels' (spec `threads`; 0 leaves the defaults)."""
     from pipeline.runtime import kernels
 
     if spec.threads:
-        torch.set_num_threads(spec.threads)
-        kernels.set_threads(spec.threads)
+        kernels.configure_threads(spec.threads)
 
 
 def cmd_check(args) -> int:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from pipeline.runtime import quant
 from pipeline.runtime.model import ARCHITECTURES, ModelConfig, Transformer, build_model, hf_to_runtime
 from pipeline.spec import Spec
 
@@ -103,8 +104,13 @@ def read_config(engine_dir: Path, verify: bool = True) -> dict:
     return cfg
 
 
-def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int, **extra) -> dict:
-    """A config.json in TensorRT-LLM's shape, plus the runtime's own fields."""
+def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int,
+                  quantization: str = "none", group_size: int = 128, **extra) -> dict:
+    """A config.json in TensorRT-LLM's shape, plus the runtime's own fields.
+
+    `quantization` (none/int8/int4) is recorded as TensorRT-LLM records it:
+    `pretrained_config.quantization.quant_algo` W8A16 / W4A16 (null when none) with `group_size`.
+    """
     return {
         "version": ENGINE_FORMAT,
         "backend": "torch",
@@ -125,6 +131,7 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
             "norm_epsilon": mcfg.rms_norm_eps,
             "max_position_embeddings": mcfg.max_position_embeddings,
             "share_embedding_table": mcfg.tie_embeddings,
+            "quantization": quant.quant_config(quantization, group_size),
             "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
         },
         "build_config": {
@@ -195,7 +202,10 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     dest = spec.engine_dir / "target"
     src = sources.resolve(spec.target.source, Path(spec.root))
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
-    want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode)
+    qz, gs = spec.target.quantization, spec.target.group_size
+    # Quantization joins the hash only when on, so unquantized engines built before it stay current.
+    qpart = () if qz == "none" else ((qz, gs),)
+    want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode, *qpart)
     hf_ok = src.kind != "gguf" or (spec.engine_dir / "target_hf" / "config.json").is_file()
     if not force and is_current(dest, want) and hf_ok:
         log(f"target engine {dest} is up to date")
@@ -220,15 +230,17 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
         save_hf(hf_dir, hf_cfg, state, tok, spec.dtype, mcfg.tie_embeddings)
 
     def write(tmp: Path) -> dict:
-        weights = {k: v.to(dtype).contiguous() for k, v in hf_to_runtime(state, mcfg).items()}
+        # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
+        weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        weights = quant.cast_state(weights, dtype)
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
-        return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len,
+        return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len, qz, gs,
                              input_hash=want, source=src.description,
                              **({"hf_checkpoint": str(hf_dir)} if hf_dir else {}))
 
-    log(f"writing {dest} ({spec.dtype}) ...")
+    log(f"writing {dest} ({spec.dtype}{'' if qz == 'none' else f', {qz} weights'}) ...")
     write_atomic(dest, write)
     log(f"target engine built in {time.perf_counter() - t0:.1f}s: {dest}")
     return dest
@@ -249,7 +261,7 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        return quant.weight_bytes(self.model)
 
 
 def resolve_device(device: str) -> torch.device:

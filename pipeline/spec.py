@@ -342,6 +342,11 @@ def validate(spec: Spec) -> Spec:
                    "backend: tensorrt_llm)")
         if q in ("int4", "int4_awq"):
             _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
+    if spec.backend == "torch" and spec.device == "cpu":
+        # The CPU kernels read fp32 or bf16 weights and keep fp32 activations; fp16 weights gave NaN there.
+        for key, dt in (("dtype", spec.dtype), ("draft.dtype", spec.draft.dtype)):
+            _check(dt != "float16", key, dt, "the torch backend on device: cpu runs float32 or bfloat16 weights "
+                   "(bfloat16 is the same size as float16); float16 is for device: cuda or backend: tensorrt_llm")
     _check(spec.draft.quantization == "none" or spec.has_draft, "draft.quantization", spec.draft.quantization,
            "quantizes the draft model: set draft.source, or leave quantization: none")
     if spec.backend == "torch":

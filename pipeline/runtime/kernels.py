@@ -1,13 +1,22 @@
 """The skinny CPU matmul (skinny.c), compiled on first use with the system C compiler.
 
-When no compiler or no AVX2/FMA is available, `linear` falls back to torch's F.linear; `available()`
-says which path runs, and the benchmark report records it.
+It is built for AVX-512 when the CPU has it (avx512f/bw/vl/dq), else for AVX2 + FMA; both builds
+compute every output element by the same instruction sequence (see skinny.c), so they agree bit for
+bit. Without a compiler or either instruction set, `linear` falls back to torch (same results within
+1e-4) and the model runs its torch layers. Nothing falls back silently: a failed compile or a missing
+CPU feature is logged once (logger `pipeline.kernels`), and `path()` names what runs ("avx512",
+"avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch` forces a path.
+
+Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4), decoded in registers.
+Any number of token rows goes through the kernel, so decoding, verification, trees and prefill all
+compute each output element the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -18,20 +27,40 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pipeline.runtime.quant import QLinear
+
 SRC = Path(__file__).with_name("skinny.c")
-MAX_ROWS = 32
+ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+             "avx2": ["-mavx2", "-mfma"]}
+WT = {torch.float32: 0, torch.bfloat16: 1}  # skinny.c's WT_F32, WT_BF16; int8 = 2, int4 = 3
+log = logging.getLogger("pipeline.kernels")
+_libs: dict[str, ctypes.CDLL | None] = {}
 _lib = None
-_tried = False
+_path: str | None = None
 
 
-def _cpu_ok() -> bool:
+def _cpu_flags() -> set[str]:
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return set()
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def supported_isas() -> list[str]:
+    """The kernel builds this CPU can run, best first."""
+    f = _cpu_flags()
+    out = []
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= f:
+        out.append("avx512")
+    if {"avx2", "fma"} <= f:
+        out.append("avx2")
+    return out
 
 
 def _build_dir() -> Path:
@@ -39,56 +68,127 @@ def _build_dir() -> Path:
     return Path(base)
 
 
-def _load():
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("PIPELINE_NO_KERNEL") or not _cpu_ok():
-        return None
+def _compile(isa: str) -> ctypes.CDLL | None:
+    """Build (or reuse) skinny-<isa>-<hash>.so; None, logged, when that fails."""
+    if isa in _libs:
+        return _libs[isa]
+    _libs[isa] = None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
+        log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
-    tag = hashlib.sha256(SRC.read_bytes() + platform.node().encode()).hexdigest()[:16]
-    so = _build_dir() / f"skinny-{tag}.so"
+    flags = ISA_FLAGS[isa]
+    tag = hashlib.sha256(SRC.read_bytes() + " ".join(flags).encode() + platform.node().encode()).hexdigest()[:16]
+    so = _build_dir() / f"skinny-{isa}-{tag}.so"
     if not so.is_file():
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(SRC), "-o", tmp]
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
+        cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SRC), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
             os.unlink(tmp)
+            log.warning("compiling the %s skinny kernel failed (%s): %s", isa, " ".join(cmd),
+                        res.stderr.strip()[-2000:])
             return None
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
     P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.skinny_matmul.argtypes = [P, P, P] + [Int] * 5
-    lib.fused_linear.argtypes = [P, P, F32, P, P] + [Int] * 7
+    lib.skinny_matmul.argtypes = [P, P, P, P] + [Int] * 6
+    lib.fused_linear.argtypes = [P, P, F32, P, P, P] + [Int] * 8
     lib.rope_write.argtypes = [P] * 9 + [Int] * 6
     lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
     for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
         f.restype = None
-    _lib = lib
+    lib.skinny_isa.restype = ctypes.c_char_p
+    _libs[isa] = lib
     return lib
+
+
+def _choose() -> tuple[str, ctypes.CDLL | None]:
+    forced = os.environ.get("PIPELINE_KERNEL", "").strip().lower()
+    if os.environ.get("PIPELINE_NO_KERNEL") or forced == "torch":
+        log.info("skinny kernel disabled by the environment: the runtime uses torch ops")
+        return "torch", None
+    isas = supported_isas()
+    if not isas:
+        log.warning("this CPU has neither AVX-512 nor AVX2+FMA (or is not x86-64): the runtime uses torch ops")
+        return "torch", None
+    if forced:
+        if forced not in isas:
+            log.warning("PIPELINE_KERNEL=%s is not supported by this CPU (it has %s)", forced, isas)
+        else:
+            isas = [forced]
+    for isa in isas:
+        lib = _compile(isa)
+        if lib is not None:
+            return isa, lib
+    return "torch", None
+
+
+def _load():
+    global _lib, _path
+    if _path is None:
+        _path, _lib = _choose()
+    return _lib
+
+
+def path() -> str:
+    """Which matmul path runs: 'avx512', 'avx2' or 'torch' (for the reports' environment)."""
+    _load()
+    return _path or "torch"
+
+
+def set_path(name: str) -> str:
+    """Switch the kernel build ('avx512', 'avx2' or 'torch'); returns the previous one. For tests and A/B runs."""
+    global _lib, _path
+    prev = path()
+    if name == "torch":
+        _path, _lib = "torch", None
+        return prev
+    if name not in supported_isas():
+        raise ValueError(f"kernel path {name!r} is not supported by this CPU (it has {supported_isas()})")
+    lib = _compile(name)
+    if lib is None:
+        raise RuntimeError(f"the {name} skinny kernel did not compile (see the pipeline.kernels log)")
+    _path, _lib = name, lib
+    return prev
 
 
 def available() -> bool:
     return _load() is not None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w[N, K].T in fp32; the kernel handles few-row CPU calls, torch the rest."""
+def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
+    """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear."""
+    if isinstance(w, QLinear):
+        if w.algo == "int8":
+            return w.qweight.data_ptr(), w.scales.data_ptr(), 2, 0, w.out_features, w.in_features
+        return w.qweight.data_ptr(), w.scales.data_ptr(), 3, w.group_size, w.out_features, w.in_features
+    if w.dtype not in WT:
+        raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "
+                         "(set dtype: float32 or bfloat16)")
+    if not w.is_contiguous():
+        raise ValueError("the CPU kernels need contiguous weights")
+    return w.data_ptr(), None, WT[w.dtype], 0, w.shape[0], w.shape[1]
+
+
+def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
+    weight = w.weight if isinstance(w, QLinear) else w
+    return F.linear(x, weight.to(device=x.device, dtype=x.dtype))
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x [..., K] @ w[N, K].T in fp32 (w a tensor or a QLinear); the kernel takes every CPU inference call."""
     lib = _load()
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if (lib is None or x.device.type != "cpu" or rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32
-            or w.dtype not in (torch.float32, torch.bfloat16) or torch.is_grad_enabled() and w.requires_grad):
-        return F.linear(x, w.to(x.dtype))
-    N, K = w.shape
+    if (lib is None or x.device.type != "cpu" or rows == 0 or x.dtype != torch.float32
+            or not isinstance(w, QLinear) and (w.dtype not in WT or torch.is_grad_enabled() and w.requires_grad)):
+        return _torch_linear(x, w)
+    wp, sp, wt, gs, N, K = _weight_args(w if isinstance(w, QLinear) else w.contiguous())
     xc = x.contiguous()
-    wc = w if w.is_contiguous() else w.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    lib.skinny_matmul(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rows, K, N, torch.get_num_threads(),
-                      int(w.dtype == torch.bfloat16))
+    lib.skinny_matmul(xc.data_ptr(), wp, sp, y.data_ptr(), rows, K, N, _threads, wt, gs)
     return y
 
 
@@ -105,23 +205,29 @@ def set_threads(n: int) -> None:
     _threads = max(1, n)
 
 
+def configure_threads(n: int) -> None:
+    """One thread setting for torch and the C kernels (n <= 0: every core)."""
+    n = n if n > 0 else max(1, os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    set_threads(n)
+
+
 def fast_path(tokens: torch.Tensor) -> bool:
-    """True when a few-token CPU step (tokens [B, S]) can run through the fused C layer."""
-    return (tokens.device.type == "cpu" and not torch.is_grad_enabled() and tokens.numel() <= MAX_ROWS
-            and _load() is not None)
+    """True when a CPU inference step (tokens [B, S], any S) can run through the fused C layer."""
+    return tokens.device.type == "cpu" and not torch.is_grad_enabled() and _load() is not None
 
 
-def fused_linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+def fused_linear(x: torch.Tensor, w, *, norm: torch.Tensor | None = None, eps: float = 0.0,
                  swiglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """pre(x) @ w.T where pre is RMSNorm(norm) or SwiGLU; with `out`, the product is added into it."""
     lib = _load()
     K = x.shape[-1] // 2 if swiglu else x.shape[-1]
     S = x.numel() // x.shape[-1]
-    N = w.shape[0]
+    wp, sp, wt, gs, N, _ = _weight_args(w)
     y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     mode = 2 if swiglu else (1 if norm is not None else 0)
-    lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, w.data_ptr(), y.data_ptr(),
-                     S, K, N, _threads, int(w.dtype == torch.bfloat16), mode, int(out is not None))
+    lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, wp, sp, y.data_ptr(),
+                     S, K, N, _threads, wt, gs, mode, int(out is not None))
     return y
 
 

@@ -55,7 +55,8 @@ from pipeline.runtime.generate import (
     row_stats,
 )
 from pipeline.runtime.kernels import linear
-from pipeline.runtime.model import Transformer
+from pipeline.runtime.model import Transformer, wt
+from pipeline.runtime.quant import head_rows
 from pipeline.runtime.sampling import sample, warp
 from pipeline.tree import Tree, build_tree, validate_choices
 
@@ -87,14 +88,14 @@ class MedusaHeads(nn.Module):
     def set_vocab(self, target: Transformer, vocab: Tensor | None) -> None:
         """Restrict shared-projection proposals to `vocab` token ids (None: the full vocabulary)."""
         self.head_vocab = vocab
-        self._sub = None if vocab is None else target.lm_head.weight[vocab].contiguous()
+        self._sub = None if vocab is None else head_rows(target.lm_head, vocab)
 
     @torch.inference_mode()
     def topk(self, h: Tensor, target: Transformer, k: int) -> Tensor:
         """Top-k token ids [B, heads, k] from hidden states h [B, H]."""
         x = self.hidden(h.float())
         if self.proj is None:
-            w = self._sub if self._sub is not None else target.lm_head.weight
+            w = self._sub if self._sub is not None else wt(target.lm_head)
             logits = linear(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], -1)
         else:
             logits = torch.stack([linear(x[:, i].contiguous(), self.proj[i]) for i in range(self.num_heads)], 1)

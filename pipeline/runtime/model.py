@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pipeline.runtime import kernels
 from pipeline.runtime.kernels import linear
+from pipeline.runtime.quant import QLinear
 
 FAMILIES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -139,6 +140,11 @@ class KVCache:
             buf[:, r, :, dst] = picked
 
 
+def wt(layer: nn.Module):
+    """What the kernels multiply by: a QLinear itself (decoded in registers) or a plain layer's weight."""
+    return layer if isinstance(layer, QLinear) else layer.weight
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -153,16 +159,16 @@ class Block(nn.Module):
 
     def fast(self, x: Tensor, pos: Tensor, slots: Tensor, tables: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor,
              mask: Tensor, kv_len: int) -> Tensor:
-        """The same layer as `forward` in five C calls, for few-token fp32 CPU steps (x is updated in place)."""
+        """The same layer as `forward` in five C calls, for fp32 CPU inference steps (x is updated in place)."""
         cfg = self.cfg
         B, S, _ = x.shape
-        qkv = kernels.fused_linear(x, self.wqkv.weight, norm=self.attn_norm.weight, eps=cfg.rms_norm_eps)
+        qkv = kernels.fused_linear(x, wt(self.wqkv), norm=self.attn_norm.weight, eps=cfg.rms_norm_eps)
         q = kernels.rope_write(qkv.view(B, S, -1, cfg.head_dim), pos, slots, *tables, kc, vc, cfg.num_heads,
                                cfg.num_kv_heads, bias=self.wqkv.bias)
         o = kernels.attention(q, kc, vc, mask, kv_len)
-        kernels.fused_linear(o.view(B, S, -1), self.wo.weight, out=x)
-        h = kernels.fused_linear(x, self.w13.weight, norm=self.ffn_norm.weight, eps=cfg.rms_norm_eps)
-        kernels.fused_linear(h, self.w2.weight, swiglu=True, out=x)
+        kernels.fused_linear(o.view(B, S, -1), wt(self.wo), out=x)
+        h = kernels.fused_linear(x, wt(self.w13), norm=self.ffn_norm.weight, eps=cfg.rms_norm_eps)
+        kernels.fused_linear(h, wt(self.w2), swiglu=True, out=x)
         return x
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, rows: Tensor,
@@ -171,7 +177,7 @@ class Block(nn.Module):
         B, S, _ = x.shape
         D = cfg.head_dim
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(self.attn_norm(x), self.wqkv.weight)
+        qkv = linear(self.attn_norm(x), wt(self.wqkv))
         if self.wqkv.bias is not None:
             qkv = qkv + self.wqkv.bias.to(qkv.dtype)
         qkv = qkv.view(B, S, Hq + 2 * Hkv, D)
@@ -181,9 +187,9 @@ class Block(nn.Module):
         vc[rows, :, slots] = qkv[:, :, Hq + Hkv:]
         keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + linear(o.transpose(1, 2).reshape(B, S, Hq * D), self.wo.weight)
-        gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w2.weight)
+        x = x + linear(o.transpose(1, 2).reshape(B, S, Hq * D), wt(self.wo))
+        gate, up = linear(self.ffn_norm(x), wt(self.w13)).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, wt(self.w2))
 
 
 class Transformer(nn.Module):
@@ -245,7 +251,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, wt(self.lm_head)).float()
 
 
 def hf_to_runtime(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -297,19 +303,35 @@ def device_type(device) -> str:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device) -> Transformer:
-    """Construct on the meta device and assign weights, so nothing is initialised twice."""
+    """Construct on the meta device and assign weights, so nothing is initialised twice.
+
+    Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
+    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup).
+    """
+    if device_type(device) == "cpu" and dtype == torch.float16:
+        raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "
+                         "weights (they give NaN); use dtype: bfloat16 (same size) or float32 on device: cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
+    quantized = sorted(k[: -len(".qweight")] for k in state if k.endswith(".qweight"))
+    for prefix in quantized:
+        parent, _, leaf = prefix.rpartition(".")
+        q, sc = state[prefix + ".qweight"].to(device), state[prefix + ".scales"].to(device, torch.float32)
+        bias = state.get(prefix + ".bias")
+        layer = QLinear(q, sc, None if bias is None else bias.to(device, torch.float32))
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    skip = {p + s for p in quantized for s in (".qweight", ".scales", ".bias")}
     # Norm weights and biases stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32.
     state = {k: v.to(device=device, dtype=torch.float32 if ("norm" in k or k.endswith(".bias"))
                      and device_type(device) == "cpu" else dtype)
-             for k, v in state.items()}
-    if cfg.tie_embeddings:
+             for k, v in state.items() if k not in skip}
+    tied_head = cfg.tie_embeddings and "lm_head" not in quantized
+    if tied_head:
         state.setdefault("lm_head.weight", state["embed.weight"])
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (tied_head and m == "lm_head.weight") and m not in skip]
     if missing or unexpected:
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if cfg.tie_embeddings:
+    if tied_head:
         model.lm_head.weight = model.embed.weight
     return model.eval().requires_grad_(False)

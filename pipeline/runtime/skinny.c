@@ -1,14 +1,24 @@
 // Skinny matrix multiply for decoding on CPU: y[s, n] = sum_k x[s, k] * w[n, k], for few rows s.
 //
-// Decoding multiplies 1..32 token rows by weight matrices that are read from memory once per step.
+// Decoding multiplies a few token rows by weight matrices that are read from memory once per step.
 // BLAS picks a packing GEMM as soon as there is more than one row, which on small CPUs costs twice
 // a GEMV; here each weight row is read once and applied to every token row while it sits in L1,
-// so verifying k+1 tokens costs about what decoding one does. Each output element is computed by
-// the same instruction sequence whatever the number of rows, so results do not depend on how many
-// tokens share a call (speculative verification sees bit-identical logits to plain decoding).
+// so verifying k+1 tokens costs about what decoding one does.
+//
+// Weights are fp32, bf16, int8 (per output row scale) or int4 (scale per group of input columns, two
+// nibbles per byte), decoded to fp32 in registers. Each output element is computed by one fixed
+// instruction sequence whatever the number of rows in the call, the tile it falls in or the thread
+// count: 16 fp32 lanes accumulate k = l, l + 16, ... (lane l) by fused multiply-add, the lanes are
+// summed by a fixed tree, the K % 16 tail is added by scalar fmaf, and an int8 row is scaled last.
+// So speculative verification, trees, batches and prefill see bit-identical logits to plain decoding.
+// This file is compiled twice: with AVX-512 (one zmm per 16 lanes) and with AVX2 (two ymm); both
+// implement the same sequence, so the two builds agree bit for bit as well.
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #include <immintrin.h>
+
+enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3 };
 
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -20,99 +30,232 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 load_w(const void *w, int64_t idx, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)w + idx);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + idx));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__AVX512F__)
+#define ISA_NAME "avx512"
+typedef __m512 v16;
+static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v_set1(float f) { return _mm512_set1_ps(f); }
+static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline v16 v_iota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline v16 v_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-
-static inline float load_w1(const void *w, int64_t idx, int bf16) {
-    if (!bf16) return ((const float *)w)[idx];
-    uint32_t u = ((uint32_t)((const uint16_t *)w)[idx]) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+static inline v16 v_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+// 16 bytes -> columns k..k+15 (low nibbles) and k+16..k+31 (high nibbles), dequantized. `tab` holds
+// (u - 8) * s for u = 0..15 (each rounded once): vpermps looks the nibble up, which costs less than
+// converting and scaling it, and gives the same value as the AVX2 path's fma(u, s, -8 s).
+static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
+    (void)vs, (void)vo;
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_permutexvar_ps(b, tab);  // only the low 4 bits of each index are used
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
 }
+static inline float v_hsum(v16 a) {
+    __m256 lo = _mm512_castps512_ps256(a);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return hsum256(_mm256_add_ps(lo, hi));
+}
+// Weight rows per tile for a token group of g rows (32 zmm registers: accumulators R*g, decoded weights).
+static const int R_FOR_G[7] = {0, 8, 6, 4, 4, 3, 3};
+// Every (R, g) that rows() asks for: R_FOR_G[g] with groups of g and g - 1 rows, and R = 1 at the tail.
+#define TILE_CASES(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(3, 5) T(3, 4) T(3, 6) \
+                      T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#else
+#define ISA_NAME "avx2"
+typedef struct { __m256 a, b; } v16;
+static inline v16 v_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 v_set1(float f) { v16 r = {_mm256_set1_ps(f), _mm256_set1_ps(f)}; return r; }
+static inline v16 v_fma(v16 a, v16 b, v16 c) {
+    v16 r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+    return r;
+}
+static inline v16 v_loadf(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline v16 v_iota(void) {
+    v16 r = {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
+    return r;
+}
+static inline __m256 bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline v16 v_bf16(const uint16_t *p) { v16 r = {bf8(p), bf8(p + 8)}; return r; }
+static inline __m256 i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline v16 v_i8(const int8_t *p) { v16 r = {i8x8(p), i8x8(p + 8)}; return r; }
+// As the AVX-512 v_u4: (u - 8) * s rounded once, here as fma(u, s, -8 s) (`tab` is unused).
+static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
+    (void)tab;
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+    __m256i m = _mm256_set1_epi32(15);
+    lo->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), vs.a, vo.a);
+    lo->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), vs.b, vo.b);
+    hi->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vs.a, vo.a);
+    hi->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vs.b, vo.b);
+}
+static inline float v_hsum(v16 a) { return hsum256(_mm256_add_ps(a.a, a.b)); }
+// 16 ymm registers, two per 16-lane accumulator.
+static const int R_FOR_G[7] = {0, 3, 2, 1, 1, 1, 1};
+#define TILE_CASES(T) T(3, 1) T(2, 2) T(2, 1) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#endif
 
+const char *skinny_isa(void) { return ISA_NAME; }
+
+// The next tile is prefetched into L2, not L1: with T0 the 8 rows in flight plus x overflowed the 32 KB
+// L1 and a one-token bf16 / int8 step ran at 13 / 10 GB/s on one core instead of 20 / 19 (measured).
+#define PF_HINT _MM_HINT_T1
 #define MAXR 8
 #define MAXG 6
 
-// R weight rows times G token rows, all in registers; R, G and bf16 are constants after inlining. While
-// it runs, the next R rows are prefetched: without that, the hardware prefetcher leaves DRAM idle
+static inline int64_t row_bytes(int K, int wt) {
+    return wt == WT_F32 ? 4 * (int64_t)K : wt == WT_BF16 ? 2 * (int64_t)K : wt == WT_I8 ? (int64_t)K : (int64_t)K / 2;
+}
+
+// One weight element, for the K % 16 tail (never reached for int4, whose K is a multiple of 32).
+static inline float w1(const void *w, int64_t row, int64_t k, int K, int wt) {
+    if (wt == WT_F32) return ((const float *)w)[row * K + k];
+    if (wt == WT_BF16) {
+        uint32_t u = ((uint32_t)((const uint16_t *)w)[row * K + k]) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return (float)((const int8_t *)w)[row * K + k];
+}
+
+// R weight rows times G token rows, all in registers; R, G and wt are constants after inlining. While
+// it runs, the next R rows are prefetched (into L2): without that, the hardware prefetcher leaves DRAM idle
 // during the FMAs, and verifying 4 tokens cost 1.6x decoding one instead of ~1.0x.
-static inline __attribute__((always_inline)) void tile(const float *x, const void *w, float *y, int K, int N,
-                                                       int n, int s0, const int R, const int G, const int bf16) {
-    __m256 acc[MAXR][MAXG];
-    const int esize = bf16 ? 2 : 4;
-    const char *next = (const char *)w + (int64_t)(n + R) * K * esize;
+static inline __attribute__((always_inline)) void tile(const float *x, const void *w, const float *sc, float *y,
+                                                       int K, int N, int gs, int n, int s0, const int R, const int G,
+                                                       const int wt) {
+    v16 acc[MAXR][MAXG];
+    const int64_t rb = row_bytes(K, wt);
+    const char *wb = (const char *)w;
+    const char *next = wb + (int64_t)(n + R) * rb;
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < G; i++) acc[r][i] = _mm256_setzero_ps();
-    int K8 = K & ~7;
-    for (int k = 0; k < K8; k += 8) {
-        __m256 wv[MAXR];
-        for (int off = 0; off < R * 8 * esize; off += 64) _mm_prefetch(next + (int64_t)k * R * esize + off, _MM_HINT_T0);
-        for (int r = 0; r < R; r++) wv[r] = load_w(w, (int64_t)(n + r) * K + k, bf16);
-        for (int i = 0; i < G; i++) {
-            __m256 xv = _mm256_loadu_ps(x + (int64_t)(s0 + i) * K + k);
-            for (int r = 0; r < R; r++) acc[r][i] = _mm256_fmadd_ps(wv[r], xv, acc[r][i]);
+        for (int i = 0; i < G; i++) acc[r][i] = v_zero();
+    if (wt == WT_I4) {
+        const int ng = K / gs;
+        const v16 iota = v_iota();
+        for (int g0 = 0; g0 < K; g0 += gs) {
+            v16 tab[MAXR], vs[MAXR], vo[MAXR];
+            for (int r = 0; r < R; r++) {
+                float s = sc[(int64_t)(n + r) * ng + g0 / gs];
+                vs[r] = v_set1(s), vo[r] = v_set1(-8.0f * s);
+                tab[r] = v_fma(iota, vs[r], vo[r]);  // (u - 8) * s, rounded once
+            }
+            for (int k = g0; k < g0 + gs; k += 32) {
+                for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+                v16 lo[MAXR], hi[MAXR];
+                for (int r = 0; r < R; r++)
+                    v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), tab[r], vs[r], vo[r], &lo[r], &hi[r]);
+                for (int i = 0; i < G; i++) {
+                    const float *xr = x + (int64_t)(s0 + i) * K + k;
+                    v16 x0 = v_loadf(xr), x1 = v_loadf(xr + 16);
+                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(lo[r], x0, acc[r][i]);
+                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(hi[r], x1, acc[r][i]);
+                }
+            }
+        }
+    } else {
+        const int esize = wt == WT_F32 ? 4 : wt == WT_BF16 ? 2 : 1;
+        int K16 = K & ~15;
+        for (int k = 0; k < K16; k += 16) {
+            for (int off = 0; off < R * 16 * esize; off += 64)
+                _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
+            v16 wv[MAXR];
+            for (int r = 0; r < R; r++) {
+                const char *p = wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
+                wv[r] = wt == WT_F32 ? v_loadf((const float *)p) : wt == WT_BF16 ? v_bf16((const uint16_t *)p)
+                                                                                : v_i8((const int8_t *)p);
+            }
+            for (int i = 0; i < G; i++) {
+                v16 xv = v_loadf(x + (int64_t)(s0 + i) * K + k);
+                for (int r = 0; r < R; r++) acc[r][i] = v_fma(wv[r], xv, acc[r][i]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) {
-            float v = hsum256(acc[r][i]);
-            for (int k = K8; k < K; k++) v += load_w1(w, (int64_t)(n + r) * K + k, bf16) * x[(int64_t)(s0 + i) * K + k];
+            float v = v_hsum(acc[r][i]);
+            if (wt != WT_I4)
+                for (int k = K & ~15; k < K; k++) v = fmaf(w1(w, n + r, k, K, wt), x[(int64_t)(s0 + i) * K + k], v);
+            if (wt == WT_I8) v *= sc[n + r];
             y[(int64_t)(s0 + i) * N + n + r] = v;
         }
 }
 
-#define T(R, G) case (R) * 16 + (G): if (bf16) tile(x, w, y, K, N, n, s0, R, G, 1); else tile(x, w, y, K, N, n, s0, R, G, 0); break;
-#define TG(R) T(R, 1) T(R, 2) T(R, 3) T(R, 4) T(R, 5) T(R, 6)
-
-static void tile_any(const float *x, const void *w, float *y, int K, int N, int n, int s0, int R, int G, int bf16) {
-    switch (R * 16 + G) {
-        TG(1) TG(2) TG(3) TG(4) T(8, 1)
+#define T1(R, G, WT) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT); break;
+#define TILE_FN(NAME, WT)                                                                                        \
+    static void NAME(const float *x, const void *w, const float *sc, float *y, int K, int N, int gs, int n,       \
+                     int s0, int R, int G) {                                                                     \
+        switch (R * 16 + G) {                                                                                    \
+            TILE_CASES(T_##WT)                                                                                   \
+            default: /* not reached; one row at a time is the same arithmetic */                                 \
+                for (int r = 0; r < R; r++) NAME(x, w, sc, y, K, N, gs, n + r, s0, 1, G);                        \
+        }                                                                                                        \
     }
-}
+#define T_F32(R, G) T1(R, G, WT_F32)
+#define T_BF16(R, G) T1(R, G, WT_BF16)
+#define T_I8(R, G) T1(R, G, WT_I8)
+#define T_I4(R, G) T1(R, G, WT_I4)
+TILE_FN(tile_f32, F32)
+TILE_FN(tile_bf16, BF16)
+TILE_FN(tile_i8, I8)
+TILE_FN(tile_i4, I4)
 
-// Weight rows per tile for a token group of size g: as many as fit in 16 ymm registers with the
-// accumulators (measured on a 2-core EPYC: 8x1, 4x2, 3x3, 3x4, 2x5, 2x6).
-static const int R_FOR_G[MAXG + 1] = {0, 8, 4, 3, 3, 2, 2};
+typedef void (*tile_fn)(const float *, const void *, const float *, float *, int, int, int, int, int, int, int);
 
-static void rows(const float *x, const void *w, float *y, int S, int K, int N, int n0, int n1, int bf16) {
+static void rows(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
+                 int n1, int wt) {
+    tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : tile_i4;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
     int R = R_FOR_G[base + (extra > 0)];
     for (int n = n0; n < n1;) {
         int r = n1 - n >= R ? R : 1;
         for (int i = 0, s0 = 0; i < groups; i++) {
             int g = base + (i < extra);
-            tile_any(x, w, y, K, N, n, s0, r, g, bf16);
+            f(x, w, sc, y, K, N, gs, n, s0, r, g);
             s0 += g;
         }
         n += r;
     }
 }
 
-// x: [S, K] fp32, w: [N, K] fp32 (bf16 = 0) or bf16 bits (bf16 = 1), y: [S, N] fp32.
-void skinny_matmul(const float *x, const void *w, float *y, int S, int K, int N, int threads, int bf16) {
+// Token rows per pass over the weights: a pass keeps its rows of x in L2 while every weight row streams
+// by once, so a 512-token prefill reads the weights 512 / ROW_CHUNK times (it is compute-bound anyway).
+#define ROW_CHUNK 48
+
+// x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes, byte j of each 32-column block holding
+// column j in its low nibble and column j + 16 in its high nibble, value + 8); sc: int8 [N] or
+// int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
+void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
+                   int wt, int gs) {
     if (threads < 1) threads = 1;
     int chunk = (N + threads - 1) / threads;
     chunk = (chunk + 23) / 24 * 24;
+    for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
+        int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
+        const float *xc = x + (int64_t)c0 * K;
+        float *yc = y + (int64_t)c0 * N;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; t++) {
-        int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        if (n0 < n1) rows(x, w, y, S, K, N, n0, n1, bf16);
+        for (int t = 0; t < threads; t++) {
+            int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+            if (n0 < n1) rows(xc, w, sc, yc, cs, K, N, gs, n0, n1, wt);
+        }
     }
 }
 
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
 
-#include <math.h>
 #include <stdlib.h>
 
 // y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
 // x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
-void fused_linear(const float *x, const float *g, float eps, const void *w, float *y, int S, int K, int N,
-                  int threads, int bf16, int mode, int accumulate) {
+void fused_linear(const float *x, const float *g, float eps, const void *w, const float *sc, float *y, int S, int K,
+                  int N, int threads, int wt, int gs, int mode, int accumulate) {
     const float *in = x;
     float *buf = NULL;
     if (mode != 0) {
@@ -122,7 +265,7 @@ void fused_linear(const float *x, const float *g, float eps, const void *w, floa
             if (mode == 1) {
                 const float *r = x + (int64_t)s * K;
                 float ss = 0.f;
-                for (int k = 0; k < K; k++) ss += r[k] * r[k];
+                for (int k = 0; k < K; k++) ss = fmaf(r[k], r[k], ss);
                 float inv = 1.0f / sqrtf(ss / K + eps);
                 for (int k = 0; k < K; k++) o[k] = (r[k] * inv) * g[k];
             } else {
@@ -133,10 +276,10 @@ void fused_linear(const float *x, const float *g, float eps, const void *w, floa
         in = buf;
     }
     if (!accumulate) {
-        skinny_matmul(in, w, y, S, K, N, threads, bf16);
+        skinny_matmul(in, w, sc, y, S, K, N, threads, wt, gs);
     } else {
         float *tmp = (float *)malloc(sizeof(float) * (size_t)S * N);
-        skinny_matmul(in, w, tmp, S, K, N, threads, bf16);
+        skinny_matmul(in, w, sc, tmp, S, K, N, threads, wt, gs);
         for (int64_t i = 0; i < (int64_t)S * N; i++) y[i] += tmp[i];
         free(tmp);
     }

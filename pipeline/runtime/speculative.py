@@ -42,6 +42,7 @@ from pipeline.runtime.generate import (
     row_stats,
 )
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.quant import QLinear
 from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
 
 Residual = Callable[[Tensor, Tensor], Tensor]
@@ -84,8 +85,15 @@ def match_accept(p: Tensor, drafts: list[int], g: torch.Generator) -> tuple[int,
     return len(drafts), int(sample(p[len(drafts)], g))
 
 
-def attach_draft_head(model: Transformer, weight: Tensor, ids: Tensor) -> Transformer:
-    """Give a draft a reduced-vocabulary head: logits over `ids` only (the draft's q is 0 elsewhere)."""
+def attach_draft_head(model: Transformer, weight: Tensor | QLinear, ids: Tensor) -> Transformer:
+    """Give a draft a reduced-vocabulary head: logits over `ids` only (the draft's q is 0 elsewhere).
+
+    `weight` is a [len(ids), H] tensor or an already quantized QLinear head.
+    """
+    if isinstance(weight, QLinear):
+        model.lm_head = weight
+        model.vocab_ids = ids.to(device=weight.qweight.device, dtype=torch.long)
+        return model
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     model.lm_head = head
@@ -102,8 +110,10 @@ def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tu
     model, cfg = load_model_dir(engine_dir, device, verify=verify)
     if (engine_dir / DRAFT_HEAD_FILE).is_file():
         st = load_file(str(engine_dir / DRAFT_HEAD_FILE))
-        attach_draft_head(model, st["weight"].to(device=model.embed.weight.device, dtype=model.embed.weight.dtype),
-                          st["ids"])
+        dev = model.embed.weight.device
+        head = (QLinear(st["qweight"].to(dev), st["scales"].to(dev)) if "qweight" in st
+                else st["weight"].to(device=dev, dtype=model.embed.weight.dtype))
+        attach_draft_head(model, head, st["ids"])
     return model, cfg
 
 

@@ -37,6 +37,7 @@ from pipeline.engine import (
     save_hf,
     write_atomic,
 )
+from pipeline.runtime import quant
 from pipeline.runtime.generate import prefill
 from pipeline.runtime.model import ModelConfig, Transformer, apply_rope, build_model, hf_to_runtime, runtime_to_hf
 from pipeline.runtime.sampling import SamplingParams, next_token
@@ -354,20 +355,23 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         stats = {**stats, "vocab_coverage": speculation["coverage"]}
     hf_tied = vocab_ids is None and draft.cfg.tie_embeddings if spec.draft.source == "train" else \
         draft.cfg.tie_embeddings
+    qz, gs = spec.draft.quantization, spec.draft.group_size
     save_hf(hf_dest, hf_cfg, hf_draft_state, draft_tok, dtype, hf_tied)
 
     def write(tmp: Path) -> dict:
-        st = {k: v.to(DTYPES[dtype]).contiguous() for k, v in draft.state_dict().items()
+        st = {k: v for k, v in draft.state_dict().items()
               if not (k == "lm_head.weight" and (draft.cfg.tie_embeddings or vocab_ids is not None))}
         if vocab_ids is not None and not draft.cfg.tie_embeddings:
             st["lm_head.weight"] = st["embed.weight"].clone()
-        save_file(st, str(tmp / "model.safetensors"))
+        st = quant.quantize_state(st, qz, gs, tie_embeddings=draft.cfg.tie_embeddings and vocab_ids is None)
+        save_file(quant.cast_state(st, DTYPES[dtype]), str(tmp / "model.safetensors"))
         if vocab_ids is not None:
-            save_file({"weight": draft.lm_head.weight.to(DTYPES[dtype]).contiguous(), "ids": vocab_ids.int()},
-                      str(tmp / DRAFT_HEAD_FILE))
+            hw = draft.lm_head.weight.to(DTYPES[dtype] if qz == "none" else torch.float32)
+            head = quant.quantize_head(hw, qz, gs)
+            save_file({**head, "ids": vocab_ids.int()}, str(tmp / DRAFT_HEAD_FILE))
         draft_tok.save_pretrained(str(tmp))
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
-        return engine_config(draft.cfg, spec, dtype, "none", 0, input_hash=want, source=source_desc,
+        return engine_config(draft.cfg, spec, dtype, "none", 0, qz, gs, input_hash=want, source=source_desc,
                              draft={"layers": draft.cfg.num_layers, "vocab": 0 if vocab_ids is None else len(vocab_ids),
                                     "hf_checkpoint": str(hf_dest), "training": stats},
                              speculation=speculation)
@@ -402,8 +406,8 @@ def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[
     from pipeline.speedpick import measure_and_pick
 
     d = draft
-    if dtype != "float32":
-        d = cast_draft(draft, DTYPES[dtype])
+    if dtype != "float32" or spec.draft.quantization != "none":
+        d = quant.quantize_model(cast_draft(draft, DTYPES[dtype]), spec.draft.quantization, spec.draft.group_size)
     return measure_and_pick(target, d, prompts, max(1, spec.limits.max_draft_len and min(spec.limits.max_draft_len, 8)),
                             log=log)
 

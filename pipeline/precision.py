@@ -1,0 +1,129 @@
+"""Speed and quality per weight precision of the target, for `bench.json`'s `precision` table.
+
+Every precision is built in-process from the same float weights (the target engine's, or its source
+when the engine itself is quantized), so the table compares precisions and nothing else:
+
+- `tokens_per_s`: greedy batch-1 decoding of the evaluation prompts (median over prompts);
+- `bytes_per_token`: weight bytes one decode step reads (the embedding is a row lookup, not counted
+  unless it doubles as an unquantized tied head);
+- `roofline_fraction`: tokens_per_s over bandwidth / bytes_per_token;
+- `agreement_vs_reference`: fraction of positions where this precision's argmax equals the reference's
+  greedy token, teacher-forced on the reference continuation (the reference is the engine's own float
+  dtype, float32 when it is float32);
+- `mean_logprob`: this precision's mean log-probability of that reference continuation.
+
+Quality is never silent: a precision that loses agreement shows it next to its speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pipeline.runtime import kernels, quant
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import ModelConfig, Transformer, build_model
+
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+FLOAT32_MAX_BYTES = 4 << 30  # a float32 copy of a larger model is left out (memory on small machines)
+
+
+def read_bytes(model: Transformer) -> int:
+    """Bytes of weights one decode step reads."""
+    total = quant.weight_bytes(model)
+    if getattr(model.lm_head, "weight", None) is model.embed.weight:
+        return total
+    return total - model.embed.weight.numel() * model.embed.weight.element_size()
+
+
+def variant(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str, group_size: int) -> Transformer:
+    """The model at `precision`, built from float weights `state` (runtime layout)."""
+    if precision in quant.ALGOS:
+        st = quant.quantize_state(state, precision, group_size, tie_embeddings=cfg.tie_embeddings)
+        return build_model(cfg, st, torch.float32, "cpu")
+    return build_model(cfg, state, torch.float32 if precision == "float32" else torch.bfloat16, "cpu")
+
+
+@torch.inference_mode()
+def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tuple[int, float]:
+    """(positions where the argmax equals `cont`, summed log-probability of `cont`) in one forward."""
+    seq = torch.tensor([prompt + cont])
+    n = seq.shape[1]
+    hidden = model(seq, torch.arange(n)[None], model.new_cache(1, n))[:, len(prompt) - 1:n - 1]
+    logp = torch.log_softmax(model.logits(hidden)[0].double(), dim=-1)
+    tgt = torch.tensor(cont)
+    return int((logp.argmax(-1) == tgt).sum()), float(logp[torch.arange(len(cont)), tgt].sum())
+
+
+def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
+                    bandwidth_gbs: float, group_size: int = 128, reference: str = "float32",
+                    precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
+                    log: Callable[[str], None] = print) -> dict:
+    """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
+    mean_logprob}` for each precision, plus the reference's name and the kernel path that ran."""
+    # float32 from bf16 weights would only widen them; a float32 copy of a large model may not fit.
+    nbytes = sum(v.numel() for v in state.values()) * 4
+    chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
+    order = [reference] + [p for p in chosen if p != reference]
+    out: dict = {"reference": reference, "group_size": group_size, "new_tokens": new_tokens,
+                 "prompts": len(ids), "kernel_path": kernels.path()}
+    ref_cont: list[list[int]] = []
+    for prec in order:
+        model = variant(cfg, state, prec, group_size)
+        generate(model, [Request(ids[0][:8], 2)])  # warm-up
+        tps, conts = [], []
+        for p in ids:
+            t = time.perf_counter()
+            (res,) = generate(model, [Request(p, new_tokens, end_ids=end_ids)])
+            tps.append(len(res.tokens) / (time.perf_counter() - t))
+            conts.append(res.tokens)
+        if prec == reference:
+            ref_cont = conts
+        agree = total = 0
+        logp = 0.0
+        for p, c in zip(ids, ref_cont):
+            if not c:
+                continue
+            a, lp = teacher_forced(model, p, c)
+            agree, total, logp = agree + a, total + len(c), logp + lp
+        b = read_bytes(model)
+        speed = statistics.median(tps)
+        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b,
+                     "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
+                     "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
+        log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "
+            f"{out[prec]['roofline_fraction']:.2f}  agreement {out[prec]['agreement_vs_reference']:.3f}  "
+            f"mean logprob {out[prec]['mean_logprob']:.3f}")
+        del model
+        gc.collect()
+    return out
+
+
+def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
+    """(config, float weights in runtime layout, reference dtype) for the target engine in `engine_dir`.
+
+    A quantized engine no longer holds float weights: they are read again from `target.source`.
+    """
+    from safetensors.torch import load_file
+
+    from pipeline.engine import read_config
+
+    cfg = read_config(engine_dir, verify=False)
+    mcfg = ModelConfig(**cfg["runtime"]["model"])
+    ref = cfg["pretrained_config"]["dtype"]
+    state = load_file(str(engine_dir / "model.safetensors"))
+    if any(k.endswith(".qweight") for k in state):
+        from pathlib import Path
+
+        from pipeline import sources
+        from pipeline.runtime.model import hf_to_runtime
+
+        hf_cfg, hf_state, _ = sources.load_hf(sources.resolve(spec.target.source, Path(spec.root)))
+        state = hf_to_runtime(hf_state, mcfg)
+    if mcfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return mcfg, state, ref if ref in ("float32", "bfloat16") else "float32"

@@ -1,0 +1,181 @@
+"""Weight-only quantization for the torch runtime (TensorRT-LLM's W8A16 and W4A16).
+
+Decoding reads every weight once per token, so bytes per weight set the speed. `int8` keeps one fp32
+scale per output row (symmetric, q in [-127, 127]); `int4` keeps one fp32 scale per `group_size`
+input columns of each row (symmetric, q in [-7, 7], stored as q + 8 in a nibble). Activations stay
+fp32: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`).
+
+int4 packing, per row and per block of 32 columns: byte j (0..15) holds column j in its low nibble and
+column j + 16 in its high nibble, so one 16-byte load decodes into two 16-lane vectors.
+
+In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
+plus `P.scales` (fp32 [N] or [N, K / group_size]) instead of `P.weight`; the format is read back from
+the shapes, so loading needs no extra configuration.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor, nn
+
+ALGOS = ("int8", "int4")
+QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM's QuantAlgo names
+GROUP_SIZES = (32, 64, 128)
+# The runtime's linear layers: every matmul a decode step reads. Embeddings stay in the engine dtype
+# (a row lookup reads almost nothing); a tied head is quantized as its own copy.
+LINEAR = re.compile(r"^(layers\.\d+\.(wqkv|wo|w13|w2)|lm_head)\.weight$")
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (packed uint8 [N, K / 2], scale fp32 [N, K / group_size]) with w ~= (u - 8) * scale."""
+    N, K = w.shape
+    if group_size not in GROUP_SIZES or K % group_size:
+        raise ValueError(f"group_size {group_size}: int4 needs one of {GROUP_SIZES} dividing the input width {K} "
+                         "of every linear layer; pick a group_size that divides it or use quantization: int8")
+    wf = w.detach().float().view(N, K // group_size, group_size)
+    amax = wf.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    q = torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8
+    blocks = q.view(N, K // 32, 2, 16).to(torch.uint8)
+    packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
+    return packed.reshape(N, K // 2).contiguous(), scale.contiguous()
+
+
+def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does)."""
+    if qweight.dtype == torch.int8:
+        return qweight.float() * scales[:, None]
+    N = qweight.shape[0]
+    K = qweight.shape[1] * 2
+    b = qweight.view(N, K // 32, 16)
+    u = torch.stack([b & 15, b >> 4], dim=2).view(N, K).float()
+    return (u - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
+
+
+def algo_of(qweight: Tensor) -> str:
+    return "int8" if qweight.dtype == torch.int8 else "int4"
+
+
+class QLinear(nn.Module):
+    """A linear layer holding quantized weights (and an optional fp32 bias); the kernels decode them in registers."""
+
+    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None):
+        super().__init__()
+        if qweight.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8) or uint8 (packed int4)")
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        # Qwen2's q/k/v bias stays fp32 and is added outside the matmul (by rope_write on the fast path).
+        if bias is not None:
+            self.register_buffer("bias", bias.float().contiguous())
+        else:
+            self.bias = None
+        self.algo = algo_of(qweight)
+        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
+        self.group_size = 0 if self.algo == "int8" else self.in_features // scales.shape[1]
+
+    @property
+    def weight(self) -> Tensor:
+        """Dequantized fp32 weight, for code that needs the matrix itself (training, the torch fallback)."""
+        return dequantize(self.qweight, self.scales)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def rows(self, idx: Tensor) -> QLinear:
+        """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized."""
+        return QLinear(self.qweight[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
+
+    def forward(self, x: Tensor) -> Tensor:
+        from pipeline.runtime.kernels import linear
+
+        y = linear(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.in_features}, {self.out_features}, {self.algo}{g}"
+
+
+def head_rows(layer: nn.Module, idx: Tensor):
+    """Output rows `idx` of a linear layer as the kernels take them (a reduced-vocabulary head)."""
+    return layer.rows(idx) if isinstance(layer, QLinear) else layer.weight[idx].contiguous()
+
+
+def quantize_head(weight: Tensor, algo: str, group_size: int = 128) -> dict[str, Tensor]:
+    """A reduced-vocabulary draft head's tensors for draft_head.safetensors: `weight`, or `qweight` + `scales`."""
+    if algo == "none":
+        return {"weight": weight.contiguous()}
+    q, s = quantize(weight, algo, group_size)
+    return {"qweight": q, "scales": s}
+
+
+def quantize(w: Tensor, algo: str, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    if algo == "int8":
+        return quantize_int8(w)
+    if algo == "int4":
+        return quantize_int4(w, group_size)
+    raise ValueError(f"quantization {algo!r}: the torch runtime quantizes int8 or int4 (or none)")
+
+
+def quantize_state(state: dict[str, Tensor], algo: str, group_size: int = 128,
+                   tie_embeddings: bool | None = None) -> dict[str, Tensor]:
+    """A runtime-layout state dict with every linear weight (and the LM head) quantized.
+
+    `algo` 'none' returns the state unchanged. With tied embeddings (`tie_embeddings`, or no
+    `lm_head.weight` in the state) the head is quantized from the embedding, which stays for lookup.
+    """
+    if algo == "none":
+        return dict(state)
+    out: dict[str, Tensor] = {}
+    for k, v in state.items():
+        if LINEAR.match(k):
+            q, s = quantize(v, algo, group_size)
+            out[k[: -len(".weight")] + ".qweight"], out[k[: -len(".weight")] + ".scales"] = q, s
+        else:
+            out[k] = v
+    tied = tie_embeddings if tie_embeddings is not None else "lm_head.weight" not in state
+    if tied and "lm_head.qweight" not in out and "embed.weight" in state:
+        out["lm_head.qweight"], out["lm_head.scales"] = quantize(state["embed.weight"], algo, group_size)
+    return out
+
+
+def cast_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Cast the unquantized tensors of a state dict to `dtype`; quantized pairs keep their storage dtypes."""
+    return {k: (v if k.endswith((".qweight", ".scales")) else v.to(dtype)).contiguous() for k, v in state.items()}
+
+
+def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Module:
+    """Replace every runtime linear layer of a built Transformer (and its LM head) by a QLinear, in place."""
+    if algo == "none":
+        return model
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and LINEAR.match(name + ".weight"):
+            parent, _, leaf = name.rpartition(".")
+            q, s = quantize(mod.weight, algo, group_size)
+            setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
+    return model
+
+
+def quant_config(algo: str, group_size: int) -> dict:
+    """`pretrained_config.quantization` as TensorRT-LLM writes it."""
+    return {"quant_algo": QUANT_ALGO[algo], "group_size": group_size, "kv_cache_quant_algo": None}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight a decode step reads (parameters and quantized buffers, shared ones once)."""
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in seen.values())

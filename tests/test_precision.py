@@ -1,0 +1,83 @@
+"""bench.json's precision table on a tiny model with known answers: bytes per token from the shapes,
+the reference agreeing with itself exactly, quality ordered float32 >= int8 >= int4 in log-likelihood."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.precision import precision_table, teacher_forced, variant
+from pipeline.runtime.model import ModelConfig, Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, tie_embeddings=True, max_position_embeddings=256)
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(CFG).state_dict().items() if k != "lm_head.weight"}
+    return {k: torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.5 for k, s in shapes.items()}
+
+
+def _linears() -> list[tuple[int, int]]:
+    """(N, K) of every matmul a step reads, from the config alone (the tied head included)."""
+    h, f, q, kv = CFG.hidden_size, CFG.intermediate_size, CFG.num_heads * CFG.head_dim, CFG.num_kv_heads * CFG.head_dim
+    per_layer = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)]
+    return per_layer * CFG.num_layers + [(CFG.vocab_size, h)]
+
+
+@pytest.fixture(scope="module")
+def table():
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9)]
+    return precision_table(CFG, _state(), ids, 12, bandwidth_gbs=10.0, group_size=32, log=lambda *a: None)
+
+
+def test_bytes_per_token_follow_from_the_shapes(table):
+    norms = 4 * CFG.hidden_size * (2 * CFG.num_layers + 1)
+    lin = _linears()
+    want = {
+        "float32": sum(4 * n * k for n, k in lin) + norms,
+        "bfloat16": sum(2 * n * k for n, k in lin) + norms,
+        "int8": sum(n * k + 4 * n for n, k in lin) + norms,
+        "int4": sum(n * k // 2 + 4 * n * k // 32 for n, k in lin) + norms,
+    }
+    for prec, b in want.items():
+        assert table[prec]["bytes_per_token"] == b, prec
+
+
+def test_roofline_fraction_is_speed_over_the_bandwidth_limit(table):
+    for prec in ("float32", "bfloat16", "int8", "int4"):
+        e = table[prec]
+        assert e["roofline_fraction"] == pytest.approx(e["tokens_per_s"] * e["bytes_per_token"] / 10e9)
+
+
+def test_reference_agrees_with_itself_and_quality_degrades_with_bits(table):
+    assert table["reference"] == "float32" and table["float32"]["agreement_vs_reference"] == 1.0
+    lp = {p: table[p]["mean_logprob"] for p in ("float32", "bfloat16", "int8", "int4")}
+    assert all(v <= 0 for v in lp.values())
+    assert lp["float32"] >= lp["int8"] - 1e-3 and lp["int8"] >= lp["int4"] - 1e-3
+    assert table["int8"]["agreement_vs_reference"] >= 0.5
+    assert table["kernel_path"] in ("avx512", "avx2", "torch")
+
+
+def test_teacher_forced_scores_match_a_direct_computation():
+    model = variant(CFG, _state(), "int8", 32)
+    prompt, cont = [3, 7, 11], [5, 2, 9, 9]
+    agree, logp = teacher_forced(model, prompt, cont)
+    seq = prompt + cont
+    with torch.inference_mode():
+        tot, hits = 0.0, 0
+        cache = model.new_cache(1, len(seq))
+        for i, t in enumerate(seq[:-1]):
+            lg = model.logits(model(torch.tensor([[t]]), torch.tensor([[i]]), cache))[0, -1].double()
+            if i >= len(prompt) - 1:
+                nxt = seq[i + 1]
+                tot += float(torch.log_softmax(lg, -1)[nxt])
+                hits += int(lg.argmax()) == nxt
+    assert agree == hits and math.isclose(logp, tot, rel_tol=1e-9, abs_tol=1e-9)

@@ -1,0 +1,323 @@
+"""Weight-only int8 / int4 quantization: round-trip error bounds against a numpy reference, the stored
+layout, engines that record TensorRT-LLM's quant_algo and rebuild when quantization changes, greedy
+speculative decoding identical to the baseline of the same quantized engine (batches past 32 rows,
+models with near-ties), exact multi-row prefill, and the spec refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline import engine as E
+from pipeline import spec as specmod
+from pipeline.runtime import kernels, quant
+from pipeline.runtime.decode import Bundle, decode
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import ModelConfig, Transformer, build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- quantize / dequantize against numpy ----
+
+def _np_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    s = np.abs(w).max(axis=1) / np.float32(127)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    return np.clip(np.round(w / s[:, None]), -127, 127), s
+
+
+def _np_int4(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
+    n, k = w.shape
+    g = w.reshape(n, k // gs, gs)
+    s = np.abs(g).max(axis=2) / np.float32(7)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    return np.clip(np.round(g / s[..., None]), -7, 7).reshape(n, k), s
+
+
+def _np_unpack(packed: np.ndarray) -> np.ndarray:
+    n, half = packed.shape
+    b = packed.reshape(n, half // 16, 16).astype(np.int64)
+    return np.concatenate([b & 15, b >> 4], axis=2).reshape(n, half * 2) - 8
+
+
+def test_int8_round_trip_is_within_half_a_step_per_row():
+    w = torch.randn(37, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 37)[:, None]
+    q, s = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (37,)
+    nq, ns = _np_int8(w.numpy())
+    assert np.array_equal(q.numpy(), nq) and np.allclose(s.numpy(), ns, rtol=0, atol=0)
+    err = np.abs(quant.dequantize(q, s).numpy() - w.numpy())
+    assert (err <= ns[:, None] / 2 * (1 + 1e-5)).all()
+    # The largest weight of each row is exact up to rounding of the scale.
+    assert np.abs(np.abs(q.numpy()).max(axis=1) - 127).max() == 0
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_int4_round_trip_is_within_half_a_step_per_group_and_packs_two_nibbles(gs):
+    w = torch.randn(19, 256, generator=torch.Generator().manual_seed(gs))
+    packed, s = quant.quantize_int4(w, gs)
+    assert packed.dtype == torch.uint8 and packed.shape == (19, 128) and s.shape == (19, 256 // gs)
+    nq, ns = _np_int4(w.numpy(), gs)
+    assert np.array_equal(_np_unpack(packed.numpy()), nq)
+    deq = quant.dequantize(packed, s).numpy()
+    step = np.repeat(ns, gs, axis=1)
+    assert (np.abs(deq - w.numpy()) <= step / 2 * (1 + 1e-5)).all()
+    assert np.allclose(deq, nq * step, rtol=1e-7, atol=0)
+
+
+def test_int4_refuses_a_group_size_that_does_not_divide_the_width():
+    with pytest.raises(ValueError, match="group_size 128"):
+        quant.quantize_int4(torch.randn(4, 96), 128)
+
+
+def test_zero_rows_quantize_to_zero():
+    w = torch.zeros(3, 64)
+    for algo in quant.ALGOS:
+        assert torch.equal(quant.QLinear(*quant.quantize(w, algo, 32)).weight, w)
+
+
+def test_row_subset_of_a_quantized_head_is_the_same_rows():
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(1))
+    for algo in quant.ALGOS:
+        layer = quant.QLinear(*quant.quantize(w, algo, 32))
+        idx = torch.tensor([3, 0, 49, 7])
+        assert torch.equal(layer.rows(idx).weight, layer.weight[idx])
+        x = torch.randn(2, 64)
+        assert torch.equal(kernels.linear(x, layer.rows(idx)), kernels.linear(x, layer)[:, idx])
+
+
+# ---- models ----
+
+def _cfg(vocab=64, hidden=32, tie=True) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=hidden // 4, tie_embeddings=tie, max_position_embeddings=512,
+                       eos_token_id=[1])
+
+
+def _state(cfg: ModelConfig, seed: int, scale: float = 0.3, head_scale: float | None = None) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()
+                  if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    return {k: torch.ones(s) if len(s) == 1 else
+            torch.randn(s, generator=g) * (head_scale if head_scale and k == "lm_head.weight" else scale)
+            for k, s in shapes.items()}
+
+
+def near_tie_model(algo: str, seed: int = 0) -> Transformer:
+    """Untied head with small weights: logits a few 1e-2 apart, top-2 margins down to ~1e-6 (no x3 scaling)."""
+    cfg = _cfg(tie=False)
+    return build_model(cfg, quant.quantize_state(_state(cfg, seed, head_scale=0.001), algo, 32), torch.float32, "cpu")
+
+
+def test_quantize_state_quantizes_every_linear_and_a_tied_head_separately():
+    cfg = _cfg(tie=True)
+    st = _state(cfg, 0)
+    q = quant.quantize_state(st, "int8", 32)
+    assert "lm_head.qweight" in q and "embed.weight" in q and "lm_head.weight" not in q
+    assert not any(k.endswith((".wqkv.weight", ".wo.weight", ".w13.weight", ".w2.weight")) for k in q)
+    m = build_model(cfg, q, torch.float32, "cpu")
+    assert isinstance(m.lm_head, quant.QLinear) and m.embed.weight.dtype == torch.float32
+    assert all(isinstance(getattr(b, n), quant.QLinear) for b in m.layers for n in ("wqkv", "wo", "w13", "w2"))
+    full = build_model(cfg, st, torch.float32, "cpu")
+    assert quant.weight_bytes(m) < 0.45 * quant.weight_bytes(full) + cfg.vocab_size * cfg.hidden_size * 4
+    assert quant.quantize_state(st, "none", 32) == st
+
+
+def test_quantize_model_in_place_matches_quantize_state():
+    cfg = _cfg(tie=False)
+    st = _state(cfg, 2)
+    a = quant.quantize_model(build_model(cfg, st, torch.float32, "cpu"), "int4", 32)
+    b = build_model(cfg, quant.quantize_state(st, "int4", 32), torch.float32, "cpu")
+    toks = torch.tensor([[5, 9, 3, 7]])
+    with torch.inference_mode():
+        la = a.logits(a(toks, torch.arange(4)[None], a.new_cache(1, 8)))
+        lb = b.logits(b(toks, torch.arange(4)[None], b.new_cache(1, 8)))
+    assert torch.equal(la, lb)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 64, (int(m),), generator=g).tolist() for m in torch.randint(3, 14, (n,), generator=g)]
+
+
+def _margins(model: Transformer, reqs, results) -> torch.Tensor:
+    out = []
+    for q, r in zip(reqs, results):
+        seq = torch.tensor([q.prompt + r.tokens])
+        with torch.inference_mode():
+            lg = model.logits(model(seq, torch.arange(seq.shape[1])[None], model.new_cache(1, seq.shape[1])))
+        top = lg[0, len(q.prompt) - 1:-1].topk(2).values
+        out.append(top[:, 0] - top[:, 1])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_greedy_speculative_equals_baseline_past_32_rows_on_a_near_tie_model(algo):
+    target = near_tie_model(algo, seed=1)
+    draft = near_tie_model(algo, seed=5)
+    b = Bundle(target, None, {"build_config": {"max_draft_len": 8}}, draft=draft,
+               options={"num_draft_tokens": 4, "prompt_lookup_num_tokens": 7})
+    reqs = [Request(p, 30) for p in _prompts(8, seed=1)]
+    base = decode(b, "baseline", reqs)
+    # The model has the near-ties (top-2 logit margins of a few 1e-6) that a path difference would flip.
+    assert _margins(target, reqs, base).min() < 2e-5
+    for method, k in (("draft_target", 4), ("draft_target", 6), ("prompt_lookup", 7)):  # 8 x (k+1) = 40..64 rows
+        spec = decode(b, method, reqs, num_draft_tokens=k)
+        assert [r.tokens for r in spec] == [r.tokens for r in base], (method, k)
+
+
+def test_prefill_of_many_rows_is_bitwise_the_same_as_token_by_token_decoding():
+    model = near_tie_model("int4", seed=3)
+    n = 100  # two 48-row chunks of the kernel and a tail
+    seq = torch.randint(2, 64, (1, n), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        full = model.logits(model(seq, torch.arange(n)[None], model.new_cache(1, n)))
+        cache = model.new_cache(1, n)
+        steps = torch.cat([model.logits(model(seq[:, i:i + 1], torch.tensor([[i]]), cache)) for i in range(n)], 1)
+    assert torch.equal(full, steps)
+
+
+def test_quantized_model_stays_close_to_the_float_model():
+    cfg = _cfg(tie=False)
+    st = _state(cfg, 4)
+    ref = build_model(cfg, st, torch.float32, "cpu")
+    toks = torch.tensor([_prompts(1, 2)[0]])
+    pos = torch.arange(toks.shape[1])[None]
+    with torch.inference_mode():
+        lr = ref.logits(ref(toks, pos, ref.new_cache(1, 16)))
+        errs = {}
+        for algo in quant.ALGOS:
+            m = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu")
+            errs[algo] = float((m.logits(m(toks, pos, m.new_cache(1, 16))) - lr).abs().max() / lr.abs().max())
+    # A random 2-layer model amplifies weight noise; a wrong scale or layout gives errors of order 1.
+    assert errs["int8"] < 0.06 and errs["int4"] < 0.4 and errs["int8"] < errs["int4"], errs
+
+
+# ---- engines ----
+
+def _spec(tiny_root, name: str, **target) -> specmod.Spec:
+    data = yaml.safe_load((tiny_root / "build" / "tiny.yaml").read_text())
+    data["name"] = name
+    data["target"] = {"source": str(tiny_root / "models" / "target"), **target}
+    p = tiny_root / "build" / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return specmod.load(p)
+
+
+@pytest.fixture(scope="module")
+def quant_engines(tiny_root):
+    return {algo: E.build_target(_spec(tiny_root, f"tiny-{algo}", quantization=algo, group_size=32),
+                                 log=lambda *a: None) for algo in ("int8", "int4")}
+
+
+def test_engine_config_records_quant_algo_the_tensorrt_llm_way(quant_engines, tiny_engine):
+    for algo, want in (("int8", "W8A16"), ("int4", "W4A16")):
+        cfg = json.loads((quant_engines[algo] / "config.json").read_text())
+        assert cfg["pretrained_config"]["quantization"] == {"quant_algo": want, "group_size": 32,
+                                                             "kv_cache_quant_algo": None}
+        st = load_file(str(quant_engines[algo] / "model.safetensors"))
+        assert st["layers.0.wqkv.qweight"].dtype == (torch.int8 if algo == "int8" else torch.uint8)
+        assert "lm_head.qweight" in st and "embed.weight" in st and "layers.0.wqkv.weight" not in st
+        eng = E.load_engine(quant_engines[algo])
+        assert isinstance(eng.model.lm_head, quant.QLinear) and eng.model.lm_head.algo == algo
+    plain = json.loads((tiny_engine / "config.json").read_text())
+    assert plain["pretrained_config"]["quantization"]["quant_algo"] is None
+
+
+def test_changing_quantization_rebuilds_the_engine(tiny_root, quant_engines):
+    logs: list[str] = []
+    E.build_target(_spec(tiny_root, "tiny-int8", quantization="int8", group_size=32), log=logs.append)
+    assert any("up to date" in m for m in logs)
+    logs.clear()
+    d = E.build_target(_spec(tiny_root, "tiny-int8", quantization="int4", group_size=32), log=logs.append)
+    assert not any("up to date" in m for m in logs)
+    assert json.loads((d / "config.json").read_text())["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"
+    E.build_target(_spec(tiny_root, "tiny-int8", quantization="int8", group_size=32), log=lambda *a: None)
+
+
+def test_quantized_engines_decode_greedy_identically_with_every_method(quant_engines):
+    from pipeline.runtime.decode import load_bundle
+
+    b = load_bundle(quant_engines["int8"].parent)
+    b.draft = E.load_engine(quant_engines["int4"]).model  # an int4 draft for the int8 target
+    b.options.update(num_draft_tokens=4, prompt_lookup_num_tokens=4)
+    reqs = [Request(b.tokenizer.encode(t), 20, end_ids=b.end_ids) for t in
+            ("Why is the sky blue?", "Write a haiku about rain.", "List three colours.", "What is 2+2?",
+             "Describe the water cycle.", "Name a fruit.", "How do plants grow?")]
+    base = decode(b, "baseline", reqs)
+    for method in ("draft_target", "prompt_lookup"):
+        assert [r.tokens for r in decode(b, method, reqs)] == [r.tokens for r in base], method
+
+
+def test_generate_rows_of_a_batch_equal_their_solo_runs_quantized():
+    model = near_tie_model("int8", seed=6)
+    reqs = [Request(p, 12) for p in _prompts(6, seed=4)]
+    batch = generate(model, reqs)
+    for r, q in zip(batch, reqs):
+        assert generate(model, [q])[0].tokens == r.tokens
+
+
+# ---- spec refusals ----
+
+@pytest.mark.parametrize("section,key,value,path", [
+    ({"dtype": "float16"}, None, None, "dtype"),
+    ({"draft": {"source": "train", "dtype": "float16"}}, None, None, "draft.dtype"),
+    ({"target": {"source": "x", "quantization": "int4_awq"}}, None, None, "target.quantization"),
+    ({"target": {"source": "x", "quantization": "fp8"}}, None, None, "target.quantization"),
+    ({"target": {"source": "x", "quantization": "int4", "group_size": 48}}, None, None, "target.group_size"),
+    ({"draft": {"source": "train", "quantization": "int4", "group_size": 100}}, None, None, "draft.group_size"),
+    ({"draft": {"source": "none", "quantization": "int8"}}, None, None, "draft.quantization"),
+])
+def test_spec_refuses_bad_precision_settings_naming_the_key(tmp_path, section, key, value, path):
+    from tests.conftest import write_spec
+
+    p = write_spec(tmp_path, name="bad", **section)
+    with pytest.raises(specmod.SpecError) as e:
+        specmod.load(p)
+    assert str(e.value).startswith(f"{path}:")
+
+
+def test_spec_accepts_int8_and_int4_on_the_torch_backend(tmp_path):
+    from tests.conftest import write_spec
+
+    s = specmod.load(write_spec(tmp_path, name="ok", target={"source": "x", "quantization": "int4", "group_size": 64},
+                                draft={"source": "train", "quantization": "int8"}))
+    assert (s.target.quantization, s.target.group_size, s.draft.quantization) == ("int4", 64, "int8")
+
+
+def test_build_model_refuses_float16_on_cpu_naming_the_fix():
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="bfloat16"):
+        build_model(cfg, _state(cfg, 0), torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
+    cfg = ModelConfig(**{**_cfg(tie=False).to_dict(), "qkv_bias": True, "model_type": "qwen2"})
+    st = _state(cfg, 8)
+    st = {k: (torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if k.endswith(".bias") else v)
+          for k, v in st.items()}
+    a = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu")
+    b = quant.quantize_model(build_model(cfg, st, torch.float32, "cpu"), algo, 32)
+    assert a.layers[0].wqkv.bias is not None and torch.equal(a.layers[0].wqkv.bias, st["layers.0.wqkv.bias"])
+    toks = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    pos = torch.arange(6)[None]
+    with torch.inference_mode():
+        fast = a.logits(a(toks, pos, a.new_cache(1, 8)))
+        assert torch.equal(fast, b.logits(b(toks, pos, b.new_cache(1, 8))))
+        prev = kernels.set_path("torch")
+        try:
+            slow = a.logits(a(toks, pos, a.new_cache(1, 8)))
+        finally:
+            kernels.set_path(prev)
+        nobias = build_model(cfg, quant.quantize_state({k: v * 0 if k.endswith(".bias") else v for k, v in st.items()},
+                                                       algo, 32), torch.float32, "cpu")
+        other = nobias.logits(nobias(toks, pos, nobias.new_cache(1, 8)))
+    assert (fast - slow).abs().max() <= 1e-4
+    assert (fast - other).abs().max() > 1e-3  # the bias is applied, not dropped
