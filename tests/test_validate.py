@@ -99,3 +99,46 @@ def test_chi2_two_sample_tells_same_from_different():
     c = [rng.choice("aabcd") for _ in range(2000)]
     assert chi2_two_sample(a, b)[2] > 0.001
     assert chi2_two_sample(a, c)[2] < 1e-6
+
+
+def test_trimmed_says_what_a_short_run_leaves_out(tmp_path):
+    from pipeline import spec as specmod
+    from pipeline.validate import trimmed
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"prompt {i}" for i in range(11)) + "\n")
+    s = specmod.parse({"name": "t", "validate": {"prompts": str(prompts), "max_prompts": 4, "max_new_tokens": 64,
+                                                  "distribution_samples": 60, "concurrency": [1, 2],
+                                                  "temperatures": [0.7]}}, root=tmp_path)
+    out = trimmed(s)
+    assert out[0] == "4 of 10 prompts (validate.max_prompts)"
+    assert any(x.startswith("64 new tokens per request (full run: 128") for x in out)
+    assert any(x.startswith("60 distribution samples (full run: 200") for x in out)
+    assert any("concurrency curve to 2 (full run: to 32" in x for x in out)
+    assert any(x.startswith("temperatures [0.7]") for x in out)
+    full = specmod.parse({"name": "t", "validate": {"prompts": str(prompts)}}, root=tmp_path)
+    assert trimmed(full) == []
+
+
+def test_draft_summary_reads_the_built_draft(tmp_path):
+    import json
+
+    from pipeline import spec as specmod
+    from pipeline.validate import _draft_line, draft_summary
+
+    s = specmod.parse({"name": "d"}, root=tmp_path)
+    assert draft_summary(s) == {}
+    d = s.engine_dir / "draft"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({
+        "source": "qwen2.5-coder-0.5b-instruct",
+        "pretrained_config": {"num_hidden_layers": 24, "vocab_size": 151936, "dtype": "bfloat16",
+                              "quantization": {"quant_algo": "W8A16"}},
+        "draft": {"vocab": 32768, "training": {"vocab_coverage": 0.991}},
+        "speculation": {"num_draft_tokens": 5, "chosen_by": "measured", "draft_step_fraction": 0.118}}))
+    got = draft_summary(s)
+    assert got == {"source": "qwen2.5-coder-0.5b-instruct", "layers": 24, "vocab": 32768, "vocab_coverage": 0.991,
+                   "dtype": "bfloat16", "quantization": "W8A16", "num_draft_tokens": 5, "chosen_by": "measured",
+                   "step_fraction_of_target": 0.118}
+    line = _draft_line(got)
+    assert "W8A16" in line and "32768 tokens (covers 99.1%" in line and "0.118 of a target step" in line
