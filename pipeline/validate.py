@@ -134,6 +134,11 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
                 "total_draft_tokens": proposed, "total_accepted_draft_tokens": accepted,
             }
         report["draft"] = draft_summary(spec)
+        kept = getattr(bundle.draft, "vocab_ids", None)
+        if kept is not None and report["draft"]:
+            # Held out: the share of the target's greedy tokens on the evaluation prompts the draft head can propose.
+            kept_set, toks = set(kept.tolist()), [t for r in base for t in tokens_of(tok, r["text"])]
+            report["draft"]["vocab_coverage"] = sum(t in kept_set for t in toks) / max(1, len(toks))
         report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
         report["suspicious"] = suspicious(report, bundle)
 
@@ -195,7 +200,7 @@ def draft_summary(spec: Spec) -> dict:
     sp, d = cfg.get("speculation", {}), cfg.get("draft", {})
     return {"source": cfg.get("source"), "layers": cfg["pretrained_config"]["num_hidden_layers"],
             "vocab": d.get("vocab") or cfg["pretrained_config"]["vocab_size"],
-            "vocab_coverage": (d.get("training") or {}).get("vocab_coverage"),
+            "vocab_coverage_tune": (d.get("training") or {}).get("vocab_coverage"),
             "dtype": cfg["pretrained_config"]["dtype"],
             "quantization": (cfg["pretrained_config"].get("quantization") or {}).get("quant_algo"),
             "num_draft_tokens": sp.get("num_draft_tokens"), "chosen_by": sp.get("chosen_by"),
@@ -483,7 +488,8 @@ def _draft_line(d: dict) -> str:
     cov = d.get("vocab_coverage")
     return (f"Draft: {d['source']}, {d['layers']} layers, {d['dtype']}"
             + (f" {d['quantization']}" if d.get("quantization") else "")
-            + f", head of {d['vocab']} tokens" + (f" (covers {cov:.1%} of the target's tokens)" if cov else "")
+            + f", head of {d['vocab']} tokens"
+            + (f" (covers {cov:.1%} of the target's tokens on the evaluation prompts)" if cov else "")
             + f"; k = {d['num_draft_tokens']} ({d['chosen_by']})"
             + (f"; a draft step costs {frac:.3f} of a target step" if frac else "") + ".")
 

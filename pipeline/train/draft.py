@@ -48,7 +48,8 @@ from pipeline.spec import Spec
 TEACHER_TOPK = 32
 HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
 HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
-TUNE_PROMPTS = 8  # a pretrained draft's k and vocabulary are chosen on this many training prompts
+TUNE_PROMPTS = 8  # a pretrained draft's k is chosen on this many training prompts
+VOCAB_TOKENS = 96  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
 
 
 def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
@@ -346,9 +347,17 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         tune = train_texts if train_path.is_file() else held_texts
         held_prompts = [chat_ids(tok, p) for p in tune[:TUNE_PROMPTS]] or [chat_ids(tok, p) for p in texts[:4]]
         if 0 < spec.draft.vocab < draft.cfg.vocab_size:
-            vocab_ids = pretrained_vocab(tok, held_prompts, spec.draft.vocab, draft.cfg.vocab_size)
+            # What the draft itself writes for the tuning prompts ranks the tokens a code model uses most.
+            from pipeline.runtime.generate import Request, generate
+
+            g0 = time.perf_counter()
+            tune_ids = [chat_ids(tok, p) for p in tune]
+            written = [r.tokens for r in generate(draft, [Request(p, VOCAB_TOKENS, end_ids=end_ids)
+                                                          for p in tune_ids])]
+            vocab_ids = pretrained_vocab(tok, tune_ids + written, spec.draft.vocab, draft.cfg.vocab_size)
             attach_draft_head(draft, draft.lm_head.weight[vocab_ids].clone(), vocab_ids)
-            log(f"reduced draft head: {len(vocab_ids)} of {draft.cfg.vocab_size} tokens")
+            log(f"reduced draft head: {len(vocab_ids)} of {draft.cfg.vocab_size} tokens (the draft wrote "
+                f"{sum(map(len, written))} tokens for {len(tune)} tuning prompts in {time.perf_counter() - g0:.0f}s)")
     dtype = draft_dtype(spec)
     speculation = choose_k(spec, target, draft, held_prompts, dtype, log)
     if vocab_ids is not None and "coverage" in speculation:
@@ -381,12 +390,13 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     return dest
 
 
-def pretrained_vocab(tok, prompts: list[list[int]], n: int, V: int) -> Tensor:
-    """The kept tokens of a pretrained draft's reduced head: special and added tokens, every token of the
-    tuning prompts, then the lowest ids. Byte-level BPE ids follow merge order, the order of pair frequency
-    in the tokenizer's training corpus, so low ids are the common subwords; the build reports the share of
-    the target's own tokens the set covers (`vocab_coverage`)."""
-    order = [*tok.all_special_ids, *getattr(tok, "added_tokens_decoder", {}), *(i for p in prompts for i in p),
+def pretrained_vocab(tok, texts: list[list[int]], n: int, V: int) -> Tensor:
+    """The kept tokens of a pretrained draft's reduced head: special and added tokens, every token of
+    `texts` (the tuning prompts and what the draft writes for them), then the lowest ids. Byte-level BPE
+    ids follow merge order, the order of pair frequency in the tokenizer's training corpus, so low ids are
+    the common subwords; validate reports the share of the target's tokens the set covers on the
+    evaluation prompts (`draft.vocab_coverage`)."""
+    order = [*tok.all_special_ids, *getattr(tok, "added_tokens_decoder", {}), *(i for t in texts for i in t),
              *range(V)]
     keep: dict[int, None] = {}
     for i in order:
