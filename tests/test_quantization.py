@@ -40,9 +40,16 @@ def _np_int4(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _np_unpack(packed: np.ndarray) -> np.ndarray:
+    """The documented layout, read independently: byte 4p + m of a 32-column block holds columns 4m + p
+    (low nibble) and 16 + 4m + p (high nibble), as q + 8."""
     n, half = packed.shape
     b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    return np.concatenate([b & 15, b >> 4], axis=2).reshape(n, half * 2) - 8
+    out = np.zeros((n, half // 16, 32), dtype=np.int64)
+    for byte in range(16):
+        p, m = divmod(byte, 4)
+        out[:, :, 4 * m + p] = b[:, :, byte] & 15
+        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
+    return out.reshape(n, half * 2) - 8
 
 
 def test_int8_round_trip_is_within_half_a_step_per_row():

@@ -5,8 +5,11 @@ scale per output row (symmetric, q in [-127, 127]); `int4` keeps one fp32 scale 
 input columns of each row (symmetric, q in [-7, 7], stored as q + 8 in a nibble). Activations stay
 fp32: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`).
 
-int4 packing, per row and per block of 32 columns: byte j (0..15) holds column j in its low nibble and
-column j + 16 in its high nibble, so one 16-byte load decodes into two 16-lane vectors.
+int4 packing, per row and per block of 32 columns (16 bytes): byte 4p + m (p, m in 0..3) holds column
+4m + p in its low nibble and column 16 + 4m + p in its high nibble. Read as four little-endian 32-bit
+words, word p holds in nibble 2m (2m + 1) the column 4m + p (16 + 4m + p), so the kernel gets lanes
+l and l + 16 by shifting the 128-bit block broadcast to lane l / 4 right by 8 (l / 4) bits: no
+cross-lane shuffle.
 
 In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
 plus `P.scales` (fp32 [N] or [N, K / group_size]) instead of `P.weight`; the format is read back from
@@ -28,6 +31,11 @@ GROUP_SIZES = (32, 64, 128)
 LINEAR = re.compile(r"^(layers\.\d+\.(wqkv|wo|w13|w2)|lm_head)\.weight$")
 
 
+# Column of each int4 byte's low / high nibble within a 32-column block (see the module docstring).
+_LO = torch.tensor([4 * (b % 4) + b // 4 for b in range(16)])
+_HI = _LO + 16
+
+
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     """w [N, K] -> (q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]."""
     wf = w.detach().float()
@@ -46,9 +54,8 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     wf = w.detach().float().view(N, K // group_size, group_size)
     amax = wf.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
-    q = torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8
-    blocks = q.view(N, K // 32, 2, 16).to(torch.uint8)
-    packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
+    u = (torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K // 32, 32) + 8).to(torch.uint8)
+    packed = u[..., _LO] | (u[..., _HI] << 4)
     return packed.reshape(N, K // 2).contiguous(), scale.contiguous()
 
 
@@ -59,8 +66,9 @@ def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     N = qweight.shape[0]
     K = qweight.shape[1] * 2
     b = qweight.view(N, K // 32, 16)
-    u = torch.stack([b & 15, b >> 4], dim=2).view(N, K).float()
-    return (u - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
+    u = torch.empty(N, K // 32, 32, dtype=torch.uint8, device=qweight.device)
+    u[..., _LO], u[..., _HI] = b & 15, b >> 4
+    return (u.view(N, K).float() - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
 
 
 def algo_of(qweight: Tensor) -> str:
