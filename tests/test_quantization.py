@@ -328,3 +328,16 @@ def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
         other = nobias.logits(nobias(toks, pos, nobias.new_cache(1, 8)))
     assert (fast - slow).abs().max() <= 1e-4
     assert (fast - other).abs().max() > 1e-3  # the bias is applied, not dropped
+
+
+def test_an_engine_in_another_quantized_layout_is_refused_not_misread(quant_engines, tmp_path):
+    import shutil
+
+    d = tmp_path / "old"
+    shutil.copytree(quant_engines["int4"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["runtime"]["quant_format"] == quant.FORMAT
+    cfg["runtime"]["quant_format"] = "qlinear/1"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(E.EngineError, match="--force"):
+        E.load_engine(d)

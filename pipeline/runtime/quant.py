@@ -23,6 +23,9 @@ import re
 import torch
 from torch import Tensor, nn
 
+# Version of the stored quantized layout (2: the shuffle-free int4 nibble order below). Engines record it
+# and join it to their input hash, so an engine in an older layout is rebuilt, never misread.
+FORMAT = "qlinear/2"
 ALGOS = ("int8", "int4")
 QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM's QuantAlgo names
 GROUP_SIZES = (32, 64, 128)
