@@ -341,3 +341,25 @@ def test_an_engine_in_another_quantized_layout_is_refused_not_misread(quant_engi
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(E.EngineError, match="--force"):
         E.load_engine(d)
+
+
+def test_weights_moved_to_huge_pages_keep_values_ties_and_save(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    cfg = ModelConfig(**{**_cfg(vocab=4096, hidden=128, tie=True).to_dict()})
+    st = _state(cfg, 3)
+    monkeypatch.setenv("PIPELINE_HUGEPAGES", "0")
+    plain = build_model(cfg, dict(st), torch.float32, "cpu")
+    monkeypatch.setenv("PIPELINE_HUGEPAGES", "1")
+    moved = build_model(cfg, dict(st), torch.float32, "cpu")
+    assert moved.embed.weight.data_ptr() != st["embed.weight"].data_ptr()  # 2 MB embedding: moved
+    assert moved.lm_head.weight is moved.embed.weight
+    assert torch.equal(moved.embed.weight, plain.embed.weight)
+    q = quant.quantize_model(build_model(cfg, dict(st), torch.float32, "cpu"), "int8")
+    assert quant.to_hugepages(q) > 0
+    toks = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        a = plain.logits(plain(toks, torch.arange(3)[None], plain.new_cache(1, 4)))
+        b = moved.logits(moved(toks, torch.arange(3)[None], moved.new_cache(1, 4)))
+    assert torch.equal(a, b)
+    save_file({k: v.contiguous() for k, v in q.state_dict().items()}, str(tmp_path / "m.safetensors"))
