@@ -363,3 +363,24 @@ def test_weights_moved_to_huge_pages_keep_values_ties_and_save(tmp_path, monkeyp
         b = moved.logits(moved(toks, torch.arange(3)[None], moved.new_cache(1, 4)))
     assert torch.equal(a, b)
     save_file({k: v.contiguous() for k, v in q.state_dict().items()}, str(tmp_path / "m.safetensors"))
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
+    import math
+
+    from pipeline.runtime.medusa import MedusaHeads, make_engine, medusa_generate
+
+    target = near_tie_model(algo, seed=1)
+    torch.manual_seed(0)
+    heads = MedusaHeads(3, 1, target.cfg.hidden_size)
+    with torch.no_grad():
+        heads.w.normal_(0, 0.3 / math.sqrt(target.cfg.hidden_size))
+    heads = heads.eval().requires_grad_(False)
+    # 9 tree nodes + the root per row, 6 rows: 60 token rows per verification forward.
+    tree = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [2, 0], [0, 2]]
+    reqs = [Request(p, 24) for p in _prompts(6, seed=11)]
+    base = generate(target, reqs)
+    got = medusa_generate(target, make_engine(heads, tree), reqs, acceptance="greedy")
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert _margins(target, reqs, base).min() < 1e-4
