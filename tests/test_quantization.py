@@ -384,3 +384,26 @@ def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
     got = medusa_generate(target, make_engine(heads, tree), reqs, acceptance="greedy")
     assert [r.tokens for r in got] == [r.tokens for r in base]
     assert _margins(target, reqs, base).min() < 1e-4
+
+
+@pytest.mark.parametrize("algo,vocab", [("int8", 64), ("int4", 0)])
+def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, algo, vocab):
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.train.draft import build_draft
+    from tests.conftest import write_spec
+
+    budget = {"steps": 10, "minutes": 1, "sequences": 4, "seq_len": 24, "batch_size": 4, "lr": 0.003}
+    p = write_spec(tiny_root, name=f"qdraft-{algo}", speculation={"num_draft_tokens": 3},
+                   draft={"source": "train", "layers": 1, "vocab": vocab, "dtype": "float32", "train": budget,
+                          "quantization": algo, "group_size": 32})
+    s = specmod.load(p)
+    E.build_target(s, log=lambda *a: None)
+    out = build_draft(s, log=lambda *a: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pretrained_config"]["quantization"]["quant_algo"] == quant.QUANT_ALGO[algo]
+    b = load_bundle(s.engine_dir)
+    assert isinstance(b.draft.lm_head, quant.QLinear) and isinstance(b.draft.layers[0].w13, quant.QLinear)
+    assert (getattr(b.draft, "vocab_ids", None) is not None) == bool(vocab)
+    b.options["num_draft_tokens"] = 3
+    reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
+    assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
