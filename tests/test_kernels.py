@@ -24,11 +24,16 @@ U = 2.0 ** -24  # fp32 unit roundoff
 
 
 def _np_unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """Independent reading of the documented layout: in each 32-column block, byte j = col j | col j+16 << 4."""
+    """Independent reading of the documented layout: in each 32-column block, byte 4p + m holds column
+    4m + p (low nibble) and column 16 + 4m + p (high nibble), both as q + 8."""
     n, half = packed.shape
     b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    lo, hi = b & 15, b >> 4
-    return np.concatenate([lo, hi], axis=2).reshape(n, half * 2) - 8
+    out = np.zeros((n, half // 16, 32), dtype=np.int64)
+    for byte in range(16):
+        p, m = divmod(byte, 4)
+        out[:, :, 4 * m + p] = b[:, :, byte] & 15
+        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
+    return out.reshape(n, half * 2) - 8
 
 
 def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):

@@ -40,9 +40,16 @@ def _np_int4(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _np_unpack(packed: np.ndarray) -> np.ndarray:
+    """The documented layout, read independently: byte 4p + m of a 32-column block holds columns 4m + p
+    (low nibble) and 16 + 4m + p (high nibble), as q + 8."""
     n, half = packed.shape
     b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    return np.concatenate([b & 15, b >> 4], axis=2).reshape(n, half * 2) - 8
+    out = np.zeros((n, half // 16, 32), dtype=np.int64)
+    for byte in range(16):
+        p, m = divmod(byte, 4)
+        out[:, :, 4 * m + p] = b[:, :, byte] & 15
+        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
+    return out.reshape(n, half * 2) - 8
 
 
 def test_int8_round_trip_is_within_half_a_step_per_row():
@@ -321,3 +328,82 @@ def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
         other = nobias.logits(nobias(toks, pos, nobias.new_cache(1, 8)))
     assert (fast - slow).abs().max() <= 1e-4
     assert (fast - other).abs().max() > 1e-3  # the bias is applied, not dropped
+
+
+def test_an_engine_in_another_quantized_layout_is_refused_not_misread(quant_engines, tmp_path):
+    import shutil
+
+    d = tmp_path / "old"
+    shutil.copytree(quant_engines["int4"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["runtime"]["quant_format"] == quant.FORMAT
+    cfg["runtime"]["quant_format"] = "qlinear/1"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(E.EngineError, match="--force"):
+        E.load_engine(d)
+
+
+def test_weights_moved_to_huge_pages_keep_values_ties_and_save(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    cfg = ModelConfig(**{**_cfg(vocab=4096, hidden=128, tie=True).to_dict()})
+    st = _state(cfg, 3)
+    monkeypatch.setenv("PIPELINE_HUGEPAGES", "0")
+    plain = build_model(cfg, dict(st), torch.float32, "cpu")
+    monkeypatch.setenv("PIPELINE_HUGEPAGES", "1")
+    moved = build_model(cfg, dict(st), torch.float32, "cpu")
+    assert moved.embed.weight.data_ptr() != st["embed.weight"].data_ptr()  # 2 MB embedding: moved
+    assert moved.lm_head.weight is moved.embed.weight
+    assert torch.equal(moved.embed.weight, plain.embed.weight)
+    q = quant.quantize_model(build_model(cfg, dict(st), torch.float32, "cpu"), "int8")
+    assert quant.to_hugepages(q) > 0
+    toks = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        a = plain.logits(plain(toks, torch.arange(3)[None], plain.new_cache(1, 4)))
+        b = moved.logits(moved(toks, torch.arange(3)[None], moved.new_cache(1, 4)))
+    assert torch.equal(a, b)
+    save_file({k: v.contiguous() for k, v in q.state_dict().items()}, str(tmp_path / "m.safetensors"))
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
+    import math
+
+    from pipeline.runtime.medusa import MedusaHeads, make_engine, medusa_generate
+
+    target = near_tie_model(algo, seed=1)
+    torch.manual_seed(0)
+    heads = MedusaHeads(3, 1, target.cfg.hidden_size)
+    with torch.no_grad():
+        heads.w.normal_(0, 0.3 / math.sqrt(target.cfg.hidden_size))
+    heads = heads.eval().requires_grad_(False)
+    # 9 tree nodes + the root per row, 6 rows: 60 token rows per verification forward.
+    tree = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [2, 0], [0, 2]]
+    reqs = [Request(p, 24) for p in _prompts(6, seed=11)]
+    base = generate(target, reqs)
+    got = medusa_generate(target, make_engine(heads, tree), reqs, acceptance="greedy")
+    assert [r.tokens for r in got] == [r.tokens for r in base]
+    assert _margins(target, reqs, base).min() < 1e-4
+
+
+@pytest.mark.parametrize("algo,vocab", [("int8", 64), ("int4", 0)])
+def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, algo, vocab):
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.train.draft import build_draft
+    from tests.conftest import write_spec
+
+    budget = {"steps": 10, "minutes": 1, "sequences": 4, "seq_len": 24, "batch_size": 4, "lr": 0.003}
+    p = write_spec(tiny_root, name=f"qdraft-{algo}", speculation={"num_draft_tokens": 3},
+                   draft={"source": "train", "layers": 1, "vocab": vocab, "dtype": "float32", "train": budget,
+                          "quantization": algo, "group_size": 32})
+    s = specmod.load(p)
+    E.build_target(s, log=lambda *a: None)
+    out = build_draft(s, log=lambda *a: None)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pretrained_config"]["quantization"]["quant_algo"] == quant.QUANT_ALGO[algo]
+    b = load_bundle(s.engine_dir)
+    assert isinstance(b.draft.lm_head, quant.QLinear) and isinstance(b.draft.layers[0].w13, quant.QLinear)
+    assert (getattr(b.draft, "vocab_ids", None) is not None) == bool(vocab)
+    b.options["num_draft_tokens"] = 3
+    reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
+    assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from pipeline.runtime import kernels
 from pipeline.runtime.kernels import linear
-from pipeline.runtime.quant import QLinear
+from pipeline.runtime.quant import QLinear, to_hugepages
 
 FAMILIES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -334,4 +334,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied_head:
         model.lm_head.weight = model.embed.weight
+    del state
+    if device_type(device) == "cpu":
+        to_hugepages(model)
     return model.eval().requires_grad_(False)

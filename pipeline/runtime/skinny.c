@@ -9,7 +9,8 @@
 // nibbles per byte), decoded to fp32 in registers. Each output element is computed by one fixed
 // instruction sequence whatever the number of rows in the call, the tile it falls in or the thread
 // count: 16 fp32 lanes accumulate k = l, l + 16, ... (lane l) by fused multiply-add, the lanes are
-// summed by a fixed tree, the K % 16 tail is added by scalar fmaf, and an int8 row is scaled last.
+// summed by a fixed tree, the K % 16 tail is added by scalar fmaf, and an int8 row is scaled last
+// (int4: each lane sums (u - 8) x over a group, then adds scale * that partial sum).
 // So speculative verification, trees, batches and prefill see bit-identical logits to plain decoding.
 // This file is compiled twice: with AVX-512 (one zmm per 16 lanes) and with AVX2 (two ymm); both
 // implement the same sequence, so the two builds agree bit for bit as well.
@@ -37,29 +38,35 @@ static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float f) { return _mm512_set1_ps(f); }
 static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_loadf(const float *p) { return _mm512_loadu_ps(p); }
-static inline v16 v_iota(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 static inline v16 v_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline v16 v_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-// 16 bytes -> columns k..k+15 (low nibbles) and k+16..k+31 (high nibbles), dequantized. `tab` holds
-// (u - 8) * s for u = 0..15 (each rounded once): vpermps looks the nibble up, which costs less than
-// converting and scaling it, and gives the same value as the AVX2 path's fma(u, s, -8 s).
-static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
-    (void)vs, (void)vo;
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_permutexvar_ps(b, tab);  // only the low 4 bits of each index are used
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), tab);
+// One 32-column int4 block (16 bytes, layout in skinny_matmul's comment) -> u - 8 for columns k..k+15
+// (lo) and k+16..k+31 (hi), exact small integers in fp32. The block is broadcast to the four 128-bit
+// lanes, each lane shifts its own nibbles down (vpsrlvd, no cross-lane shuffle) and vpermps looks the
+// low 4 bits up in the table u - 8: this keeps the conversion off the FP pipes, which the FMAs fill
+// (converting with cvtdq2ps or a 2^23 bias made one-token int4 steps no faster than int8 on this CPU).
+static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i l = _mm512_srlv_epi32(b, sh);
+    *lo = _mm512_permutexvar_ps(l, tab);  // only the low 4 bits of each index are used
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(l, 4), tab);
 }
 static inline float v_hsum(v16 a) {
     __m256 lo = _mm512_castps512_ps256(a);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     return hsum256(_mm256_add_ps(lo, hi));
 }
-// Weight rows per tile for a token group of g rows (32 zmm registers: accumulators R*g, decoded weights).
+// Weight rows per tile for a token group of g rows (32 zmm registers: accumulators R*g, decoded weights;
+// int4 also holds a group's partial sums, R*g more).
 static const int R_FOR_G[7] = {0, 8, 6, 4, 4, 3, 3};
-// Every (R, g) that rows() asks for: R_FOR_G[g] with groups of g and g - 1 rows, and R = 1 at the tail.
+static const int R4_FOR_G[7] = {0, 6, 4, 3, 2, 2, 2};
+// Every (R, g) that rows() asks for: R_FOR_G[g] or R4_FOR_G[g] with groups of g and g - 1 rows, and R = 1.
 #define TILE_CASES(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(3, 5) T(3, 4) T(3, 6) \
+                      T(4, 1) T(3, 3) T(3, 2) T(2, 4) T(2, 3) T(2, 5) T(2, 6) \
                       T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
 #else
 #define ISA_NAME "avx2"
@@ -71,10 +78,6 @@ static inline v16 v_fma(v16 a, v16 b, v16 c) {
     return r;
 }
 static inline v16 v_loadf(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
-static inline v16 v_iota(void) {
-    v16 r = {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)};
-    return r;
-}
 static inline __m256 bf8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -83,20 +86,23 @@ static inline __m256 i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline v16 v_i8(const int8_t *p) { v16 r = {i8x8(p), i8x8(p + 8)}; return r; }
-// As the AVX-512 v_u4: (u - 8) * s rounded once, here as fma(u, s, -8 s) (`tab` is unused).
-static inline void v_u4(const uint8_t *p, v16 tab, v16 vs, v16 vo, v16 *lo, v16 *hi) {
-    (void)tab;
-    __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
-    __m256i m = _mm256_set1_epi32(15);
-    lo->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), vs.a, vo.a);
-    lo->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m)), vs.b, vo.b);
-    hi->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vs.a, vo.a);
-    hi->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vs.b, vo.b);
+// As the AVX-512 v_u4, with the block broadcast to both 128-bit halves of two ymm registers.
+static inline __m256 u4_8(__m256i v, __m256i m15, __m256i magic, __m256 off) {
+    return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, m15), magic)), off);
+}
+static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i m15 = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
+    const __m256 off = _mm256_set1_ps(8388616.0f);
+    __m256i la = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8));
+    __m256i lb = _mm256_srlv_epi32(b, _mm256_setr_epi32(16, 16, 16, 16, 24, 24, 24, 24));
+    lo->a = u4_8(la, m15, magic, off), lo->b = u4_8(lb, m15, magic, off);
+    hi->a = u4_8(_mm256_srli_epi32(la, 4), m15, magic, off), hi->b = u4_8(_mm256_srli_epi32(lb, 4), m15, magic, off);
 }
 static inline float v_hsum(v16 a) { return hsum256(_mm256_add_ps(a.a, a.b)); }
 // 16 ymm registers, two per 16-lane accumulator.
 static const int R_FOR_G[7] = {0, 3, 2, 1, 1, 1, 1};
+static const int R4_FOR_G[7] = {0, 1, 1, 1, 1, 1, 1};
 #define TILE_CASES(T) T(3, 1) T(2, 2) T(2, 1) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
 #endif
 
@@ -137,26 +143,27 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     if (wt == WT_I4) {
+        // y = sum over groups of s_g * (sum over the group of (u - 8) x): the group's partial sums stay in
+        // registers and are scaled once per group, not once per weight.
         const int ng = K / gs;
-        const v16 iota = v_iota();
         for (int g0 = 0; g0 < K; g0 += gs) {
-            v16 tab[MAXR], vs[MAXR], vo[MAXR];
-            for (int r = 0; r < R; r++) {
-                float s = sc[(int64_t)(n + r) * ng + g0 / gs];
-                vs[r] = v_set1(s), vo[r] = v_set1(-8.0f * s);
-                tab[r] = v_fma(iota, vs[r], vo[r]);  // (u - 8) * s, rounded once
-            }
+            v16 part[MAXR][MAXG];
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < G; i++) part[r][i] = v_zero();
             for (int k = g0; k < g0 + gs; k += 32) {
                 for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
                 v16 lo[MAXR], hi[MAXR];
-                for (int r = 0; r < R; r++)
-                    v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), tab[r], vs[r], vo[r], &lo[r], &hi[r]);
+                for (int r = 0; r < R; r++) v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), &lo[r], &hi[r]);
                 for (int i = 0; i < G; i++) {
                     const float *xr = x + (int64_t)(s0 + i) * K + k;
                     v16 x0 = v_loadf(xr), x1 = v_loadf(xr + 16);
-                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(lo[r], x0, acc[r][i]);
-                    for (int r = 0; r < R; r++) acc[r][i] = v_fma(hi[r], x1, acc[r][i]);
+                    for (int r = 0; r < R; r++) part[r][i] = v_fma(lo[r], x0, part[r][i]);
+                    for (int r = 0; r < R; r++) part[r][i] = v_fma(hi[r], x1, part[r][i]);
                 }
+            }
+            for (int r = 0; r < R; r++) {
+                v16 vs = v_set1(sc[(int64_t)(n + r) * ng + g0 / gs]);
+                for (int i = 0; i < G; i++) acc[r][i] = v_fma(vs, part[r][i], acc[r][i]);
             }
         }
     } else {
@@ -212,7 +219,7 @@ static void rows(const float *x, const void *w, const float *sc, float *y, int S
                  int n1, int wt) {
     tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : tile_i4;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
-    int R = R_FOR_G[base + (extra > 0)];
+    int R = (wt == WT_I4 ? R4_FOR_G : R_FOR_G)[base + (extra > 0)];
     for (int n = n0; n < n1;) {
         int r = n1 - n >= R ? R : 1;
         for (int i = 0, s0 = 0; i < groups; i++) {
@@ -228,9 +235,9 @@ static void rows(const float *x, const void *w, const float *sc, float *y, int S
 // by once, so a 512-token prefill reads the weights 512 / ROW_CHUNK times (it is compute-bound anyway).
 #define ROW_CHUNK 48
 
-// x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes, byte j of each 32-column block holding
-// column j in its low nibble and column j + 16 in its high nibble, value + 8); sc: int8 [N] or
-// int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
+// x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8; in each 32-column block, byte
+// 4p + m holds column 4m + p in its low nibble and column 16 + 4m + p in its high nibble); sc: int8 [N]
+// or int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
 void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                    int wt, int gs) {
     if (threads < 1) threads = 1;

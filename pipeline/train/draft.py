@@ -294,7 +294,8 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         src_fp = sources.resolve(spec.draft.source, Path(spec.root), key="draft.source").fingerprint()
     want = input_hash(ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
                       {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, vars(spec.limits),
-                      spec.speculation.num_draft_tokens)
+                      spec.speculation.num_draft_tokens,
+                      *(() if spec.draft.quantization == "none" else (quant.FORMAT,)))
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"draft engine {dest} is up to date")
         return dest
