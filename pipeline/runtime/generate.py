@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from pipeline.figures import mean_accepted_len
 from pipeline.runtime.model import KVCache, Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token
 
@@ -49,7 +50,7 @@ class Result:
     @property
     def mean_accepted_len(self) -> float:
         """Tokens emitted per target forward pass after prefill (accepted drafts + the target's own)."""
-        return len(self.tokens) / self.steps if self.steps else 0.0
+        return mean_accepted_len(len(self.tokens), self.steps)
 
 
 Emit = Callable[[int, list[int]], None]
@@ -187,15 +188,25 @@ def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] |
     return out
 
 
+Step = Callable[[int, Tensor, Tensor, int], None]
+
+
 @torch.inference_mode()
-def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None) -> list[Result]:
-    """Baseline decoding: one target forward per token, all rows of the batch in step."""
+def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None,
+             on_step: Step | None = None) -> list[Result]:
+    """Baseline decoding: one target forward per token, all rows of the batch in step.
+
+    `on_step(row, hidden, logits, token)` sees every token a live row picks (an end token too, before the
+    stopping rules drop it) with the final normed hidden state and the logits it was picked from: the
+    training data builders (draft distillation, Medusa self-distillation) record what they need through it
+    instead of running decode loops of their own."""
     start = time.perf_counter()
     dev = model.embed.weight.device
     seqs = [Sequence(r) for r in reqs]
     gens = [r.params.generator() for r in reqs]
     cache = model.new_cache(len(reqs), cache_length(reqs, 0))
-    logits = model.logits(prefill(model, cache, [r.prompt for r in reqs]))
+    hidden = prefill(model, cache, [r.prompt for r in reqs])
+    logits = model.logits(hidden)
     cur = [len(r.prompt) for r in reqs]
     while True:
         nxt = []
@@ -204,6 +215,8 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
                 nxt.append(0)
                 continue
             t = next_token(logits[b], s.req.params, gens[b])
+            if on_step is not None:
+                on_step(b, hidden[b], logits[b], t)
             emitted = s.extend([t])
             if emitted and on_emit:
                 on_emit(b, emitted)
@@ -212,8 +225,8 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
             break
         active = [b for b, s in enumerate(seqs) if not s.done]
         pos = torch.tensor([[min(c, cache.length - 1)] for c in cur], device=dev)
-        hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)
-        logits = model.logits(hidden[:, 0])
+        hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0]
+        logits = model.logits(hidden)
         for b in active:
             cur[b] += 1
     return finish(seqs, start, [{"steps": len(s.tokens)} for s in seqs])

@@ -38,25 +38,16 @@ from pipeline.engine import (
     write_atomic,
 )
 from pipeline.runtime import quant
-from pipeline.runtime.generate import prefill
+from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, apply_rope, build_model, hf_to_runtime, runtime_to_hf
-from pipeline.runtime.sampling import SamplingParams, next_token
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.speculative import DRAFT_HEAD_FILE, attach_draft_head
 from pipeline.sources import read_prompts
 from pipeline.spec import Spec
 
 TEACHER_TOPK = 32
-HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
-HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
 TUNE_PROMPTS = 8  # a pretrained draft's k is chosen on this many training prompts
 VOCAB_TOKENS = 96  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
-
-
-def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
-    """Every HOLDOUT_EVERY-th prompt is held out of training, for an honest acceptance estimate."""
-    held = [p for i, p in enumerate(prompts) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
-    train = [p for i, p in enumerate(prompts) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
-    return train, held
 
 
 @torch.inference_mode()
@@ -67,7 +58,6 @@ def self_generate(target: Transformer, prompts: list[list[int]], n: int, seq_len
     separate teacher pass is needed). Returns seqs, prompt_lens, vals [n, seq_len, k], ids [n, seq_len, k]."""
     from tqdm import tqdm
 
-    dev = target.embed.weight.device
     rows = []
     for i in range(n):
         p = prompts[i % len(prompts)][: seq_len - 8]
@@ -78,29 +68,15 @@ def self_generate(target: Transformer, prompts: list[list[int]], n: int, seq_len
     seqs: list[list[int]] = []
     for c in tqdm(range(0, n, batch), desc=desc, unit="batch", leave=False):
         chunk = rows[c:c + batch]
-        B = len(chunk)
         toks = [list(p) for p, _ in chunk]
-        gens = [q.generator() for _, q in chunk]
-        done = [False] * B
-        cache = target.new_cache(B, seq_len + 1)
-        logits = target.logits(prefill(target, cache, toks))
-        while True:
+
+        def record(b: int, hidden: Tensor, logits: Tensor, t: int, c: int = c, toks: list = toks) -> None:
             v, ix = torch.softmax(logits, -1).topk(k, -1)
-            nxt = []
-            for b in range(B):
-                if done[b]:
-                    nxt.append(0)
-                    continue
-                at = len(toks[b]) - 1
-                vals[c + b, at], ids[c + b, at] = v[b].half(), ix[b].int()
-                t = next_token(logits[b], chunk[b][1], gens[b])
-                toks[b].append(t)
-                done[b] = t in end_ids or len(toks[b]) >= seq_len
-                nxt.append(t)
-            if all(done):
-                break
-            pos = torch.tensor([[len(t) - 1] for t in toks], device=dev)
-            logits = target.logits(target(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0])
+            at = len(toks[b]) - 1
+            vals[c + b, at], ids[c + b, at] = v.half(), ix.int()
+            toks[b].append(t)  # an end token too: the draft learns where the target stops
+
+        generate(target, [Request(p, seq_len - len(p), q, end_ids=end_ids) for p, q in chunk], on_step=record)
         seqs.extend(toks)
     return {"seqs": seqs, "prompt_lens": [len(p) for p, _ in rows], "vals": vals, "ids": ids}
 
@@ -275,7 +251,7 @@ def load_source_draft(spec: Spec, target_tok, log=print) -> tuple[Transformer, d
 def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/draft (+ draft_hf) from spec.draft; a no-op when the inputs are unchanged."""
     from pipeline import preflight
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids, split_prompts
 
     dest, hf_dest = spec.engine_dir / "draft", spec.engine_dir / "draft_hf"
     tdir = spec.engine_dir / "target"
@@ -305,11 +281,8 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     hf_cfg = json.loads((tdir / "hf_config.json").read_text())
     end_ids = tuple(target.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path) if prompts_path.is_file() else []
-    if train_path.is_file():
-        # Separate training prompts: the evaluation prompts are all held out.
-        train_texts, held_texts = read_prompts(train_path), texts[:HOLDOUT_EVAL]
-    else:
-        train_texts, held_texts = split_prompts(texts)
+    train_texts, held_texts = split_prompts(texts, spec.validate.max_prompts,
+                                            read_prompts(train_path) if train_path.is_file() else None)
     vocab_ids, stats = None, {}
     if spec.draft.source == "train":
         b = spec.draft.train

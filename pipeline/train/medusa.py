@@ -32,27 +32,19 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, load_engine, write_atomic
-from pipeline.runtime.generate import prefill
+from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import MedusaHeads, heads_to_state, load_heads_dir
 from pipeline.runtime.model import Transformer
-from pipeline.runtime.sampling import SamplingParams, next_token
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.sources import read_prompts
 from pipeline.spec import Spec
+from pipeline.speedpick import verify_costs
 from pipeline.tree import build_tree, grow_tree, validate_choices
 
 FORMAT = "pipeline-medusa/1"
 TOPK = 10
 GEN_BATCH = 32  # rows per self-distillation batch (the skinny kernel's limit)
 RUNTIME_VOCAB = 8192  # proposals come from ids < this plus every corpus token, when the vocabulary is larger
-
-
-def split_prompts(texts: list[str], n_eval: int) -> tuple[list[str], list[str]]:
-    """(held-out, training) prompts. The first `n_eval` prompts are what validation and the benchmark
-    decode, so they are held out whenever enough remain to train on; else every sixth is."""
-    if 0 < n_eval and len(texts) - max(n_eval, 4) >= 12:
-        k = max(n_eval, 4)
-        return texts[:k], texts[k:]
-    return [t for i, t in enumerate(texts) if i % 6 == 5], [t for i, t in enumerate(texts) if i % 6 != 5]
 
 
 def progress(label: str, i: int, n: int, t0: float, extra: str = "") -> None:
@@ -77,28 +69,15 @@ def self_distill(model: Transformer, prompts: list[list[int]], params: list[Samp
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
         batch, ps = prompts[s:s + batch_size], params[s:s + batch_size]
-        B = len(batch)
-        gens = [p.generator() for p in ps]
-        cache = model.new_cache(B, (max(len(p) for p in batch) + new_tokens + 64) // 64 * 64)
-        h = prefill(model, cache, batch)
-        cur = torch.tensor([len(p) for p in batch])
-        toks: list[list[int]] = [[] for _ in range(B)]
-        hid: list[list[Tensor]] = [[] for _ in range(B)]
-        done = [False] * B
-        for _ in range(new_tokens):
-            logits = model.logits(h)
-            nxt = []
-            for b in range(B):
-                t = next_token(logits[b], ps[b], gens[b])
-                if not done[b]:
-                    toks[b].append(t)
-                    hid[b].append(h[b].clone())
-                    done[b] = t in end_ids
-                nxt.append(t)
-            if all(done):
-                break
-            h = model(torch.tensor(nxt)[:, None], cur[:, None], cache)[:, 0]
-            cur = cur + 1
+        toks: list[list[int]] = [[] for _ in batch]
+        hid: list[list[Tensor]] = [[] for _ in batch]
+
+        def record(b: int, hidden: Tensor, logits: Tensor, t: int, toks: list = toks, hid: list = hid) -> None:
+            toks[b].append(t)
+            hid[b].append(hidden.clone())
+
+        generate(model, [Request(p, new_tokens, q, end_ids=end_ids) for p, q in zip(batch, ps, strict=True)],
+                 on_step=record)
         out.extend((torch.tensor(t), torch.stack(x)) for t, x in zip(toks, hid, strict=True))
         if show:
             progress("self-distillation", len(out), len(prompts), t0)
@@ -203,30 +182,6 @@ def train_heads(model: Transformer, X: Tensor, Y: Tensor, num_heads: int, num_la
 
 
 @torch.inference_mode()
-def verify_costs(model: Transformer, max_nodes: int, context: int = 128, reps: int = 5) -> list[float]:
-    """Seconds for one target forward (tree mask + logits) over n = 1..max_nodes+1 tokens at `context`.
-
-    Sizes are timed in interleaved rounds and the minimum kept, so load from other processes hits
-    every size alike; the curve is then made non-decreasing (more tokens never cost less).
-    """
-    cache = model.new_cache(1, context + max_nodes + 2)
-    model(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], cache)
-    best = [float("inf")] * (max_nodes + 1)
-    for r in range(reps + 1):
-        for n in range(1, max_nodes + 2):
-            tok = torch.zeros(1, n, dtype=torch.long)
-            kv = context + n
-            t = time.perf_counter()
-            model.logits(model(tok, context + torch.arange(n)[None], cache, mask=torch.ones(1, n, kv, dtype=torch.bool),
-                               kv_len=kv))
-            if r:
-                best[n - 1] = min(best[n - 1], time.perf_counter() - t)
-    for i in range(1, len(best)):
-        best[i] = max(best[i], best[i - 1])
-    return best
-
-
-@torch.inference_mode()
 def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) -> float:
     h = torch.randn(1, model.cfg.hidden_size)
     heads.topk(h, model, k)
@@ -240,7 +195,7 @@ def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) ->
 
 def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/medusa (+ medusa_hf) from spec.medusa: train heads, or load FasterDecoding ones."""
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids, split_prompts
 
     med = spec.medusa
     dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
@@ -270,11 +225,8 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     model, tok = eng.model, eng.tokenizer
     end_ids = tuple(model.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path)
-    if train_path.is_file():
-        # Separate training prompts: the evaluation prompts are all held out.
-        held, train_texts = texts[: max(spec.validate.max_prompts, 4)], read_prompts(train_path)
-    else:
-        held, train_texts = split_prompts(texts, spec.validate.max_prompts)
+    train_texts, held = split_prompts(texts, spec.validate.max_prompts,
+                                      read_prompts(train_path) if train_path.is_file() else None)
     b = med.train
     held_ids = [chat_ids(tok, t) for t in held]
 
@@ -326,7 +278,7 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
 
     if med.choices == "auto":
         log("measuring this machine's verify cost (target forward over 1..max_draft_len+1 tokens) ...")
-        costs = verify_costs(model, spec.limits.max_draft_len)
+        costs = verify_costs(model, spec.limits.max_draft_len + 1, tree=True)
         hc = heads_cost(heads, model, TOPK)
         choices, tree_info = grow_tree(acc, costs, spec.limits.max_draft_len, hc, log=log)
         tree_info.update(verify_cost_ms=[round(c * 1e3, 2) for c in costs], heads_ms=round(hc * 1e3, 2))
