@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.runtime.quant import QLinear
-
 SRC = Path(__file__).with_name("skinny.c")
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
              "avx2": ["-mavx2", "-mfma"]}
@@ -159,9 +157,14 @@ def available() -> bool:
     return _load() is not None
 
 
+def _quantized(w) -> bool:
+    """A quant.QLinear (int8 / int4 weights), told by its buffers so this module need not import quant."""
+    return hasattr(w, "qweight") and hasattr(w, "scales")
+
+
 def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
     """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear."""
-    if isinstance(w, QLinear):
+    if _quantized(w):
         if w.algo == "int8":
             return w.qweight.data_ptr(), w.scales.data_ptr(), 2, 0, w.out_features, w.in_features
         return w.qweight.data_ptr(), w.scales.data_ptr(), 3, w.group_size, w.out_features, w.in_features
@@ -174,7 +177,7 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
 
 
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
-    weight = w.weight if isinstance(w, QLinear) else w
+    weight = w.weight if _quantized(w) else w
     return F.linear(x, weight.to(device=x.device, dtype=x.dtype))
 
 
@@ -183,9 +186,9 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     lib = _load()
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (lib is None or x.device.type != "cpu" or rows == 0 or x.dtype != torch.float32
-            or not isinstance(w, QLinear) and (w.dtype not in WT or torch.is_grad_enabled() and w.requires_grad)):
+            or not _quantized(w) and (w.dtype not in WT or torch.is_grad_enabled() and w.requires_grad)):
         return _torch_linear(x, w)
-    wp, sp, wt, gs, N, K = _weight_args(w if isinstance(w, QLinear) else w.contiguous())
+    wp, sp, wt, gs, N, K = _weight_args(w if _quantized(w) else w.contiguous())
     xc = x.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     lib.skinny_matmul(xc.data_ptr(), wp, sp, y.data_ptr(), rows, K, N, _threads, wt, gs)
