@@ -59,6 +59,16 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
     return int((logp.argmax(-1) == tgt).sum()), float(logp[torch.arange(len(cont)), tgt].sum())
 
 
+def fitting_group_size(cfg: ModelConfig, group_size: int) -> int:
+    """The spec's int4 group size, or the largest smaller one dividing every linear layer's input width
+    (a small model's hidden size may not be a multiple of 128)."""
+    from pipeline.runtime.quant import GROUP_SIZES
+
+    widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    fits = [g for g in sorted(GROUP_SIZES, reverse=True) if g <= group_size and all(w % g == 0 for w in widths)]
+    return fits[0] if fits else group_size
+
+
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
                     bandwidth_gbs: float, group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
@@ -69,6 +79,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
     order = [reference] + [p for p in chosen if p != reference]
+    group_size = fitting_group_size(cfg, group_size)
     out: dict = {"reference": reference, "group_size": group_size, "new_tokens": new_tokens,
                  "prompts": len(ids), "kernel_path": kernels.path()}
     ref_cont: list[list[int]] = []
