@@ -43,7 +43,7 @@ def cmd_fetch(args) -> int:
 def cmd_engine(args) -> int:
     s = _spec(args)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm import engine_command
+        from pipeline.trtllm.runner import engine_command
 
         return engine_command(s, dry_run=args.dry_run)
     if args.dry_run:

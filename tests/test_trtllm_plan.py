@@ -13,6 +13,9 @@ import yaml
 
 from pipeline import spec as specmod
 from pipeline import trtllm
+from pipeline.trtllm import memory as trtmem
+from pipeline.trtllm import planning as trtplan
+from pipeline.trtllm import runner
 from pipeline.trtllm import KNOWN_ARCHS, PlanError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,8 +194,8 @@ def test_preflight_checks_medusa_heads_against_tree_depth():
 def test_parameter_count_matches_published_sizes():
     for key, published in (("llama-3.1-70b", 70.55e9), ("llama-3.1-8b", 8.03e9), ("llama-2-7b", 6.74e9)):
         a = KNOWN_ARCHS[key]
-        pre = trtllm._pretrained(a, "bfloat16", 1, 1, "LlamaForCausalLM")
-        params, _ = trtllm._param_counts(pre, 1, 1)
+        pre = trtplan._pretrained(a, "bfloat16", 1, 1, "LlamaForCausalLM")
+        params, _ = trtmem._param_counts(pre, 1, 1)
         assert abs(params - published) / published < 0.01, (key, params)
 
 
@@ -238,16 +241,16 @@ def test_memory_plan_reads_config_json_of_a_local_checkpoint(tmp_path):
 
 def test_launch_uses_one_rank_per_gpu_or_orchestrator_mode_for_two_models():
     med = load(MEDUSA, parallel__tp=2, tensorrt_llm__gpus=2, triton__grpc_port=9101)
-    argv, env, launcher = trtllm.launch_plan(med)
+    argv, env, launcher = runner.launch_plan(med)
     assert argv[:2] == ["mpirun", "--allow-run-as-root"] and argv.count(trtllm.ERA.tritonserver) == 2
     assert argv.count("--load-model=tensorrt_llm") == 1 and "--grpc-port=9101" in argv
     assert env == {} and "--world_size=2" in launcher
     dtm = load(DTM)
-    argv, env, launcher = trtllm.launch_plan(dtm)
+    argv, env, launcher = runner.launch_plan(dtm)
     assert argv.count(trtllm.ERA.tritonserver) == 1 and env["TRTLLM_ORCHESTRATOR"] == "1"
     assert "--multi-model" in launcher and "--world_size=1" in launcher
     assert f"--http-port={dtm.triton.http_port}" in argv
-    assert trtllm.serve_command(dtm, dry_run=True) == 0
+    assert runner.serve_command(dtm, dry_run=True) == 0
 
 
 def test_runner_logs_each_step_skips_unchanged_ones_and_stops_at_a_failure(tmp_path, capsys):
@@ -256,12 +259,12 @@ def test_runner_logs_each_step_skips_unchanged_ones_and_stops_at_a_failure(tmp_p
     bad = trtllm.Step("two", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], tmp_path / "out2",
                       tmp_path / "l" / "two.log")
     never = trtllm.Step("three", [sys.executable, "-c", "print('x')"], tmp_path / "out3", tmp_path / "l" / "3.log")
-    assert trtllm.run_plan(spec, [ok, bad, never]) == 3
+    assert runner.run_plan(spec, [ok, bad, never]) == 3
     assert (tmp_path / "l" / "one.log").read_text() == "converted\n"
     err = capsys.readouterr().err
     assert "two FAILED (exit 3)" in err and "boom" in err
     assert not (tmp_path / "l" / "3.log").exists()
-    assert trtllm.run_plan(spec, [ok]) == 0
+    assert runner.run_plan(spec, [ok]) == 0
     assert "up to date" in capsys.readouterr().out
 
 

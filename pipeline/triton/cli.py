@@ -11,7 +11,7 @@ from pipeline import spec as specmod
 def cmd_repo(args) -> int:
     s = specmod.load(args.spec)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm import repo_command
+        from pipeline.trtllm.runner import repo_command
 
         return repo_command(s)
     from pipeline.triton.repo import write_repo
@@ -23,7 +23,7 @@ def cmd_repo(args) -> int:
 def cmd_serve(args) -> int:
     s = specmod.load(args.spec)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm import serve_command
+        from pipeline.trtllm.runner import serve_command
 
         return serve_command(s, args.dry_run)
     from pipeline.triton import server

@@ -34,7 +34,9 @@ from pathlib import Path
 from string import Template
 
 from pipeline.spec import Spec
-from pipeline.trtllm import ERA, PlanError, engine_dir, gpu_placement, memory_plan, planned_engine_configs, roles
+from pipeline.trtllm.era import ERA, PlanError
+from pipeline.trtllm.memory import memory_plan
+from pipeline.trtllm.planning import engine_dir, gpu_placement, planned_engine_configs, roles
 
 # (name, data type, dims, optional, reshape-to-scalar, ragged)
 Tensor = tuple[str, str, list[int], bool, bool, bool]
