@@ -132,8 +132,9 @@ class TensorRTLLMSpec:
 
     gpu_memory_gib: float = 80.0
     gpus: int = 1
-    # Path of a TensorRT-LLM source checkout (for examples/<family>/convert_checkpoint.py).
-    examples_dir: str = "/app/tensorrt_llm/examples"
+    # TensorRT-LLM's examples/ directory (<family>/convert_checkpoint.py, quantization/quantize.py); the
+    # 0.18 container has it at /app/examples.
+    examples_dir: str = "/app/examples"
     checkpoint_dir: str = "engines/{name}/checkpoints"
     gemm_plugin: str = "auto"
     kv_cache_free_gpu_mem_fraction: float | Literal["auto"] = "auto"
@@ -149,6 +150,14 @@ class TensorRTLLMSpec:
     kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"
     # Decoupled (streaming) transaction policy for the LLM models; unary gRPC infer needs false.
     decoupled: bool = False
+    # tensorrt_llm_bls: "pipeline" (ours: draft-target streams, batches and reports acceptance) or "nvidia"
+    # (the container's v0.18 BLS: batch 1, no streaming with a draft, text_output with the prompt).
+    bls: Literal["pipeline", "nvidia"] = "pipeline"
+    # GPU architecture, when known, for the checks that depend on it (FP8 needs ada, hopper or blackwell).
+    gpu_arch: Literal["auto", "volta", "turing", "ampere", "ada", "hopper", "blackwell"] = "auto"
+    # speculative_decoding_fast_logits: the draft's logits go to the target over MPI (orchestrator mode
+    # without spawned processes, participant_ids per model); needs a draft and use_draft_logits.
+    fast_logits: bool = False
 
 
 @dataclass
@@ -300,6 +309,42 @@ def _validate_budget(b: TrainBudget, path: str) -> None:
     _check(0 < b.lr < 1, f"{path}.lr", b.lr, "must be in (0, 1), e.g. 1e-3")
 
 
+def _validate_trtllm(spec: Spec) -> None:
+    """tensorrt_llm-only checks: what the era's builder or backend would reject later."""
+    trt = spec.tensorrt_llm
+    _check(not (trt.decoupled and spec.has_draft), "tensorrt_llm.decoupled", trt.decoupled,
+           "draft-target calls the draft and target models in turn and needs them non-decoupled: set it to false "
+           "(tensorrt_llm_bls with bls: pipeline streams to the client anyway)")
+    _check(not trt.fast_logits or (spec.has_draft and spec.speculation.use_draft_logits), "tensorrt_llm.fast_logits",
+           trt.fast_logits, "passes draft logits to the target: it needs draft.source and "
+           "speculation.use_draft_logits: true, or set it to false")
+    _check(trt.kv_cache_dtype != "int8", "tensorrt_llm.kv_cache_dtype", trt.kv_cache_dtype,
+           "the engines are built with --use_paged_context_fmha enable (KV reuse) and TensorRT-LLM 0.18 refuses an "
+           "INT8 KV cache with paged context FMHA: use fp8 (with quantization: fp8) or auto")
+    quants = [("target.quantization", spec.target.quantization)]
+    if spec.has_draft:
+        quants.append(("draft.quantization", spec.draft.quantization))
+    _check(trt.kv_cache_dtype != "fp8" or all(q == "fp8" for _, q in quants), "tensorrt_llm.kv_cache_dtype",
+           trt.kv_cache_dtype, "an FP8 KV cache with paged context FMHA only works in the FP8 quantization workflow: "
+           f"set {' and '.join(k for k, _ in quants)} to fp8, or kv_cache_dtype: auto")
+    fp8 = trt.kv_cache_dtype == "fp8" or any(q == "fp8" for _, q in quants)
+    _check(not fp8 or trt.gpu_arch in ("auto", "ada", "hopper", "blackwell"), "tensorrt_llm.gpu_arch", trt.gpu_arch,
+           "FP8 needs an Ada, Hopper or Blackwell GPU: use int8/int4/int4_awq quantization and kv_cache_dtype: auto")
+    draft_dtype = spec.dtype if spec.draft.dtype == "auto" else spec.draft.dtype
+    for key, q in quants:
+        dtype = draft_dtype if key.startswith("draft") else spec.dtype
+        _check(q in ("none", "fp8") or dtype in ("float16", "bfloat16"), key, q,
+               f"weight-only {q} (W8A16/W4A16) needs float16 or bfloat16 activations, the dtype is {dtype}: set "
+               f"{'draft.dtype' if key.startswith('draft') else 'dtype'} to bfloat16 or quantization: none")
+    if spec.has_medusa:
+        _check(spec.target.quantization in ("none", "int8", "int4"), "target.quantization", spec.target.quantization,
+               "the era's Medusa converter quantizes weight-only (int8, int4); int4_awq and fp8 are not planned for "
+               "Medusa engines")
+    _check(spec.target.family != "gemma" or spec.target.quantization in ("none", "int8", "int4"),
+           "target.quantization", spec.target.quantization,
+           "the Gemma converter is planned for weight-only int8/int4 only")
+
+
 def validate(spec: Spec) -> Spec:
     """Cross-field checks that types alone cannot express."""
     import re
@@ -331,6 +376,7 @@ def validate(spec: Spec) -> Spec:
                spec.speculation.draft_lookup_min_ngram, "tensorrtllm_backend's draft_tokens_external flow takes its "
                "drafts from the draft engine only: set it to 0 for the tensorrt_llm backend (or use "
                "speculative_decoding_mode lookahead/prompt lookup there separately)")
+        _validate_trtllm(spec)
         _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
                spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
                "number of tokens: set it to 0 for the tensorrt_llm backend")

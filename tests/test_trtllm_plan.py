@@ -13,10 +13,9 @@ import yaml
 
 from pipeline import spec as specmod
 from pipeline import trtllm
+from pipeline.trtllm import KNOWN_ARCHS, PlanError, runner
 from pipeline.trtllm import memory as trtmem
 from pipeline.trtllm import planning as trtplan
-from pipeline.trtllm import runner
-from pipeline.trtllm import KNOWN_ARCHS, PlanError
 
 ROOT = Path(__file__).resolve().parent.parent
 DTM = ROOT / "build" / "llama70b_draft1b_tp4.yaml"

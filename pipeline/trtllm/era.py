@@ -21,9 +21,12 @@ class Era:
     tensorrt_llm: str = "0.18.0"
     backend_tag: str = "v0.18.0"
     image: str = "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3"
-    # examples/ layout: 0.18 moved the core models under models/core/; the older path is the fallback.
-    convert_scripts: tuple[str, ...] = ("models/core/{family}/convert_checkpoint.py", "{family}/convert_checkpoint.py")
+    # examples/ layout of the 0.18 container (/app/examples, tensorrtllm_backend's docs at v0.18.0 use
+    # tensorrt_llm/examples/<family>/convert_checkpoint.py); models/core/<family>/ came after 0.18.
+    convert_scripts: tuple[str, ...] = ("{family}/convert_checkpoint.py", "models/core/{family}/convert_checkpoint.py")
     medusa_convert_script: str = "medusa/convert_checkpoint.py"
+    # INT4-AWQ and FP8 (weights and FP8 KV cache) go through ModelOpt's script instead of convert_checkpoint.
+    quantize_script: str = "quantization/quantize.py"
     build_cli: str = "trtllm-build"
     # Inside the container: NVIDIA's python models for preprocessing, postprocessing and the BLS.
     all_models: str = "/app/all_models/inflight_batcher_llm"
@@ -51,12 +54,33 @@ class Era:
     medusa_token_len_flag: str = "--max_medusa_token_len"
     default_medusa_tree_size: int = 63
     default_medusa_tree_depth: int = 4
+    # speculative_decoding_fast_logits needs orchestrator mode without spawned processes (0.15+).
+    fast_logits: bool = True
+
+
+# Weight quantization per spec value: how the era makes the checkpoint and what config.json records.
+#   tool "convert": the family's convert_checkpoint.py with these flags; "quantize": quantization/quantize.py.
+QUANT = {
+    "none": {"tool": "convert", "flags": [], "quant_algo": None, "weight_bits": None},
+    "int8": {"tool": "convert", "flags": ["--use_weight_only", "--weight_only_precision", "int8"],
+             "quant_algo": "W8A16", "weight_bits": 8},
+    "int4": {"tool": "convert", "flags": ["--use_weight_only", "--weight_only_precision", "int4"],
+             "quant_algo": "W4A16", "weight_bits": 4},
+    "int4_awq": {"tool": "quantize", "flags": ["--qformat", "int4_awq"], "quant_algo": "W4A16_AWQ", "weight_bits": 4},
+    "fp8": {"tool": "quantize", "flags": ["--qformat", "fp8"], "quant_algo": "FP8", "weight_bits": 8},
+}
+KV_QUANT_ALGO = {"auto": None, "fp8": "FP8", "int8": "INT8"}
+# GPU architectures with FP8 tensor cores (Ada sm_89, Hopper sm_90, Blackwell sm_100+).
+FP8_ARCHS = ("ada", "hopper", "blackwell")
 
 
 ERA = Era()
 
 # Families whose checkpoints go through another family's converter.
 CONVERTER_FAMILY = {"llama": "llama", "mistral": "llama", "qwen": "qwen", "gemma": "gemma"}
+# TensorRT-LLM architecture names written to config.json per family.
+ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen": "Qwen2ForCausalLM",
+                "gemma": "GemmaForCausalLM"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -86,6 +110,8 @@ KNOWN_ARCHS = {
     "llama-3.2-1b": Arch(16, 2048, 32, 8, 128256, 8192, True, "llama-3.2-1b"),
     "llama-2-7b": Arch(32, 4096, 32, 32, 32000, 11008, False, "llama-2-7b"),
     "llama-2-13b": Arch(40, 5120, 40, 40, 32000, 13824, False, "llama-2-13b"),
+    "qwen2.5-coder-1.5b": Arch(28, 1536, 12, 2, 151936, 8960, False, "qwen2.5-coder-1.5b"),
+    "qwen2.5-coder-0.5b": Arch(24, 896, 14, 2, 151936, 4864, True, "qwen2.5-coder-0.5b"),
 }
 # Source-name patterns -> KNOWN_ARCHS key (first match wins; Vicuna v1.3/v1.5 are Llama fine-tunes).
 ARCH_PATTERNS = [
@@ -95,6 +121,8 @@ ARCH_PATTERNS = [
     (r"llama-?3\.2-1b", "llama-3.2-1b"),
     (r"(vicuna|llama-?2)-7b", "llama-2-7b"),
     (r"(vicuna|llama-?2)-13b", "llama-2-13b"),
+    (r"qwen2\.5-coder-1\.5b", "qwen2.5-coder-1.5b"),
+    (r"qwen2\.5-coder-0\.5b", "qwen2.5-coder-0.5b"),
 ]
 
 

@@ -55,21 +55,55 @@ class MemoryPlan:
 GIB = float(1 << 30)
 
 
-def _param_counts(c: dict, tp: int, pp: int, medusa: tuple[int, int] = (0, 0)) -> tuple[float, int]:
-    """(parameters held by the most loaded rank, KV heads per rank) from a pretrained_config."""
+def _param_split(c: dict, tp: int, pp: int, medusa: tuple[int, int] = (0, 0)) -> tuple[float, float, int]:
+    """(linear-layer parameters, other parameters, KV heads) of the most loaded rank, from a pretrained_config.
+
+    Weight-only and FP8 quantization apply to the linear layers of the decoder blocks; embeddings, the LM
+    head, norms and Medusa heads keep the model dtype (TensorRT-LLM excludes lm_head by default).
+    """
     h, layers = c["hidden_size"], c["num_hidden_layers"]
     nh, nkv, inter, vocab = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"], c["vocab_size"]
     hd = c.get("head_size") or h // nh
     attn = h * nh * hd * 2 + h * nkv * hd * 2
     mlp = 3 * h * inter
-    per_layer = attn + mlp + 2 * h
+    layers_rank = math.ceil(layers / pp)
+    linear = (attn + mlp) * layers_rank / tp
     # Embedding replicated per rank (no --use_parallel_embedding), LM head split on the vocabulary.
     embed = vocab * h
     head = vocab * h / tp
     heads, layers_m = medusa
     med = heads * (layers_m * (h * h + h) + vocab * h) / tp
     kv_heads_rank = max(1, math.ceil(nkv / tp))
-    return per_layer * math.ceil(layers / pp) / tp + embed + head + med + h, kv_heads_rank
+    return linear, 2 * h * layers_rank / tp + embed + head + med + h, kv_heads_rank
+
+
+def _param_counts(c: dict, tp: int, pp: int, medusa: tuple[int, int] = (0, 0)) -> tuple[float, int]:
+    """(parameters held by the most loaded rank, KV heads per rank) from a pretrained_config."""
+    linear, other, kvh = _param_split(c, tp, pp, medusa)
+    return linear + other, kvh
+
+
+def weight_bytes(pre: dict, tp: int, pp: int, medusa: tuple[int, int] = (0, 0)) -> float:
+    """Bytes of weights on the most loaded rank, counting the quantization config.json records."""
+    nbytes = DTYPE_BYTES.get(pre.get("dtype", "float16"), 2)
+    q = pre.get("quantization") or {}
+    algo = q.get("quant_algo")
+    linear, other, _ = _param_split(pre, tp, pp, medusa)
+    bits = {"W8A16": 8, "W4A16": 4, "W4A16_AWQ": 4, "FP8": 8}.get(algo or "")
+    if bits is None:
+        return (linear + other) * nbytes
+    # Weight-only: one dtype scale per output channel (int8) or per group of group_size inputs (int4).
+    group = int(q.get("group_size") or 128)
+    scales = linear / group * nbytes if bits == 4 else 0.0
+    return linear * bits / 8 + scales + other * nbytes
+
+
+def kv_element_bytes(pre: dict) -> int:
+    """Bytes per KV-cache element: 1 for an FP8 or INT8 cache, else the model dtype."""
+    q = pre.get("quantization") or {}
+    if q.get("kv_cache_quant_algo") in ("FP8", "INT8"):
+        return 1
+    return DTYPE_BYTES.get(pre.get("dtype", "float16"), 2)
 
 
 def memory_plan(spec: Spec, cfgs: dict[str, dict] | None = None) -> MemoryPlan:
@@ -98,11 +132,12 @@ def memory_plan(spec: Spec, cfgs: dict[str, dict] | None = None) -> MemoryPlan:
         dtype = pre.get("dtype", spec.dtype)
         nbytes = DTYPE_BYTES.get(dtype, 2)
         med = (int(pre.get("num_medusa_heads", 0)), int(pre.get("num_medusa_layers", 0)))
-        params, kvh = _param_counts(pre, tp, pp, med)
+        wbytes = weight_bytes(pre, tp, pp, med)
+        _, kvh = _param_counts(pre, tp, pp, med)
         h, nh = pre["hidden_size"], pre["num_attention_heads"]
         hd = pre.get("head_size") or h // nh
         layers_rank = math.ceil(pre["num_hidden_layers"] / pp)
-        kv_per_token = 2 * layers_rank * kvh * hd * nbytes
+        kv_per_token = 2 * layers_rank * kvh * hd * kv_element_bytes(pre)
         bc = c.get("build_config", {})
         mdl = int(bc.get("max_draft_len", 0) or 0)
         seq = int(bc.get("max_seq_len", lim.max_seq_len + mdl))
@@ -111,7 +146,7 @@ def memory_plan(spec: Spec, cfgs: dict[str, dict] | None = None) -> MemoryPlan:
         per_token_act = nbytes * (4 * h + 3 * math.ceil(nh / tp) * hd + 2 * pre["intermediate_size"] / tp)
         logits = batch * (mdl + 1) * pre["vocab_size"] / tp * 4
         act = (tokens * per_token_act * ACTIVATION_FACTOR + logits) / GIB
-        models[role] = ModelMemory(role, placement[role], params * nbytes / GIB, act, RUNTIME_OVERHEAD_GIB,
+        models[role] = ModelMemory(role, placement[role], wbytes / GIB, act, RUNTIME_OVERHEAD_GIB,
                                    kv_per_token, batch * seq)
     free: dict[int, float] = {}
     for gpu in sorted({g for m in models.values() for g in m.gpus}):

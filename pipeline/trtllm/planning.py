@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.spec import Spec
-from pipeline.trtllm.era import ARCH_PATTERNS, CONVERTER_FAMILY, ERA, KNOWN_ARCHS, Arch, PlanError
+from pipeline.trtllm.era import (
+    ARCH_PATTERNS,
+    ARCHITECTURE,
+    CONVERTER_FAMILY,
+    ERA,
+    KNOWN_ARCHS,
+    KV_QUANT_ALGO,
+    QUANT,
+    Arch,
+    PlanError,
+)
 
 # ------------------------------------------------------------------------------------------------
 # The plan
@@ -85,6 +95,11 @@ def medusa_token_len(spec: Spec) -> int:
     return len(ch) if ch else min(spec.limits.max_draft_len, ERA.default_medusa_tree_size)
 
 
+def quantization(spec: Spec, role: str) -> str:
+    """The weight quantization of a role's engine (Medusa: the target's)."""
+    return spec.draft.quantization if role == "draft" else spec.target.quantization
+
+
 def _draft_dtype(spec: Spec) -> str:
     return spec.dtype if spec.draft.dtype == "auto" else spec.draft.dtype
 
@@ -100,8 +115,35 @@ def plan(spec: Spec) -> list[Step]:
     steps: list[Step] = []
 
     def convert(role: str, src: str, dtype: str, tp_: int, pp_: int, extra: list[str], script: str, why: str):
-        argv = [py, script, "--model_dir", src, "--output_dir", str(checkpoint_dir(spec, role)), "--dtype", dtype,
-                "--tp_size", str(tp_), "--pp_size", str(pp_), "--workers", str(max(1, min(tp_ * pp_, trt.gpus)))]
+        quant = quantization(spec, role)
+        q = QUANT[quant]
+        group = spec.draft.group_size if role == "draft" else spec.target.group_size
+        out = str(checkpoint_dir(spec, role))
+        kv = trt.kv_cache_dtype
+        workers = str(max(1, min(tp_ * pp_, trt.gpus)))
+        if q["tool"] == "quantize":
+            # ModelOpt's script: calibrates, quantizes and writes the unified checkpoint itself.
+            argv = [py, str(Path(trt.examples_dir) / ERA.quantize_script), "--model_dir", src, "--output_dir", out,
+                    "--dtype", dtype, *q["flags"], "--tp_size", str(tp_), "--pp_size", str(pp_),
+                    "--calib_size", "512"]
+            if quant == "int4_awq":
+                argv += ["--awq_block_size", str(group)]
+            if kv != "auto":
+                argv += ["--kv_cache_dtype", kv]
+            why += f"; {quant} through {ERA.quantize_script}"
+        elif spec.target.family == "gemma" and role != "medusa":
+            # The Gemma converter has its own flag names (and no pipeline parallelism).
+            argv = [py, script, "--ckpt-type", "hf", "--model-dir", src, "--output-model-dir", out,
+                    "--dtype", dtype, "--world-size", str(tp_)]
+            if quant != "none":
+                argv += ["--use-weight-only-with-precision", quant]
+        else:
+            argv = [py, script, "--model_dir", src, "--output_dir", out, "--dtype", dtype,
+                    "--tp_size", str(tp_), "--pp_size", str(pp_), "--workers", workers, *q["flags"]]
+            if kv == "int8":
+                argv += ["--int8_kv_cache"]
+        if quant != "none" and q["tool"] == "convert":
+            why += f"; weight-only {quant} ({q['quant_algo']})"
         steps.append(Step(f"convert-{role}", argv + extra, checkpoint_dir(spec, role), logs / f"convert-{role}.log",
                           why))
 
@@ -228,7 +270,12 @@ def planned_engine_configs(spec: Spec) -> dict[str, dict]:
             mode, mdl = "draft_tokens_external", lim.max_draft_len
         if role == "medusa":
             mode, mdl = "medusa", medusa_token_len(spec)
-        pre = _pretrained(arch, dtype, tp, pp, "MedusaForCausalLM" if role == "medusa" else "LlamaForCausalLM")
+        pre = _pretrained(arch, dtype, tp, pp,
+                          "MedusaForCausalLM" if role == "medusa" else ARCHITECTURE[spec.target.family])
+        quant = quantization(spec, role)
+        pre["quantization"] = {"quant_algo": QUANT[quant]["quant_algo"],
+                               "kv_cache_quant_algo": KV_QUANT_ALGO[trt.kv_cache_dtype],
+                               "group_size": (spec.draft.group_size if role == "draft" else spec.target.group_size)}
         if role == "medusa":
             pre.update(num_medusa_heads=spec.medusa.num_heads, num_medusa_layers=spec.medusa.num_layers,
                        max_draft_len=mdl)
@@ -268,3 +315,8 @@ def gpu_placement(spec: Spec) -> dict[str, list[int]]:
     out["draft"] = list(range(n, n + dtp)) if spec.tensorrt_llm.gpus >= n + dtp else list(range(dtp))
     return out
 
+
+def participant_ids(spec: Spec) -> dict[str, list[int]]:
+    """MPI ranks per model in orchestrator mode without spawned processes (fast logits): 0 orchestrates."""
+    dtp, n = spec.tensorrt_llm.draft_tp, spec.parallel.tp * spec.parallel.pp
+    return {"draft": list(range(1, 1 + dtp)), "target": list(range(1 + dtp, 1 + dtp + n))}

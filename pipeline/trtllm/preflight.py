@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.spec import Spec
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
-from pipeline.trtllm.planning import medusa_choices, num_draft_tokens, read_engine_configs, roles
+from pipeline.trtllm.planning import engine_dir, medusa_choices, num_draft_tokens, read_engine_configs, roles
 
 # ------------------------------------------------------------------------------------------------
 # Preflight
@@ -47,6 +47,35 @@ def _tokenizer_digest(source: str) -> str | None:
     for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()
+
+
+def built_engine_problems(spec: Spec, role: str, cfg: dict | None = None) -> list[str]:
+    """What is wrong with a built engine directory: its config.json version and its rank*.engine files.
+
+    An engine of another TensorRT-LLM release does not deserialize in the pinned container, and a
+    directory without every rank's engine fails only when tritonserver loads it.
+    """
+    d = engine_dir(spec, role)
+    path = d / "config.json"
+    if cfg is None:
+        if not path.is_file():
+            return [f"{role} engine: {path} does not exist; build it with `make engine SPEC=...` (inside {ERA.image})"]
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, OSError) as e:
+            return [f"{role} engine: {path} is not readable JSON ({e}); rebuild it with "
+                    "`make engine SPEC=... ARGS=--force`"]
+    problems = []
+    version = str(cfg.get("version", "?"))
+    if version != ERA.tensorrt_llm:
+        problems.append(f"{role} engine: {path} was built by TensorRT-LLM {version}, the repository targets "
+                        f"{ERA.tensorrt_llm} ({ERA.image}); rebuild it there with `make engine SPEC=... ARGS=--force`")
+    world = int(cfg.get("pretrained_config", {}).get("mapping", {}).get("world_size", 1))
+    missing = [f"rank{r}.engine" for r in range(world) if not (d / f"rank{r}.engine").is_file()]
+    if missing:
+        problems.append(f"{role} engine: {d} lacks {', '.join(missing)} (world size {world}); the build did not "
+                        "finish: rerun `make engine SPEC=... ARGS=--force`")
+    return problems
 
 
 def preflight(spec: Spec, engine_configs: dict | None = None) -> list[str]:
@@ -123,6 +152,9 @@ def preflight(spec: Spec, engine_configs: dict | None = None) -> list[str]:
             key = "tensorrt_llm.draft_tp" if role == "draft" else "parallel.tp"
             problems.append(f"{role} engine was converted with --tp_size {tp} but {key} is {want_tp}; reconvert "
                             f"with `--tp_size {want_tp}` (TensorRT-LLM fixes parallelism at conversion)")
+    for role in rs:
+        if not cfgs[role].get("planned") and engine_configs is None:
+            problems += built_engine_problems(spec, role, cfgs[role])
     mem = memory_plan(spec, cfgs)
     problems += mem.problems
     return problems

@@ -16,8 +16,16 @@ from pathlib import Path
 from pipeline.spec import Spec
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
-from pipeline.trtllm.planning import Step, format_plan, gpu_placement, plan, planned_engine_configs
-from pipeline.trtllm.preflight import preflight
+from pipeline.trtllm.planning import (
+    Step,
+    format_plan,
+    gpu_placement,
+    participant_ids,
+    plan,
+    planned_engine_configs,
+    roles,
+)
+from pipeline.trtllm.preflight import built_engine_problems, preflight
 
 # ------------------------------------------------------------------------------------------------
 # Running the plan
@@ -135,16 +143,34 @@ def launch_plan(spec: Spec) -> tuple[list[str], dict[str, str], str]:
     One model: leader mode, one tritonserver rank per GPU under mpirun (world size tp*pp); ranks
     above 0 only load tensorrt_llm. Draft-target: two TensorRT-LLM models, which the era's launcher
     serves in orchestrator mode (--multi-model): one tritonserver process (its launcher asserts
-    --world_size=1) that spawns each model's tp*pp workers on that model's gpu_device_ids.
+    --world_size=1) that spawns each model's tp*pp workers on that model's gpu_device_ids. With
+    tensorrt_llm.fast_logits, orchestrator mode without spawned processes: rank 0 orchestrates,
+    the draft's ranks and the target's ranks follow (participant_ids in their configs).
+    Every rank binds the spec's triton.host (launch_triton_server.py has no address flags and
+    listens on every interface: the argv here is what runs).
     """
     tr = spec.triton
     repo = str(spec.repo_dir.resolve())
     world = spec.parallel.tp * spec.parallel.pp
-    common = [f"--model-repository={repo}", f"--grpc-port={tr.grpc_port}", f"--http-port={tr.http_port}",
+    common = [f"--model-repository={repo}", f"--grpc-address={tr.host}", f"--grpc-port={tr.grpc_port}",
+              f"--http-address={tr.host}", f"--http-port={tr.http_port}", f"--metrics-address={tr.host}",
               f"--metrics-port={tr.metrics_port}", "--disable-auto-complete-config"]
+    ports = f"--grpc_port={tr.grpc_port} --http_port={tr.http_port} --metrics_port={tr.metrics_port}"
     env: dict[str, str] = {}
     argv = ["mpirun", "--allow-run-as-root"]
-    if spec.has_draft:
+    if spec.has_draft and spec.tensorrt_llm.fast_logits:
+        env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "0"}
+        world = 1 + len(participant_ids(spec)["draft"]) + len(participant_ids(spec)["target"])
+        for rank in range(world):
+            if rank:
+                argv.append(":")
+            rank_args = [] if rank == 0 else ["--model-control-mode=explicit", "--load-model=tensorrt_llm",
+                                              "--load-model=tensorrt_llm_draft"]
+            argv += ["-n", "1", ERA.tritonserver, *common, *rank_args,
+                     f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        launcher = (f"python3 {ERA.launch_script} --model_repo={repo} --multi-model --disable-spawn-processes "
+                    f"--world_size={world} --tensorrt_llm_model_name=tensorrt_llm,tensorrt_llm_draft {ports} --log")
+    elif spec.has_draft:
         env = {"TRTLLM_ORCHESTRATOR": "1", "TRTLLM_ORCHESTRATOR_SPAWN_PROCESSES": "1"}
         extra = []
         if ERA.orchestrator_extra_flags:
@@ -153,8 +179,7 @@ def launch_plan(spec: Spec) -> tuple[list[str], dict[str, str], str]:
             extra += [f"--cuda-memory-pool-byte-size={g}:0" for g in gpus]
         argv += ["-n", "1", ERA.tritonserver, *common, "--backend-config=python,shm-region-prefix-name=prefix0_",
                  *extra]
-        launcher = (f"python3 {ERA.launch_script} --model_repo={repo} --multi-model --world_size=1 "
-                    f"--grpc_port={tr.grpc_port} --http_port={tr.http_port} --metrics_port={tr.metrics_port} --log")
+        launcher = f"python3 {ERA.launch_script} --model_repo={repo} --multi-model --world_size=1 {ports} --log"
     else:
         for rank in range(world):
             if rank:
@@ -162,8 +187,7 @@ def launch_plan(spec: Spec) -> tuple[list[str], dict[str, str], str]:
             rank_args = [] if rank == 0 else ["--model-control-mode=explicit", "--load-model=tensorrt_llm"]
             argv += ["-n", "1", ERA.tritonserver, *common, *rank_args,
                      f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
-        launcher = (f"python3 {ERA.launch_script} --model_repo={repo} --world_size={world} "
-                    f"--grpc_port={tr.grpc_port} --http_port={tr.http_port} --metrics_port={tr.metrics_port} --log")
+        launcher = f"python3 {ERA.launch_script} --model_repo={repo} --world_size={world} {ports} --log"
     return argv, env, launcher
 
 
@@ -191,6 +215,11 @@ def serve_command(spec: Spec, dry_run: bool) -> int:
         return 0
     if not (spec.repo_dir / "tensorrt_llm" / "config.pbtxt").is_file():
         print(f"error: {spec.repo_dir} has no repository; run `make repo SPEC=...` first", file=sys.stderr)
+        return 2
+    unbuilt = [p for r in roles(spec) for p in built_engine_problems(spec, r)]
+    if unbuilt:
+        for p in unbuilt:
+            print(f"error: {p}", file=sys.stderr)
         return 2
     for tool in ("mpirun", ERA.tritonserver):
         if shutil.which(tool) is None:
