@@ -26,7 +26,7 @@ CONTRACT_OUTPUTS = {"text_output", "acceptance_rate", "total_accepted_draft_toke
 def written(path: Path, tmp_path: Path) -> tuple[specmod.Spec, dict[str, model_config_pb2.ModelConfig], Path]:
     """Write the spec's repository under tmp_path and parse every config.pbtxt from disk."""
     spec = specmod.parse(yaml.safe_load(path.read_text()), tmp_path)
-    repo, _ = trtllm_repo.write_repo(spec, container_models=tmp_path / "no-container")
+    repo, _ = trtllm_repo.write_repo(spec, container_models_dir=tmp_path / "no-container")
     configs = {}
     for f in sorted(repo.glob("*/config.pbtxt")):
         text = f.read_text()
@@ -44,16 +44,20 @@ def params(cfg: model_config_pb2.ModelConfig) -> dict[str, str]:
 @pytest.mark.parametrize("path", [DTM, MEDUSA], ids=["draft_target", "medusa"])
 def test_every_config_parses_with_tritons_schema(path, tmp_path):
     spec, configs, repo = written(path, tmp_path)
-    want = {"ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls", "perf_metrics"}
+    want = {"ensemble", "request_check", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls",
+            "perf_metrics"}
     assert set(configs) == want | ({"tensorrt_llm_draft"} if spec.has_draft else set())
     assert configs["ensemble"].platform == "ensemble"
     assert configs["tensorrt_llm"].backend == "tensorrtllm"
     assert all(configs[m].backend == "python" for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls"))
-    assert (repo / "perf_metrics" / "1" / "model.py").is_file()
+    # Our models are the linted module files, copied as they are.
+    for model, module in {**trtllm_repo.OUR_MODELS, "tensorrt_llm_bls": "bls.py"}.items():
+        assert (repo / model / "1" / "model.py").read_text() == (trtllm_repo.MODELS_DIR / module).read_text()
     # NVIDIA's python models come from the container: without it, the cp commands are written out.
     script = (repo.parent / f"{repo.name}.copy.sh").read_text()
-    for m in trtllm_repo.CONTAINER_MODELS:
+    for m in ("preprocessing", "postprocessing"):
         assert f"{trtllm_repo.ERA.all_models}/{m}/1 {repo}/{m}/" in script
+    assert "tensorrt_llm_bls" not in script  # ours by default (tensorrt_llm.bls: pipeline)
 
 
 def test_container_models_are_copied_when_present(tmp_path):
@@ -61,9 +65,11 @@ def test_container_models_are_copied_when_present(tmp_path):
     for m in trtllm_repo.CONTAINER_MODELS:
         (container / m / "1").mkdir(parents=True)
         (container / m / "1" / "model.py").write_text(f"# {m}\n")
-    spec = specmod.parse(yaml.safe_load(MEDUSA.read_text()), tmp_path)
-    repo, copies = trtllm_repo.write_repo(spec, container_models=container)
-    assert all(done for *_, done in copies)
+    data = yaml.safe_load(MEDUSA.read_text())
+    data["tensorrt_llm"]["bls"] = "nvidia"
+    spec = specmod.parse(data, tmp_path)
+    repo, copies = trtllm_repo.write_repo(spec, container_models_dir=container)
+    assert all(done for *_, done in copies) and len(copies) == 3
     assert (repo / "tensorrt_llm_bls" / "1" / "model.py").read_text() == "# tensorrt_llm_bls\n"
     assert not (repo.parent / f"{repo.name}.copy.sh").exists()
 
@@ -111,9 +117,20 @@ def test_draft_target_is_wired_through_the_bls(tmp_path):
         # The BLS loop slices output_ids assuming they hold the prompt (reference 4.7).
         assert p["exclude_input_in_output"] == "false"
     bls_inputs = {t.name for t in configs["tensorrt_llm_bls"].input}
-    assert {"num_draft_tokens", "use_draft_logits"} <= bls_inputs
-    assert "exclude_input_in_output" not in bls_inputs
+    # Ours slices the prompt off itself: the project's client may send exclude_input_in_output.
+    assert {"num_draft_tokens", "use_draft_logits", "exclude_input_in_output", "return_perf_metrics"} <= bls_inputs
     assert configs["tensorrt_llm_bls"].instance_group[0].count == spec.triton.instance_count
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled  # ours streams
+
+
+def test_nvidia_bls_leaves_out_exclude_input_with_a_draft(tmp_path):
+    data = yaml.safe_load(DTM.read_text())
+    data["tensorrt_llm"]["bls"] = "nvidia"
+    spec = specmod.parse(data, tmp_path)
+    bls = trtllm_repo.parse_config(trtllm_repo.build_configs(spec)["tensorrt_llm_bls"])
+    names = {t.name for t in bls.input}
+    assert "exclude_input_in_output" not in names and "return_perf_metrics" in names
+    assert {"method", "seed"}.isdisjoint(names)  # NVIDIA's BLS would ignore them silently
 
 
 def test_medusa_is_configured_through_decoding_mode_and_brace_choices(tmp_path):
@@ -166,81 +183,6 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
     with pytest.raises(trtllm_repo.PlanError, match="draft.source"):
         trtllm_repo.write_repo(spec)
     assert not spec.repo_dir.exists()
-
-
-def test_perf_metrics_model_runs_in_the_real_tritonserver(tmp_path):
-    """Our own python model of the repository, loaded by tritonserver with its generated config."""
-    import shutil
-    import subprocess
-    import sysconfig
-    import time
-
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
-
-    from pipeline.triton import server
-
-    spec = specmod.parse(yaml.safe_load(DTM.read_text()), tmp_path)
-    # The stub's embedded Python is not this venv: point our model at the venv's numpy.
-    repo, _ = trtllm_repo.write_repo(spec, container_models=tmp_path / "none",
-                                     python_path=sysconfig.get_paths()["purelib"])
-    only = tmp_path / "only"
-    shutil.copytree(repo / "perf_metrics", only / "perf_metrics")
-    port = server.free_port()
-    cmd = [str(server.pytriton_dir() / "bin" / "tritonserver"), f"--model-repository={only}",
-           f"--backend-directory={server.backend_dir(tmp_path / 'backends')}", "--grpc-address=127.0.0.1",
-           f"--grpc-port={port}", "--allow-http=false", "--allow-metrics=false", "--disable-auto-complete-config",
-           "--exit-on-error=true", "--exit-timeout-secs=5"]
-    log = open(tmp_path / "triton.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server.server_env())
-    try:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert proc.poll() is None, (tmp_path / "triton.log").read_text()[-3000:]
-            try:
-                if client.is_model_ready("perf_metrics"):
-                    break
-            except InferenceServerException:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("perf_metrics did not load: " + (tmp_path / "triton.log").read_text()[-3000:])
-
-        def call(exclude=None, method=None, off=None):
-            ins = []
-            for name, value, dtype in (("REQUEST_INPUT_LEN", np.array([[7]], np.int32), "INT32"),
-                                       ("SEQUENCE_LENGTH", np.array([[19]], np.int32), "INT32"),
-                                       ("exclude_input_in_output", None if exclude is None
-                                        else np.array([[exclude]], bool), "BOOL"),
-                                       ("method", None if method is None
-                                        else np.array([[method.encode()]], object), "BYTES"),
-                                       ("disable_at_batch", None if off is None else np.array([[off]], np.int32),
-                                        "INT32")):
-                if value is not None:
-                    t = grpcclient.InferInput(name, list(value.shape), dtype)
-                    t.set_data_from_numpy(value)
-                    ins.append(t)
-            return client.infer("perf_metrics", ins)
-
-        r = call()
-        assert r.as_numpy("num_input_tokens")[0, 0] == 7
-        assert r.as_numpy("num_output_tokens")[0, 0] == 12  # the prompt is part of sequence_length
-        assert r.as_numpy("total_draft_tokens")[0, 0] == 0  # this ensemble runs the target alone
-        assert call(exclude=True).as_numpy("num_output_tokens")[0, 0] == 19
-        assert call(method="baseline").as_numpy("acceptance_rate")[0, 0] == 0.0
-        # This ensemble runs the target alone: there is no speculation to switch off, any value is fine.
-        assert call(off=3).as_numpy("num_input_tokens")[0, 0] == 7
-        with pytest.raises(InferenceServerException, match="tensorrt_llm_bls"):
-            call(method="draft_target")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 # What tensorrtllm_backend 0.18's python models exchange by name (read from its tensorrt_llm_bls/1/lib

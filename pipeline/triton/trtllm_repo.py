@@ -36,7 +36,8 @@ from string import Template
 from pipeline.spec import Spec
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
-from pipeline.trtllm.planning import engine_dir, gpu_placement, planned_engine_configs, roles
+from pipeline.trtllm.planning import engine_dir, gpu_placement, participant_ids, planned_engine_configs, roles, source
+from pipeline.trtllm.preflight import built_engine_problems
 
 # (name, data type, dims, optional, reshape-to-scalar, ragged)
 Tensor = tuple[str, str, list[int], bool, bool, bool]
@@ -51,24 +52,38 @@ LOGITS = "TYPE_FP32"  # logits_datatype: engines keep the default logits_dtype f
 
 # The client contract: what `ensemble` accepts and returns (DESIGN.md "Client contract").
 ENSEMBLE_INPUTS: list[Tensor] = [
+    # tensorrtllm_backend v0.18's ensemble inputs (what NVIDIA's clients send; no multimodal, LoRA or
+    # prompt tables here), with its names random_seed and min_length ...
     _t("text_input", "TYPE_STRING", [1]),
+    _t("decoder_text_input", "TYPE_STRING", [1], True),
     _t("max_tokens", "TYPE_INT32", [1]),
+    _t("num_return_sequences", "TYPE_INT32", [1], True),
     _t("bad_words", "TYPE_STRING", [-1], True),
     _t("stop_words", "TYPE_STRING", [-1], True),
+    _t("exclude_input_in_output", "TYPE_BOOL", [1], True),
     _t("end_id", "TYPE_INT32", [1], True),
     _t("pad_id", "TYPE_INT32", [1], True),
     _t("top_k", "TYPE_INT32", [1], True),
     _t("top_p", "TYPE_FP32", [1], True),
     _t("temperature", "TYPE_FP32", [1], True),
-    _t("seed", "TYPE_UINT64", [1], True),
-    _t("min_tokens", "TYPE_INT32", [1], True),
+    _t("length_penalty", "TYPE_FP32", [1], True),
     _t("repetition_penalty", "TYPE_FP32", [1], True),
+    _t(ERA.min_tokens_input, "TYPE_INT32", [1], True),
     _t("presence_penalty", "TYPE_FP32", [1], True),
     _t("frequency_penalty", "TYPE_FP32", [1], True),
-    _t("length_penalty", "TYPE_FP32", [1], True),
+    _t(ERA.seed_input, "TYPE_UINT64", [1], True),
     _t("return_log_probs", "TYPE_BOOL", [1], True),
-    _t("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    _t("return_context_logits", "TYPE_BOOL", [1], True),
+    _t("return_generation_logits", "TYPE_BOOL", [1], True),
+    _t("return_kv_cache_reuse_stats", "TYPE_BOOL", [1], True),
+    _t("beam_width", "TYPE_INT32", [1], True),
     _t("stream", "TYPE_BOOL", [1], True),
+    _t("embedding_bias_words", "TYPE_STRING", [-1], True),
+    _t("embedding_bias_weights", "TYPE_FP32", [-1], True),
+    # ... and the project's contract (DESIGN.md): the later names seed / min_tokens (request_check folds
+    # them into the era's), perf metrics, and the speculation inputs request_check answers.
+    _t("seed", "TYPE_UINT64", [1], True),
+    _t("min_tokens", "TYPE_INT32", [1], True),
     _t("return_perf_metrics", "TYPE_BOOL", [1], True),
     _t("num_draft_tokens", "TYPE_INT32", [1], True),
     _t("use_draft_logits", "TYPE_BOOL", [1], True),
@@ -91,6 +106,9 @@ ENSEMBLE_OUTPUTS: list[Tensor] = [
 PREPROCESSING_INPUTS: list[Tensor] = [
     _t("QUERY", "TYPE_STRING", [1]),
     _t("DECODER_QUERY", "TYPE_STRING", [1], True),
+    _t("IMAGE_BYTES", "TYPE_UINT8", [-1, -1, -1, -1], True),
+    _t("IMAGE_URL", "TYPE_STRING", [1], True),
+    _t("VIDEO_BYTES", "TYPE_UINT8", [-1, -1, -1, -1], True),
     _t("REQUEST_OUTPUT_LEN", "TYPE_INT32", [1]),
     _t("BAD_WORDS_DICT", "TYPE_STRING", [-1], True),
     _t("STOP_WORDS_DICT", "TYPE_STRING", [-1], True),
@@ -113,7 +131,12 @@ PREPROCESSING_OUTPUTS: list[Tensor] = [
     _t("OUT_PAD_ID", "TYPE_INT32", [1]),
     _t("OUT_PROMPT_TABLE_EXTRA_IDS", "TYPE_UINT64", [-1]),
     _t("PIXEL_VALUES", "TYPE_FP16", [-1, -1, -1, -1]),
+    _t("ASPECT_RATIO_IDS", "TYPE_INT64", [-1]),
+    _t("ASPECT_RATIO_MASK", "TYPE_INT64", [-1, -1]),
+    _t("CROSS_ATTENTION_MASK", "TYPE_INT64", [-1, -1, -1]),
     _t("IMAGE_SIZES", "TYPE_INT64", [2]),
+    # v0.18's BLS asks preprocessing for all 13 of its _preproc_outputs, this one included.
+    _t("IS_VIDEO_INPUT", "TYPE_BOOL", [1]),
 ]
 POSTPROCESSING_INPUTS: list[Tensor] = [
     _t("TOKENS_BATCH", "TYPE_INT32", [-1, -1]),
@@ -182,51 +205,83 @@ PERF_INPUTS: list[Tensor] = [
     _t("SEQUENCE_LENGTH", "TYPE_INT32", [-1]),
     _t("exclude_input_in_output", "TYPE_BOOL", [1], True),
     _t("return_perf_metrics", "TYPE_BOOL", [1], True),
-    _t("num_draft_tokens", "TYPE_INT32", [1], True),
-    _t("use_draft_logits", "TYPE_BOOL", [1], True),
-    _t("method", "TYPE_STRING", [1], True),
-    _t("disable_at_batch", "TYPE_INT32", [1], True),
 ]
 PERF_OUTPUTS: list[Tensor] = [t for t in ENSEMBLE_OUTPUTS if t[0] in (
     "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens")]
+# request_check runs first: it folds seed / min_tokens into the era's names and refuses what the ensemble
+# cannot do (a method served elsewhere, draft tokens in a draft-target repository) before any GPU work.
+CHECK_INPUTS: list[Tensor] = [
+    _t("max_tokens", "TYPE_INT32", [1]),
+    _t("seed", "TYPE_UINT64", [1], True),
+    _t(ERA.seed_input, "TYPE_UINT64", [1], True),
+    _t("min_tokens", "TYPE_INT32", [1], True),
+    _t(ERA.min_tokens_input, "TYPE_INT32", [1], True),
+    _t("method", "TYPE_STRING", [1], True),
+    _t("num_draft_tokens", "TYPE_INT32", [1], True),
+    _t("use_draft_logits", "TYPE_BOOL", [1], True),
+    _t("disable_at_batch", "TYPE_INT32", [1], True),
+]
+CHECK_OUTPUTS: list[Tensor] = [
+    _t("OUT_RANDOM_SEED", "TYPE_UINT64", [1]),
+    _t("OUT_MIN_LENGTH", "TYPE_INT32", [1]),
+]
+
+# v0.18's tensorrt_llm_bls request tensors (Request in its lib/decode.py, no multimodal or LoRA here).
+NVIDIA_BLS_INPUTS: list[Tensor] = [
+    _t("text_input", "TYPE_STRING", [1]),
+    _t("decoder_text_input", "TYPE_STRING", [1], True),
+    _t("max_tokens", "TYPE_INT32", [1]),
+    _t("bad_words", "TYPE_STRING", [-1], True),
+    _t("stop_words", "TYPE_STRING", [-1], True),
+    _t("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    _t("end_id", "TYPE_INT32", [1], True),
+    _t("pad_id", "TYPE_INT32", [1], True),
+    _t("top_k", "TYPE_INT32", [1], True),
+    _t("top_p", "TYPE_FP32", [1], True),
+    _t("temperature", "TYPE_FP32", [1], True),
+    _t("length_penalty", "TYPE_FP32", [1], True),
+    _t("repetition_penalty", "TYPE_FP32", [1], True),
+    _t(ERA.min_tokens_input, "TYPE_INT32", [1], True),
+    _t("presence_penalty", "TYPE_FP32", [1], True),
+    _t("frequency_penalty", "TYPE_FP32", [1], True),
+    _t(ERA.seed_input, "TYPE_UINT64", [1], True),
+    _t("return_log_probs", "TYPE_BOOL", [1], True, True),
+    _t("return_context_logits", "TYPE_BOOL", [1], True, True),
+    _t("return_generation_logits", "TYPE_BOOL", [1], True, True),
+    _t("num_return_sequences", "TYPE_INT32", [1], True),
+    _t("beam_width", "TYPE_INT32", [1], True),
+    _t("stream", "TYPE_BOOL", [1], True),
+    _t("prompt_embedding_table", "TYPE_FP16", [-1, -1], True),
+    _t("prompt_vocab_size", "TYPE_INT32", [1], True),
+    _t("prompt_table_extra_id", "TYPE_UINT64", [1], True),
+    _t("embedding_bias_words", "TYPE_STRING", [-1], True),
+    _t("embedding_bias_weights", "TYPE_FP32", [-1], True),
+    _t("num_draft_tokens", "TYPE_INT32", [1], True),
+    _t("use_draft_logits", "TYPE_BOOL", [1], True, True),
+    _t("return_kv_cache_reuse_stats", "TYPE_BOOL", [1], True, True),
+]
+# Ours adds the project's contract: the later names, perf metrics, method selection.
+CONTRACT_BLS_INPUTS: list[Tensor] = [
+    _t("seed", "TYPE_UINT64", [1], True),
+    _t("min_tokens", "TYPE_INT32", [1], True),
+    _t("return_perf_metrics", "TYPE_BOOL", [1], True),
+    _t("method", "TYPE_STRING", [1], True),
+    _t("disable_at_batch", "TYPE_INT32", [1], True),
+]
 
 
 def bls_inputs(spec: Spec) -> list[Tensor]:
-    """The BLS request tensors NVIDIA's tensorrt_llm_bls (0.18) reads; see the module note on the trap."""
-    ins = [
-        _t("text_input", "TYPE_STRING", [1]),
-        _t("decoder_text_input", "TYPE_STRING", [1], True),
-        _t("max_tokens", "TYPE_INT32", [1]),
-        _t("bad_words", "TYPE_STRING", [-1], True),
-        _t("stop_words", "TYPE_STRING", [-1], True),
-        _t("exclude_input_in_output", "TYPE_BOOL", [1], True),
-        _t("end_id", "TYPE_INT32", [1], True),
-        _t("pad_id", "TYPE_INT32", [1], True),
-        _t("top_k", "TYPE_INT32", [1], True),
-        _t("top_p", "TYPE_FP32", [1], True),
-        _t("temperature", "TYPE_FP32", [1], True),
-        _t("length_penalty", "TYPE_FP32", [1], True),
-        _t("repetition_penalty", "TYPE_FP32", [1], True),
-        _t(ERA.min_tokens_input, "TYPE_INT32", [1], True),
-        _t("presence_penalty", "TYPE_FP32", [1], True),
-        _t("frequency_penalty", "TYPE_FP32", [1], True),
-        _t(ERA.seed_input, "TYPE_UINT64", [1], True),
-        _t("return_log_probs", "TYPE_BOOL", [1], True, True),
-        _t("return_context_logits", "TYPE_BOOL", [1], True, True),
-        _t("return_generation_logits", "TYPE_BOOL", [1], True, True),
-        _t("beam_width", "TYPE_INT32", [1], True),
-        _t("stream", "TYPE_BOOL", [1], True),
-        _t("embedding_bias_words", "TYPE_STRING", [-1], True),
-        _t("embedding_bias_weights", "TYPE_FP32", [-1], True),
-        _t("prompt_embedding_table", "TYPE_FP16", [-1, -1], True),
-        _t("prompt_vocab_size", "TYPE_INT32", [1], True),
-        _t("prompt_table_extra_id", "TYPE_UINT64", [1], True),
-        _t("num_draft_tokens", "TYPE_INT32", [1], True),
-        _t("use_draft_logits", "TYPE_BOOL", [1], True, True),
-    ]
-    if spec.has_draft:
-        ins = [t for t in ins if t[0] != "exclude_input_in_output"]
-    return ins
+    """The BLS request tensors: v0.18's for NVIDIA's BLS, plus the project's contract for ours.
+
+    NVIDIA's BLS (bls: nvidia) forwards exclude_input_in_output to both LLM models while its
+    draft-target loop slices output_ids assuming they hold the prompt, so with a draft that input is
+    left undeclared there: a client sending it gets a clear Triton error, not corrupted speculation.
+    It gets return_perf_metrics declared (and ignored: no perf outputs) so the project's client runs.
+    """
+    if spec.tensorrt_llm.bls == "pipeline":
+        return NVIDIA_BLS_INPUTS + CONTRACT_BLS_INPUTS
+    ins = [t for t in NVIDIA_BLS_INPUTS if not (spec.has_draft and t[0] == "exclude_input_in_output")]
+    return ins + [t for t in CONTRACT_BLS_INPUTS if t[0] == "return_perf_metrics"]
 
 
 BLS_OUTPUTS: list[Tensor] = [
@@ -244,21 +299,29 @@ BLS_OUTPUTS: list[Tensor] = [
 
 # Ensemble wiring: (model, {model input: ensemble tensor}, {model output: ensemble tensor}).
 ENSEMBLE_STEPS: list[tuple[str, dict[str, str], dict[str, str]]] = [
+    ("request_check",
+     {n: n for n, *_ in CHECK_INPUTS},
+     {"OUT_RANDOM_SEED": "_RANDOM_SEED", "OUT_MIN_LENGTH": "_MIN_LENGTH"}),
     ("preprocessing",
-     {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-      "STOP_WORDS_DICT": "stop_words", "END_ID": "end_id", "PAD_ID": "pad_id"},
-     {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN",
-      "BAD_WORDS_IDS": "_BAD_WORDS_IDS", "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "OUT_END_ID": "_END_ID",
+     {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "REQUEST_OUTPUT_LEN": "max_tokens",
+      "BAD_WORDS_DICT": "bad_words", "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+      "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id"},
+     {"INPUT_ID": "_INPUT_ID", "DECODER_INPUT_ID": "_DECODER_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+      "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
+      "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "EMBEDDING_BIAS": "_EMBEDDING_BIAS", "OUT_END_ID": "_END_ID",
       "OUT_PAD_ID": "_PAD_ID"}),
     ("tensorrt_llm",
-     {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN", "request_output_len": "_REQUEST_OUTPUT_LEN",
-      "end_id": "_END_ID", "pad_id": "_PAD_ID", "stop_words_list": "_STOP_WORDS_IDS",
-      "bad_words_list": "_BAD_WORDS_IDS", "runtime_top_k": "top_k", "runtime_top_p": "top_p",
-      "temperature": "temperature", ERA.seed_input: "seed", ERA.min_tokens_input: "min_tokens",
+     {"input_ids": "_INPUT_ID", "decoder_input_ids": "_DECODER_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
+      "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_END_ID", "pad_id": "_PAD_ID",
+      "stop_words_list": "_STOP_WORDS_IDS", "bad_words_list": "_BAD_WORDS_IDS", "embedding_bias": "_EMBEDDING_BIAS",
+      "runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature",
+      ERA.seed_input: "_RANDOM_SEED", ERA.min_tokens_input: "_MIN_LENGTH",
       "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-      "frequency_penalty": "frequency_penalty", "len_penalty": "length_penalty",
-      "return_log_probs": "return_log_probs", "exclude_input_in_output": "exclude_input_in_output",
-      "streaming": "stream"},
+      "frequency_penalty": "frequency_penalty", "len_penalty": "length_penalty", "beam_width": "beam_width",
+      "num_return_sequences": "num_return_sequences", "return_log_probs": "return_log_probs",
+      "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
+      "return_kv_cache_reuse_stats": "return_kv_cache_reuse_stats",
+      "exclude_input_in_output": "exclude_input_in_output", "streaming": "stream"},
      {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH", "cum_log_probs": "cum_log_probs",
       "output_log_probs": "output_log_probs"}),
     ("postprocessing",
@@ -266,9 +329,7 @@ ENSEMBLE_STEPS: list[tuple[str, dict[str, str], dict[str, str]]] = [
      {"OUTPUT": "text_output"}),
     ("perf_metrics",
      {"REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH",
-      "exclude_input_in_output": "exclude_input_in_output", "return_perf_metrics": "return_perf_metrics",
-      "num_draft_tokens": "num_draft_tokens", "use_draft_logits": "use_draft_logits", "method": "method",
-      "disable_at_batch": "disable_at_batch"},
+      "exclude_input_in_output": "exclude_input_in_output", "return_perf_metrics": "return_perf_metrics"},
      {n: n for n, *_ in PERF_OUTPUTS}),
 ]
 
@@ -318,82 +379,9 @@ instance_group [
 ]
 """)
 
-PERF_MODEL_PY = '''\
-"""perf_metrics: per-response token counts and speculation statistics for the ensemble.
-
-Generated by pipeline.triton.trtllm_repo. tensorrtllm_backend ${era} reports no per-request
-acceptance. With a Medusa engine the ensemble speculates but the three statistics are -1 ("not
-reported"); in a draft-target deployment the ensemble runs the target alone (draft-target runs
-through tensorrt_llm_bls), so they are 0. num_input_tokens and num_output_tokens are exact.
-A `method` the ensemble cannot serve is an error that names the model that can; so is a
-`disable_at_batch` above 0 on a speculating ensemble (in-flight batching cannot switch it off).
-"""
-
-import json
-import sys
-
-np = pb_utils = None
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        global np, pb_utils
-        params = json.loads(args["model_config"]).get("parameters", {})
-        get = lambda k, d: params.get(k, {}).get("string_value", d)
-        # Optional site-packages to import numpy from (empty in the container).
-        sys.path[:0] = [p for p in get("python_path", "").split(":") if p]
-        import numpy as np
-        import triton_python_backend_utils as pb_utils
-
-        self.exclude_default = get("exclude_input_in_output", "false").lower() in ("1", "true", "yes")
-        self.method = get("method", "baseline")
-        self.speculates = self.method != "baseline"
-        self.elsewhere = {m: w for m, _, w in (x.partition("=") for x in get("other_methods", "").split(";") if x)}
-
-    def _method_error(self, request):
-        t = pb_utils.get_input_tensor_by_name(request, "method")
-        if t is None:
-            return None
-        want = t.as_numpy().reshape(-1)[0]
-        want = (want.decode() if isinstance(want, bytes) else str(want)).strip()
-        if want == self.method:
-            return None
-        where = self.elsewhere.get(want)
-        hint = f"send it to model {where}" if where else f"this deployment serves only {self.method!r}"
-        return pb_utils.TritonError(f"method: got {want!r}; the ensemble runs {self.method!r}: {hint}")
-
-    def _disable_error(self, request):
-        t = pb_utils.get_input_tensor_by_name(request, "disable_at_batch")
-        if t is None or not self.speculates or int(t.as_numpy().reshape(-1)[0]) == 0:
-            return None
-        return pb_utils.TritonError("disable_at_batch: tensorrtllm_backend's in-flight batching cannot switch "
-                                    "speculation off per batch; send 0 or leave it out")
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            err = self._method_error(request) or self._disable_error(request)
-            if err is not None:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=err))
-                continue
-            n_in = pb_utils.get_input_tensor_by_name(request, "REQUEST_INPUT_LEN").as_numpy().reshape(-1)
-            seq = pb_utils.get_input_tensor_by_name(request, "SEQUENCE_LENGTH").as_numpy()
-            seq = seq.reshape(seq.shape[0], -1)[:, 0]
-            excl = pb_utils.get_input_tensor_by_name(request, "exclude_input_in_output")
-            exclude = bool(excl.as_numpy().reshape(-1)[0]) if excl is not None else self.exclude_default
-            n_out = seq if exclude else np.maximum(seq - n_in, 0)
-            rows = n_in.shape[0]
-            stat = -1 if self.speculates else 0
-            out = [
-                pb_utils.Tensor("num_input_tokens", n_in.astype(np.int32).reshape(rows, 1)),
-                pb_utils.Tensor("num_output_tokens", n_out.astype(np.int32).reshape(rows, 1)),
-                pb_utils.Tensor("acceptance_rate", np.full((rows, 1), float(stat), np.float32)),
-                pb_utils.Tensor("total_accepted_draft_tokens", np.full((rows, 1), stat, np.int32)),
-                pb_utils.Tensor("total_draft_tokens", np.full((rows, 1), stat, np.int32)),
-            ]
-            responses.append(pb_utils.InferenceResponse(output_tensors=out))
-        return responses
-'''
+# Our python models of the repository: real modules next to this file, copied as <model>/1/model.py.
+MODELS_DIR = Path(__file__).resolve().parent / "trtllm_models"
+OUR_MODELS = {"perf_metrics": "perf_metrics.py", "request_check": "request_check.py"}
 
 
 def _tensor_text(t: Tensor) -> str:
@@ -482,6 +470,10 @@ def _llm_params(spec: Spec, role: str, mem) -> dict[str, str]:
         p["max_tokens_in_paged_kv_cache"] = str(m.max_tokens_in_paged_kv_cache)
     if spec.has_draft:
         p["gpu_device_ids"] = ",".join(map(str, gpu_placement(spec)[role]))
+    if spec.has_draft and trt.fast_logits:
+        # Orchestrator mode without spawned processes: the ranks each model runs on (rank 0 orchestrates).
+        p["speculative_decoding_fast_logits"] = "1"
+        p["participant_ids"] = ",".join(map(str, participant_ids(spec)[role]))
     if role == "medusa":
         p["decoding_mode"] = "medusa"
         if isinstance(spec.medusa.choices, list):
@@ -489,27 +481,53 @@ def _llm_params(spec: Spec, role: str, mem) -> dict[str, str]:
     return p
 
 
+def llm_queue_delay_us(spec: Spec) -> int:
+    """Dynamic-batching delay of the LLM models: 0 for draft-target (the BLS calls draft and target in turn,
+    every round, as NVIDIA's draft-target recipe fills it), else triton.max_queue_delay_us."""
+    return 0 if spec.has_draft else spec.triton.max_queue_delay_us
+
+
+def bls_params(spec: Spec) -> dict[str, str]:
+    """tensorrt_llm_bls parameters: v0.18's keys, plus what our BLS reads."""
+    p = {"accumulate_tokens": "false", "tensorrt_llm_model_name": "tensorrt_llm",
+         "tensorrt_llm_draft_model_name": "tensorrt_llm_draft" if spec.has_draft else "",
+         "multimodal_encoders_name": ""}
+    if spec.tensorrt_llm.bls == "pipeline":
+        k = spec.speculation.num_draft_tokens
+        p.update({"default_num_draft_tokens": str(spec.limits.max_draft_len if k == "auto" else k),
+                  "max_draft_len": str(spec.limits.max_draft_len),
+                  "use_draft_logits": str(spec.speculation.use_draft_logits).lower(),
+                  "exclude_input_in_output": "true",
+                  "engine_method": "medusa" if spec.has_medusa else "baseline",
+                  "max_concurrency": str(max(spec.limits.max_batch_size, spec.triton.instance_count))})
+    return p
+
+
 def build_configs(spec: Spec, python_path: str = "") -> dict[str, str]:
     """{model name: config.pbtxt text} for every model of the repository.
 
-    `python_path` (colon-separated) is prepended to sys.path by our perf_metrics model before it
-    imports numpy; only needed outside the container, where the stub's Python is not the venv's.
+    `python_path` (colon-separated) is prepended to sys.path by our python models before they import
+    anything but the standard library; only needed outside the container (the tests' tritonserver).
     """
     rs = roles(spec)
     lim, tr = spec.limits, spec.triton
     mem = memory_plan(spec, planned_engine_configs(spec))
-    tokenizer = spec.target.source
+    tokenizer = source(spec, "target")
     llm_role = "medusa" if "medusa" in rs else "target"
     decoupled = spec.tensorrt_llm.decoupled
     queue = (f"dynamic_batching {{\n  preferred_batch_size: [ {lim.max_batch_size} ]\n"
-             f"  max_queue_delay_microseconds: {tr.max_queue_delay_us}\n"
+             f"  max_queue_delay_microseconds: {llm_queue_delay_us(spec)}\n"
              "  default_queue_policy: { max_queue_size: 0 }\n}\n")
     pre_params = {"tokenizer_dir": tokenizer, "add_special_tokens": "true", "max_num_images": "",
                   **{k: "" for k in ERA.preprocessing_model_path_keys},
                   "gpt_model_path": str(engine_dir(spec, llm_role).resolve())}
+    ours = spec.tensorrt_llm.bls == "pipeline"
+    bls_outputs = BLS_OUTPUTS + (PERF_OUTPUTS if ours else [])
     out = {
         "ensemble": render(spec, "ensemble", 'platform: "ensemble"', ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS,
                            steps=ENSEMBLE_STEPS),
+        "request_check": render(spec, "request_check", 'backend: "python"', CHECK_INPUTS, CHECK_OUTPUTS,
+                                params=check_params(spec, python_path), instances=tr.instance_count),
         "preprocessing": render(spec, "preprocessing", 'backend: "python"', PREPROCESSING_INPUTS,
                                 PREPROCESSING_OUTPUTS, params=pre_params, instances=tr.instance_count),
         "postprocessing": render(spec, "postprocessing", 'backend: "python"', POSTPROCESSING_INPUTS,
@@ -521,12 +539,10 @@ def build_configs(spec: Spec, python_path: str = "") -> dict[str, str]:
         "tensorrt_llm": render(spec, "tensorrt_llm", 'backend: "tensorrtllm"', llm_inputs(), LLM_OUTPUTS,
                                params=_llm_params(spec, llm_role, mem), instances=1, decoupled=decoupled,
                                batching=queue),
-        "tensorrt_llm_bls": render(spec, "tensorrt_llm_bls", 'backend: "python"', bls_inputs(spec), BLS_OUTPUTS,
-                                   params={"accumulate_tokens": "false", "tensorrt_llm_model_name": "tensorrt_llm",
-                                           "tensorrt_llm_draft_model_name":
-                                               "tensorrt_llm_draft" if spec.has_draft else "",
-                                           "multimodal_encoders_name": ""},
-                                   instances=tr.instance_count, decoupled=decoupled),
+        # Ours is decoupled so it can stream draft-target rounds; NVIDIA's follows the LLM models.
+        "tensorrt_llm_bls": render(spec, "tensorrt_llm_bls", 'backend: "python"', bls_inputs(spec), bls_outputs,
+                                   params={**bls_params(spec), **({"python_path": python_path} if ours else {})},
+                                   instances=tr.instance_count, decoupled=True if ours else decoupled),
     }
     if spec.has_draft:
         out["tensorrt_llm_draft"] = render(spec, "tensorrt_llm_draft", 'backend: "tensorrtllm"', llm_inputs(),
@@ -540,33 +556,63 @@ def build_configs(spec: Spec, python_path: str = "") -> dict[str, str]:
 
 
 def perf_params(spec: Spec, python_path: str = "") -> dict[str, str]:
-    """What perf_metrics must know: the ensemble's method, and where the other methods are served."""
+    """What perf_metrics must know: whether the ensemble's engine speculates, and the prompt default."""
+    return {"exclude_input_in_output": exclude_default(spec), "method": "medusa" if spec.has_medusa else "baseline",
+            "python_path": python_path}
+
+
+def check_params(spec: Spec, python_path: str = "") -> dict[str, str]:
+    """What request_check must know: the ensemble's method and where the other methods are served."""
     if spec.has_medusa:
         method, other = "medusa", ""
     else:
-        method, other = "baseline", "draft_target=tensorrt_llm_bls (with num_draft_tokens)" if spec.has_draft else ""
-    return {"exclude_input_in_output": exclude_default(spec), "method": method, "other_methods": other,
+        method, other = "baseline", "draft_target=tensorrt_llm_bls" if spec.has_draft else ""
+    return {"method": method, "other_methods": other, "draft_model": "true" if spec.has_draft else "false",
             "python_path": python_path}
 
 
 CONTAINER_MODELS = ("preprocessing", "postprocessing", "tensorrt_llm_bls")
 
 
-def write_repo(spec: Spec, container_models: str | Path = ERA.all_models,
+def container_models(spec: Spec) -> tuple[str, ...]:
+    """NVIDIA's python models this repository runs (ours replaces the BLS with bls: pipeline)."""
+    return tuple(m for m in CONTAINER_MODELS if not (m == "tensorrt_llm_bls" and spec.tensorrt_llm.bls == "pipeline"))
+
+
+def engine_todo(spec: Spec) -> list[str]:
+    """Engines the repository points at that are not built here yet (a wrong built one is an error)."""
+    todo = []
+    for role in roles(spec):
+        problems = built_engine_problems(spec, role)
+        if not (engine_dir(spec, role) / "config.json").is_file():
+            todo += problems
+        elif problems:
+            raise PlanError("; ".join(problems))
+    return todo
+
+
+def write_repo(spec: Spec, container_models_dir: str | Path = ERA.all_models,
                python_path: str = "") -> tuple[Path, list[tuple[str, str, bool]]]:
-    """Write triton_repo/<name>/ (replacing it whole); returns (path, [(src, dst, copied)])."""
+    """Write triton_repo/<name>/ (replacing it whole); returns (path, [(src, dst, copied)]).
+
+    A built engine under engines/<name>/ of another TensorRT-LLM release, or without all its
+    rank*.engine files, is an error here, before a repository points at it.
+    """
     configs = build_configs(spec, python_path)
+    engine_todo(spec)
     dest = spec.repo_dir
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     copies: list[tuple[str, str, bool]] = []
+    ours = dict(OUR_MODELS, **({"tensorrt_llm_bls": "bls.py"} if spec.tensorrt_llm.bls == "pipeline" else {}))
     try:
         for name, text in configs.items():
             (tmp / name / "1").mkdir(parents=True)
             (tmp / name / "config.pbtxt").write_text(text)
-        (tmp / "perf_metrics" / "1" / "model.py").write_text(PERF_MODEL_PY.replace("${era}", ERA.backend_tag))
-        for name in CONTAINER_MODELS:
-            src = Path(container_models) / name / "1"
+        for name, module in ours.items():
+            shutil.copyfile(MODELS_DIR / module, tmp / name / "1" / "model.py")
+        for name in container_models(spec):
+            src = Path(container_models_dir) / name / "1"
             done = src.is_dir()
             if done:
                 shutil.copytree(src, tmp / name / "1", dirs_exist_ok=True)

@@ -56,6 +56,12 @@ def roles(spec: Spec) -> list[str]:
     return ["target", "draft"] if spec.has_draft else ["target"]
 
 
+def source(spec: Spec, role: str) -> str:
+    """A role's checkpoint directory as the commands see it: relative spec paths resolve against the spec root."""
+    src = {"target": spec.target.source, "draft": spec.draft.source, "medusa": spec.medusa.source}[role]
+    return str(spec.path(src)) if not Path(src).is_absolute() else src
+
+
 def num_draft_tokens(spec: Spec) -> int:
     """The draft length requests will use ('auto' plans for the largest, limits.max_draft_len)."""
     k = spec.speculation.num_draft_tokens
@@ -148,16 +154,16 @@ def plan(spec: Spec) -> list[Step]:
                           why))
 
     if "target" in rs:
-        convert("target", spec.target.source, spec.dtype, tp, pp, [], convert_script(spec),
+        convert("target", source(spec, "target"), spec.dtype, tp, pp, [], convert_script(spec),
                 f"target checkpoint, {spec.dtype}, TP={tp} PP={pp}")
     if "draft" in rs:
-        convert("draft", spec.draft.source, _draft_dtype(spec), trt.draft_tp, 1, [], convert_script(spec),
+        convert("draft", source(spec, "draft"), _draft_dtype(spec), trt.draft_tp, 1, [], convert_script(spec),
                 f"draft checkpoint, {_draft_dtype(spec)}, TP={trt.draft_tp}")
     if "medusa" in rs:
         med = spec.medusa
-        extra = ["--medusa_model_dir", med.source, "--num_medusa_heads", str(med.num_heads),
+        extra = ["--medusa_model_dir", source(spec, "medusa"), "--num_medusa_heads", str(med.num_heads),
                  "--num_medusa_layers", str(med.num_layers), ERA.medusa_token_len_flag, str(medusa_token_len(spec))]
-        convert("medusa", spec.target.source, spec.dtype, tp, pp, extra,
+        convert("medusa", source(spec, "target"), spec.dtype, tp, pp, extra,
                 str(Path(trt.examples_dir) / ERA.medusa_convert_script),
                 f"base model + {med.num_heads} Medusa heads ({med.num_layers} layer(s) each); head count and layers "
                 "are explicit because the heads' config.json is unreliable")
@@ -257,7 +263,7 @@ def planned_engine_configs(spec: Spec) -> dict[str, dict]:
     out: dict[str, dict] = {}
     logits = spec.speculation.use_draft_logits
     for role in roles(spec):
-        src = spec.draft.source if role == "draft" else spec.target.source
+        src = source(spec, "draft" if role == "draft" else "target")
         key = "draft_arch" if role == "draft" else "target_arch"
         try:
             arch = resolve_arch(src, getattr(trt, key))

@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.spec import Spec
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
-from pipeline.trtllm.planning import engine_dir, medusa_choices, num_draft_tokens, read_engine_configs, roles
+from pipeline.trtllm.planning import engine_dir, medusa_choices, num_draft_tokens, read_engine_configs, roles, source
 
 # ------------------------------------------------------------------------------------------------
 # Preflight
@@ -119,7 +119,7 @@ def preflight(spec: Spec, engine_configs: dict | None = None) -> list[str]:
         if vt and vd and vt != vd:
             problems.append(f"draft vocab_size {vd} != target vocab_size {vt}: draft-target needs the same tokenizer; "
                             "pick a draft from the target's family (draft.source)")
-        ht, hd = _tokenizer_digest(spec.target.source), _tokenizer_digest(spec.draft.source)
+        ht, hd = _tokenizer_digest(source(spec, "target")), _tokenizer_digest(source(spec, "draft"))
         if ht and hd and ht != hd:
             problems.append(f"tokenizer files differ between target.source ({spec.target.source}) and draft.source "
                             f"({spec.draft.source}); draft-target needs one tokenizer")

@@ -24,6 +24,7 @@ from pipeline.trtllm.planning import (
     plan,
     planned_engine_configs,
     roles,
+    source,
 )
 from pipeline.trtllm.preflight import built_engine_problems, preflight
 
@@ -101,11 +102,12 @@ def engine_command(spec: Spec, dry_run: bool, force: bool = False) -> int:
     if why:
         print(f"\nerror: cannot build here: {why}. Use --dry-run to print the plan.", file=sys.stderr)
         return 3
-    missing = [s for s in (spec.target.source, spec.draft.source if spec.has_draft else None,
-                           spec.medusa.source if spec.has_medusa else None) if s and not Path(s).is_dir()]
+    wanted = ["target"] + (["draft"] if spec.has_draft else []) + (["medusa"] if spec.has_medusa else [])
+    missing = [f"{r}.source {source(spec, r)}" for r in wanted if not Path(source(spec, r)).is_dir()]
     if missing:
-        print(f"error: checkpoint directories not found: {', '.join(missing)} (target.source / draft.source / "
-              "medusa.source)", file=sys.stderr)
+        hint = (" (engines/<name>/*_hf directories are written by the torch build of the same pair: "
+                "`make engine SPEC=build/qwen_coder.yaml`)" if any("_hf" in m for m in missing) else "")
+        print(f"error: checkpoint directories not found: {', '.join(missing)}{hint}", file=sys.stderr)
         return 2
     rc = run_plan(spec, steps, force=force)
     if rc == 0:
