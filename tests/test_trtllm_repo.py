@@ -213,3 +213,22 @@ def test_configs_declare_what_the_containers_python_models_exchange(tmp_path):
     assert {"tokenizer_dir", *trtllm_repo.ERA.preprocessing_model_path_keys} <= set(params(pre))
     assert params(pre)["tokenizer_dir"] == "/models/Llama-3.1-70B-Instruct"
     assert {"OUTPUT"} == {t.name for t in configs["postprocessing"].output}
+
+
+@pytest.mark.parametrize("path", [DTM, MEDUSA], ids=["draft_target", "medusa"])
+def test_request_check_runs_before_every_other_ensemble_step(path, tmp_path):
+    """A refused request must leave nothing in flight: an ensemble whose step fails while a parallel
+    step still runs crashed tritonserver (segfault on the next request) in the CPU harness."""
+    _, configs, _ = written(path, tmp_path)
+    steps = configs["ensemble"].ensemble_scheduling.step
+    made_by = {tensor: s.model_name for s in steps for tensor in s.output_map.values()}
+    first = steps[0].model_name
+    assert first == "request_check"
+
+    def upstream(model: str) -> set[str]:
+        step = next(s for s in steps if s.model_name == model)
+        deps = {made_by[t] for t in step.input_map.values() if t in made_by}
+        return deps | {u for d in deps for u in upstream(d)}
+
+    for s in steps[1:]:
+        assert first in upstream(s.model_name), f"{s.model_name} can run while request_check is still deciding"

@@ -222,6 +222,9 @@ CHECK_INPUTS: list[Tensor] = [
     _t("disable_at_batch", "TYPE_INT32", [1], True),
 ]
 CHECK_OUTPUTS: list[Tensor] = [
+    # max_tokens passes through, so preprocessing waits for the check: a refused request leaves no step
+    # running (an ensemble that errors while a parallel step is in flight crashed tritonserver here).
+    _t("OUT_MAX_TOKENS", "TYPE_INT32", [1]),
     _t("OUT_RANDOM_SEED", "TYPE_UINT64", [1]),
     _t("OUT_MIN_LENGTH", "TYPE_INT32", [1]),
 ]
@@ -301,9 +304,9 @@ BLS_OUTPUTS: list[Tensor] = [
 ENSEMBLE_STEPS: list[tuple[str, dict[str, str], dict[str, str]]] = [
     ("request_check",
      {n: n for n, *_ in CHECK_INPUTS},
-     {"OUT_RANDOM_SEED": "_RANDOM_SEED", "OUT_MIN_LENGTH": "_MIN_LENGTH"}),
+     {"OUT_MAX_TOKENS": "_MAX_TOKENS", "OUT_RANDOM_SEED": "_RANDOM_SEED", "OUT_MIN_LENGTH": "_MIN_LENGTH"}),
     ("preprocessing",
-     {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "REQUEST_OUTPUT_LEN": "max_tokens",
+     {"QUERY": "text_input", "DECODER_QUERY": "decoder_text_input", "REQUEST_OUTPUT_LEN": "_MAX_TOKENS",
       "BAD_WORDS_DICT": "bad_words", "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
       "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id"},
      {"INPUT_ID": "_INPUT_ID", "DECODER_INPUT_ID": "_DECODER_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",

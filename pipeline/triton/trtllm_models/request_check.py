@@ -6,6 +6,7 @@ and `min_tokens`. Either name works here; both with different values is an error
 before any engine runs, a `method` this ensemble does not serve (naming the model that does),
 `num_draft_tokens` above 0 (the ensemble cannot run draft-target: tensorrt_llm_bls does), and
 `disable_at_batch` above 0 where the engine speculates (in-flight batching cannot switch it off).
+max_tokens passes through it to preprocessing, so nothing else runs until the check has passed.
 """
 
 import json
@@ -80,6 +81,8 @@ class TritonPythonModel:
             except BadRequest as e:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
                 continue
+            max_tokens = pb_utils.get_input_tensor_by_name(request, "max_tokens").as_numpy()
             responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("OUT_RANDOM_SEED", seed), pb_utils.Tensor("OUT_MIN_LENGTH", min_len)]))
+                pb_utils.Tensor("OUT_MAX_TOKENS", max_tokens), pb_utils.Tensor("OUT_RANDOM_SEED", seed),
+                pb_utils.Tensor("OUT_MIN_LENGTH", min_len)]))
         return responses

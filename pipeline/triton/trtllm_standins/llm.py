@@ -136,20 +136,38 @@ class TritonPythonModel:
         from pipeline.runtime.generate import generate
         from pipeline.runtime.medusa import medusa_generate
 
-        reqs = self._requests(rows)
-        if self.medusa is not None:
-            results = medusa_generate(self.model, self.medusa, reqs, on_emit)
-        else:
-            results = generate(self.model, reqs, on_emit)
-        out = []
-        for r, res in zip(rows, results):
-            tokens = list(res.tokens)
-            if r["draft"]:
-                a = 0
-                while a < len(r["draft"]) and a < len(tokens) and r["draft"][a] == tokens[a]:
-                    a += 1
-                tokens = tokens[: a + 1]
-            out.append(tokens)
+        out: list[list[int] | None] = [None] * len(rows)
+        # Greedy verification of draft tokens: one forward over prompt + draft, as the engine does.
+        for b, r in enumerate(rows):
+            if r["draft"] and r["temperature"] == 0.0 and on_emit is None:
+                out[b] = self._verify(r)
+        rest = [b for b in range(len(rows)) if out[b] is None]
+        if rest:
+            reqs = self._requests([rows[b] for b in rest])
+            if self.medusa is not None:
+                results = medusa_generate(self.model, self.medusa, reqs, on_emit)
+            else:
+                results = generate(self.model, reqs, on_emit)
+            for b, res in zip(rest, results):
+                tokens = list(res.tokens)
+                if rows[b]["draft"]:  # sampled: the target's own tokens, cut after the first disagreement
+                    a = 0
+                    while a < len(rows[b]["draft"]) and a < len(tokens) and rows[b]["draft"][a] == tokens[a]:
+                        a += 1
+                    tokens = tokens[: a + 1]
+                out[b] = tokens
+        return out
+
+    def _verify(self, r: dict) -> list[int]:
+        """Accepted draft tokens plus the target's next token (greedy token matching)."""
+        draft = r["draft"][: r["n"] - 1]
+        best = self._logits(r["prompt"], draft + [0]).argmax(-1).tolist()
+        a = 0
+        while a < len(draft) and draft[a] == best[a]:
+            a += 1
+        out = draft[:a] + [best[a]]
+        if r["end_id"] in out:
+            out = out[: out.index(r["end_id"]) + 1]
         return out
 
     def _logits(self, prompt: list[int], tokens: list[int]) -> np.ndarray:

@@ -160,7 +160,7 @@ class TritonPythonModel:
                 break
         return target
 
-    def _respond(self, gen: dict) -> pb_utils.InferenceResponse:
+    def _respond(self, gen: dict):
         text = _exec("postprocessing", [pb_utils.Tensor("TOKENS_BATCH", gen["output_ids"]),
                                         pb_utils.Tensor("SEQUENCE_LENGTH", gen["sequence_length"])],
                      ["OUTPUT"])["OUTPUT"]
