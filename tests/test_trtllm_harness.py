@@ -35,8 +35,9 @@ TINY = {
     "llama70b_draft1b_tp4": {"target": dict(hidden=64, heads=8, kv_heads=1, tie=False),  # 64/8 heads like 70B
                              "draft": dict(layers=1, hidden=32, heads=4, kv_heads=1, tie=True)},  # 32/8 like 1B
     "vicuna7b_medusa": {"target": dict(hidden=64, heads=4, kv_heads=4, tie=False)},  # MHA like Llama-2-7B
-    "qwen_coder_trtllm": {"target": dict(hidden=48, heads=6, kv_heads=1, tie=False),  # 12/2, separate output
-                          "draft": dict(layers=1, hidden=56, heads=7, kv_heads=1, tie=True)},  # 14/2, tied
+    # Qwen2 (q/k/v biases) as Qwen2.5-Coder: 1.5B 12/2 heads with a separate output, 0.5B 14/2 tied.
+    "qwen_coder_trtllm": {"target": dict(hidden=48, heads=6, kv_heads=1, tie=False, family="qwen2"),
+                          "draft": dict(layers=1, hidden=56, heads=7, kv_heads=1, tie=True, family="qwen2")},
 }
 UNUSED_END = 0  # <unk>: the random models never stop early, so budgets are exact
 N = 12
