@@ -276,3 +276,16 @@ def test_repository_refuses_a_built_engine_of_another_release_or_missing_ranks(t
     dtm = load(DTM, tmp_path)
     trtllm_repo.write_repo(dtm, container_models_dir=tmp_path / "none")
     assert any("does not exist; build it" in p for p in trtllm_repo.engine_todo(dtm))
+
+
+def test_preflight_reads_rejected_quantization_from_an_engine_config():
+    spec = load(QWEN)
+    cfgs = trtllm.planned_engine_configs(spec)
+    assert trtllm.preflight(spec, cfgs) == []
+    cfgs["draft"]["pretrained_config"]["quantization"]["kv_cache_quant_algo"] = "INT8"
+    cfgs["target"]["pretrained_config"]["quantization"].update(kv_cache_quant_algo="FP8", quant_algo="W8A16")
+    cfgs["target"]["pretrained_config"]["dtype"] = "float32"
+    problems = trtllm.preflight(spec, cfgs)
+    assert any(p.startswith("draft engine: an INT8 KV cache with paged context FMHA") for p in problems), problems
+    assert any(p.startswith("target engine: an FP8 KV cache") for p in problems), problems
+    assert any("weight-only W8A16 needs float16 or bfloat16" in p for p in problems), problems

@@ -31,6 +31,7 @@ class ModelMemory:
     kv_tokens: int = 0  # capacity planned
     kv_fraction: float = 0.0
     max_tokens_in_paged_kv_cache: int = 0
+    precision: str = ""  # dtype, weight quantization and KV-cache quantization, as counted
 
 
 @dataclass
@@ -43,7 +44,8 @@ class MemoryPlan:
     def summary(self) -> str:
         lines = [f"# memory plan per GPU ({self.gpu_memory_gib:g} GiB each)"]
         for m in self.models.values():
-            lines.append(f"#   {m.role:7s} GPUs {','.join(map(str, m.gpus))}: weights {m.weights_gib:.1f} GiB, "
+            lines.append(f"#   {m.role:7s} GPUs {','.join(map(str, m.gpus))}: weights {m.weights_gib:.1f} GiB "
+                         f"({m.precision}), "
                          f"activations {m.activations_gib:.1f} GiB, runtime {m.overhead_gib:.1f} GiB, "
                          f"KV {m.kv_bytes_per_token / 1024:.0f} KiB/token -> capacity {m.kv_tokens} tokens "
                          f"(needs {m.tokens_needed}), kv_cache_free_gpu_mem_fraction {m.kv_fraction:.2f}")
@@ -146,8 +148,11 @@ def memory_plan(spec: Spec, cfgs: dict[str, dict] | None = None) -> MemoryPlan:
         per_token_act = nbytes * (4 * h + 3 * math.ceil(nh / tp) * hd + 2 * pre["intermediate_size"] / tp)
         logits = batch * (mdl + 1) * pre["vocab_size"] / tp * 4
         act = (tokens * per_token_act * ACTIVATION_FACTOR + logits) / GIB
+        q = pre.get("quantization") or {}
+        precision = dtype + (f" {q['quant_algo']}" if q.get("quant_algo") else "") + (
+            f", KV {q['kv_cache_quant_algo']}" if q.get("kv_cache_quant_algo") else "")
         models[role] = ModelMemory(role, placement[role], wbytes / GIB, act, RUNTIME_OVERHEAD_GIB,
-                                   kv_per_token, batch * seq)
+                                   kv_per_token, batch * seq, precision=precision)
     free: dict[int, float] = {}
     for gpu in sorted({g for m in models.values() for g in m.gpus}):
         on = [m for m in models.values() if gpu in m.gpus]

@@ -78,6 +78,28 @@ def built_engine_problems(spec: Spec, role: str, cfg: dict | None = None) -> lis
     return problems
 
 
+def quantization_problems(role: str, cfg: dict) -> list[str]:
+    """What TensorRT-LLM 0.18's builder or attention plugin rejects in an engine config's quantization.
+
+    The spec refuses these combinations up front; this reads them from a config.json (built elsewhere,
+    or passed in), where they would otherwise fail at trtllm-build or at the first request.
+    """
+    q = _pre(cfg, "quantization") or {}
+    algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+    paged = bool(_build(cfg, "use_paged_context_fmha", False))
+    out = []
+    if kv == "INT8" and paged:
+        out.append(f"{role} engine: an INT8 KV cache with paged context FMHA (\"Paged Context FMHA doesn't work with "
+                   "int8 kv cache\"): use tensorrt_llm.kv_cache_dtype fp8 (with FP8 weights) or auto")
+    if kv == "FP8" and paged and algo != "FP8":
+        out.append(f"{role} engine: an FP8 KV cache with paged context FMHA needs the FP8 quantization workflow "
+                   f"(quant_algo FP8, got {algo}): set the model's quantization to fp8 or kv_cache_dtype auto")
+    if algo in ("W8A16", "W4A16", "W4A16_AWQ") and _pre(cfg, "dtype") == "float32":
+        out.append(f"{role} engine: weight-only {algo} needs float16 or bfloat16 activations, the dtype is float32: "
+                   "convert with --dtype bfloat16")
+    return out
+
+
 def preflight(spec: Spec, engine_configs: dict | None = None) -> list[str]:
     """Every problem that would make these engines fail or mis-serve; each names the flag to change.
 
@@ -152,6 +174,8 @@ def preflight(spec: Spec, engine_configs: dict | None = None) -> list[str]:
             key = "tensorrt_llm.draft_tp" if role == "draft" else "parallel.tp"
             problems.append(f"{role} engine was converted with --tp_size {tp} but {key} is {want_tp}; reconvert "
                             f"with `--tp_size {want_tp}` (TensorRT-LLM fixes parallelism at conversion)")
+    for role in rs:
+        problems += quantization_problems(role, cfgs[role])
     for role in rs:
         if not cfgs[role].get("planned") and engine_configs is None:
             problems += built_engine_problems(spec, role, cfgs[role])
