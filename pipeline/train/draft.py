@@ -47,7 +47,7 @@ from pipeline.spec import Spec
 
 TEACHER_TOPK = 32
 TUNE_PROMPTS = 8  # a pretrained draft's k is chosen on this many training prompts
-VOCAB_TOKENS = 96  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
+VOCAB_TOKENS = 64  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
 
 
 @torch.inference_mode()
@@ -326,8 +326,10 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
 
             g0 = time.perf_counter()
             tune_ids = [chat_ids(tok, p) for p in tune]
-            written = [r.tokens for r in generate(draft, [Request(p, VOCAB_TOKENS, end_ids=end_ids)
-                                                          for p in tune_ids])]
+            writer = cast_draft(draft, DTYPES[draft_dtype(spec)])  # the engine's dtype: half the bytes of fp32
+            written = [r.tokens for r in generate(writer, [Request(p, VOCAB_TOKENS, end_ids=end_ids)
+                                                           for p in tune_ids])]
+            del writer
             vocab_ids = pretrained_vocab(tok, tune_ids + written, spec.draft.vocab, draft.cfg.vocab_size)
             attach_draft_head(draft, draft.lm_head.weight[vocab_ids].clone(), vocab_ids)
             log(f"reduced draft head: {len(vocab_ids)} of {draft.cfg.vocab_size} tokens (the draft wrote "
