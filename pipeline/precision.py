@@ -69,11 +69,17 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
     order = [reference] + [p for p in chosen if p != reference]
+    widths = sorted({cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim})
+    gs4 = quant.fit_group_size(widths, group_size)
+    if gs4 is None:
+        order = [p for p in order if p != "int4"]
     out: dict = {"reference": reference, "group_size": group_size, "new_tokens": new_tokens,
                  "prompts": len(ids), "kernel_path": kernels.path()}
+    if gs4 is None:
+        out["int4_skipped"] = f"no int4 group size in {quant.GROUP_SIZES} divides the layer widths {widths}"
     ref_cont: list[list[int]] = []
     for prec in order:
-        model = variant(cfg, state, prec, group_size)
+        model = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
         generate(model, [Request(ids[0][:8], 2)])  # warm-up
         tps, conts = [], []
         for p in ids:
@@ -92,7 +98,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             agree, total, logp = agree + a, total + len(c), logp + lp
         b = read_bytes(model)
         speed = statistics.median(tps)
-        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b,
+        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
                      "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
         log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "

@@ -184,6 +184,14 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
     return model
 
 
+def fit_group_size(widths: list[int], group_size: int) -> int | None:
+    """`group_size` if it divides every input width, else the largest of GROUP_SIZES that does (None: none)."""
+    for g in [group_size, *sorted(GROUP_SIZES, reverse=True)]:
+        if g in GROUP_SIZES and all(w % g == 0 for w in widths):
+            return g
+    return None
+
+
 def quant_config(algo: str, group_size: int) -> dict:
     """`pretrained_config.quantization` as TensorRT-LLM writes it."""
     return {"quant_algo": QUANT_ALGO[algo], "group_size": group_size, "kv_cache_quant_algo": None}
