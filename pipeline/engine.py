@@ -232,7 +232,10 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
 
     def write(tmp: Path) -> dict:
         # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
-        weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        try:
+            weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        except ValueError as e:
+            raise EngineError(f"target.group_size: {e}") from None
         weights = quant.cast_state(weights, dtype)
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)

@@ -407,3 +407,9 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     b.options["num_draft_tokens"] = 3
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
+
+
+def test_int4_group_size_that_does_not_divide_the_model_is_an_engine_error_naming_the_key(tiny_root):
+    # The tiny target is 64 wide: group_size 128 cannot divide it.
+    with pytest.raises(E.EngineError, match="^target.group_size: group_size 128"):
+        E.build_target(_spec(tiny_root, "tiny-int4-128", quantization="int4", group_size=128), log=lambda *a: None)
