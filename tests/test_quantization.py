@@ -413,3 +413,20 @@ def test_int4_group_size_that_does_not_divide_the_model_is_an_engine_error_namin
     # The tiny target is 64 wide: group_size 128 cannot divide it.
     with pytest.raises(E.EngineError, match="^target.group_size: group_size 128"):
         E.build_target(_spec(tiny_root, "tiny-int4-128", quantization="int4", group_size=128), log=lambda *a: None)
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_batched_verification_logits_past_32_rows_equal_one_token_steps_bitwise(algo):
+    model = near_tie_model(algo, seed=2)
+    B, ctx, S = 8, 6, 5  # a 48-row batched prefill, then a 40-row batched k+1 verification
+    toks = torch.randint(2, 64, (B, ctx + S), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = []
+        for b in range(B):
+            cache = model.new_cache(1, ctx + S)
+            steps = [model.logits(model(toks[b:b + 1, i:i + 1], torch.tensor([[i]]), cache)) for i in range(ctx + S)]
+            ref.append(torch.cat(steps[ctx:], 1))
+        cache = model.new_cache(B, ctx + S)
+        model(toks[:, :ctx], torch.arange(ctx).expand(B, ctx), cache)
+        got = model.logits(model(toks[:, ctx:], torch.arange(ctx, ctx + S).expand(B, S), cache))
+    assert torch.equal(got, torch.cat(ref))
