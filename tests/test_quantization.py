@@ -430,3 +430,21 @@ def test_batched_verification_logits_past_32_rows_equal_one_token_steps_bitwise(
         model(toks[:, :ctx], torch.arange(ctx).expand(B, ctx), cache)
         got = model.logits(model(toks[:, ctx:], torch.arange(ctx, ctx + S).expand(B, S), cache))
     assert torch.equal(got, torch.cat(ref))
+
+
+def test_medusa_heads_train_and_decode_exactly_on_an_int8_target(tiny_root):
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.train.medusa import build_medusa
+    from tests.conftest import write_spec
+
+    med = {"source": "train", "num_heads": 2, "num_layers": 1, "choices": [[0], [0, 0], [1]],
+           "train": {"steps": 10, "minutes": 0.5, "sequences": 6, "seq_len": 16, "batch_size": 3, "lr": 0.003}}
+    p = write_spec(tiny_root, name="qmedusa", medusa=med,
+                   target={"source": "models/target", "quantization": "int8"})
+    s = specmod.load(p)
+    E.build_target(s, log=lambda *a: None)
+    build_medusa(s, log=lambda *a: None)
+    b = load_bundle(s.engine_dir, methods=("baseline", "medusa"))
+    assert isinstance(b.target.lm_head, quant.QLinear) and b.medusa is not None
+    reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
+    assert [r.tokens for r in decode(b, "medusa", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
