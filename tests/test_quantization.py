@@ -448,3 +448,15 @@ def test_medusa_heads_train_and_decode_exactly_on_an_int8_target(tiny_root):
     assert isinstance(b.target.lm_head, quant.QLinear) and b.medusa is not None
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "medusa", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
+
+
+def test_int8_engines_from_before_the_layout_version_still_load_and_keep_their_hash(quant_engines, tmp_path):
+    import shutil
+
+    d = tmp_path / "old8"
+    shutil.copytree(quant_engines["int8"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["runtime"]["quant_format"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(E.load_engine(d).model.lm_head, quant.QLinear)
+    assert quant.layout_tag("int8") == () and quant.layout_tag("int4") == (quant.FORMAT,)
