@@ -119,6 +119,11 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--precisions", default="bfloat16,int8,int4")
     ap.add_argument("--small", action="store_true", help="1/4 of the layers and vocabulary")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="rows of the draft's head (a reduced-vocabulary head, e.g. 32768 as build/qwen_coder.yaml)")
+    ap.add_argument("--only", choices=["target", "draft"], help="time one model only")
+    ap.add_argument("--base-ms", type=float, default=0.0,
+                    help="with --only draft: the bf16 target step (ms) of an earlier run, for the draft/target ratio")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: the thread's CPU time, one thread (robust to other processes on a shared machine: "
@@ -129,11 +134,16 @@ def main() -> None:
         CLOCK, a.threads = time.thread_time, 1
     kernels.configure_threads(a.threads)
     tcfg, dcfg = (scaled(TARGET, 4), scaled(DRAFT, 4)) if a.small else (TARGET, DRAFT)
+    if a.draft_vocab:
+        # The step reads only the kept head rows; an untied head of that many rows costs the same bytes.
+        dcfg = ModelConfig(**{**dcfg.to_dict(), "vocab_size": a.draft_vocab, "tie_embeddings": False})
     out = {"kernel_path": kernels.path(), "threads": a.threads, "clock": a.clock, "group_size": a.group_size,
-           "small": a.small,
+           "small": a.small, "draft_vocab": a.draft_vocab or dcfg.vocab_size,
            "target": {}, "draft": {}}
     bws = []
     for role, cfg in (("target", tcfg), ("draft", dcfg)):
+        if a.only and role != a.only:
+            continue
         for prec in a.precisions.split(","):
             m = random_model(cfg, prec, a.group_size)
             nbytes = read_bytes(m)
@@ -153,6 +163,8 @@ def main() -> None:
             del m
             gc.collect()
     t, d = out["target"], out["draft"]
+    if a.base_ms and "bfloat16" not in t:
+        t["bfloat16"] = {"step_ms": a.base_ms}
     if "bfloat16" in t:
         base = t["bfloat16"]["step_ms"]
         for prec in t:

@@ -205,7 +205,7 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
     qz, gs = spec.target.quantization, spec.target.group_size
     # Quantization joins the hash only when on, so unquantized engines built before it stay current.
-    qpart = () if qz == "none" else ((qz, gs, quant.FORMAT),)
+    qpart = () if qz == "none" else ((qz, gs, *quant.layout_tag(qz)),)
     want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode, *qpart)
     hf_ok = src.kind != "gguf" or (spec.engine_dir / "target_hf" / "config.json").is_file()
     if not force and is_current(dest, want) and hf_ok:
@@ -232,7 +232,10 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
 
     def write(tmp: Path) -> dict:
         # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
-        weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        try:
+            weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
+        except ValueError as e:
+            raise EngineError(f"target.group_size: {e}") from None
         weights = quant.cast_state(weights, dtype)
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)
@@ -274,8 +277,9 @@ def load_model_dir(engine_dir: Path, device: str = "cpu", dtype: str | None = No
     cfg = read_config(engine_dir, verify=verify)
     mcfg = ModelConfig(**cfg["runtime"]["model"])
     state = load_file(str(engine_dir / "model.safetensors"))
-    if any(k.endswith(".qweight") for k in state) and cfg["runtime"].get("quant_format") != quant.FORMAT:
-        raise EngineError(f"{engine_dir}: quantized weights in layout {cfg['runtime'].get('quant_format')!r}, this "
+    int4 = any(k.endswith(".qweight") and v.dtype == torch.uint8 for k, v in state.items())
+    if int4 and cfg["runtime"].get("quant_format") != quant.FORMAT:
+        raise EngineError(f"{engine_dir}: int4 weights in layout {cfg['runtime'].get('quant_format')!r}, this "
                           f"runtime reads {quant.FORMAT!r}; rebuild with `python -m pipeline engine SPEC --force`")
     dt = DTYPES[dtype or cfg["pretrained_config"]["dtype"]]
     return build_model(mcfg, state, dt, resolve_device(device)), cfg

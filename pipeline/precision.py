@@ -59,16 +59,6 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
     return int((logp.argmax(-1) == tgt).sum()), float(logp[torch.arange(len(cont)), tgt].sum())
 
 
-def fitting_group_size(cfg: ModelConfig, group_size: int) -> int:
-    """The spec's int4 group size, or the largest smaller one dividing every linear layer's input width
-    (a small model's hidden size may not be a multiple of 128)."""
-    from pipeline.runtime.quant import GROUP_SIZES
-
-    widths = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
-    fits = [g for g in sorted(GROUP_SIZES, reverse=True) if g <= group_size and all(w % g == 0 for w in widths)]
-    return fits[0] if fits else group_size
-
-
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
                     bandwidth_gbs: float, group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
@@ -79,12 +69,17 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
     order = [reference] + [p for p in chosen if p != reference]
-    group_size = fitting_group_size(cfg, group_size)
+    widths = sorted({cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim})
+    gs4 = quant.fit_group_size(widths, group_size)
+    if gs4 is None:
+        order = [p for p in order if p != "int4"]
     out: dict = {"reference": reference, "group_size": group_size, "new_tokens": new_tokens,
                  "prompts": len(ids), "kernel_path": kernels.path()}
+    if gs4 is None:
+        out["int4_skipped"] = f"no int4 group size in {quant.GROUP_SIZES} divides the layer widths {widths}"
     ref_cont: list[list[int]] = []
     for prec in order:
-        model = variant(cfg, state, prec, group_size)
+        model = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
         generate(model, [Request(ids[0][:8], 2)])  # warm-up
         tps, conts = [], []
         for p in ids:
@@ -103,7 +98,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             agree, total, logp = agree + a, total + len(c), logp + lp
         b = read_bytes(model)
         speed = statistics.median(tps)
-        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b,
+        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
                      "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
         log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "

@@ -81,3 +81,15 @@ def test_teacher_forced_scores_match_a_direct_computation():
                 tot += float(torch.log_softmax(lg, -1)[nxt])
                 hits += int(lg.argmax()) == nxt
     assert agree == hits and math.isclose(logp, tot, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_int4_falls_back_to_a_group_size_that_divides_the_widths():
+    cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=192, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=24, tie_embeddings=True, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(2)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items() if k != "lm_head.weight"}
+    st = {k: torch.ones(s) if len(s) == 1 else torch.randn(s, generator=g) * 0.5 for k, s in shapes.items()}
+    t = precision_table(cfg, st, [[1, 2, 3]], 4, bandwidth_gbs=10.0, group_size=128, precisions=("float32", "int4"),
+                        log=lambda *a: None)
+    assert t["int4"]["group_size"] == 32 and "int4_skipped" not in t

@@ -407,3 +407,56 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     b.options["num_draft_tokens"] = 3
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
+
+
+def test_int4_group_size_that_does_not_divide_the_model_is_an_engine_error_naming_the_key(tiny_root):
+    # The tiny target is 64 wide: group_size 128 cannot divide it.
+    with pytest.raises(E.EngineError, match="^target.group_size: group_size 128"):
+        E.build_target(_spec(tiny_root, "tiny-int4-128", quantization="int4", group_size=128), log=lambda *a: None)
+
+
+@pytest.mark.parametrize("algo", ["int8", "int4"])
+def test_batched_verification_logits_past_32_rows_equal_one_token_steps_bitwise(algo):
+    model = near_tie_model(algo, seed=2)
+    B, ctx, S = 8, 6, 5  # a 48-row batched prefill, then a 40-row batched k+1 verification
+    toks = torch.randint(2, 64, (B, ctx + S), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = []
+        for b in range(B):
+            cache = model.new_cache(1, ctx + S)
+            steps = [model.logits(model(toks[b:b + 1, i:i + 1], torch.tensor([[i]]), cache)) for i in range(ctx + S)]
+            ref.append(torch.cat(steps[ctx:], 1))
+        cache = model.new_cache(B, ctx + S)
+        model(toks[:, :ctx], torch.arange(ctx).expand(B, ctx), cache)
+        got = model.logits(model(toks[:, ctx:], torch.arange(ctx, ctx + S).expand(B, S), cache))
+    assert torch.equal(got, torch.cat(ref))
+
+
+def test_medusa_heads_train_and_decode_exactly_on_an_int8_target(tiny_root):
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.train.medusa import build_medusa
+    from tests.conftest import write_spec
+
+    med = {"source": "train", "num_heads": 2, "num_layers": 1, "choices": [[0], [0, 0], [1]],
+           "train": {"steps": 10, "minutes": 0.5, "sequences": 6, "seq_len": 16, "batch_size": 3, "lr": 0.003}}
+    p = write_spec(tiny_root, name="qmedusa", medusa=med,
+                   target={"source": "models/target", "quantization": "int8"})
+    s = specmod.load(p)
+    E.build_target(s, log=lambda *a: None)
+    build_medusa(s, log=lambda *a: None)
+    b = load_bundle(s.engine_dir, methods=("baseline", "medusa"))
+    assert isinstance(b.target.lm_head, quant.QLinear) and b.medusa is not None
+    reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
+    assert [r.tokens for r in decode(b, "medusa", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
+
+
+def test_int8_engines_from_before_the_layout_version_still_load_and_keep_their_hash(quant_engines, tmp_path):
+    import shutil
+
+    d = tmp_path / "old8"
+    shutil.copytree(quant_engines["int8"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["runtime"]["quant_format"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert isinstance(E.load_engine(d).model.lm_head, quant.QLinear)
+    assert quant.layout_tag("int8") == () and quant.layout_tag("int4") == (quant.FORMAT,)

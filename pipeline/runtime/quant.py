@@ -26,9 +26,14 @@ import re
 import torch
 from torch import Tensor, nn
 
-# Version of the stored quantized layout (2: the shuffle-free int4 nibble order below). Engines record it
-# and join it to their input hash, so an engine in an older layout is rebuilt, never misread.
+# Version of the stored int4 layout (2: the shuffle-free nibble order below; int8 never changed). Engines
+# record it and int4 engines join it to their input hash, so one in an older layout is rebuilt, never misread.
 FORMAT = "qlinear/2"
+
+
+def layout_tag(algo: str) -> tuple[str, ...]:
+    """What joins an engine's input hash for `algo`: the int4 layout version (int8 engines keep their hash)."""
+    return (FORMAT,) if algo == "int4" else ()
 ALGOS = ("int8", "int4")
 QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM's QuantAlgo names
 GROUP_SIZES = (32, 64, 128)
@@ -182,6 +187,14 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
             q, s = quantize(mod.weight, algo, group_size)
             setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
     return model
+
+
+def fit_group_size(widths: list[int], group_size: int) -> int | None:
+    """`group_size` if it divides every input width, else the largest of GROUP_SIZES that does (None: none)."""
+    for g in [group_size, *sorted(GROUP_SIZES, reverse=True)]:
+        if g in GROUP_SIZES and all(w % g == 0 for w in widths):
+            return g
+    return None
 
 
 def quant_config(algo: str, group_size: int) -> dict:

@@ -271,7 +271,7 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     want = input_hash(ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
                       {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, vars(spec.limits),
                       spec.speculation.num_draft_tokens,
-                      *(() if spec.draft.quantization == "none" else (quant.FORMAT,)))
+                      *quant.layout_tag(spec.draft.quantization))
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"draft engine {dest} is up to date")
         return dest
