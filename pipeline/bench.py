@@ -84,7 +84,7 @@ def _median(xs: list[float]) -> float:
 
 
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids
     from pipeline.runtime import kernels
     from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
     from pipeline.runtime.generate import Request

@@ -8,18 +8,11 @@ import sys
 import time
 
 from pipeline import spec as specmod
+from pipeline.common import chat_ids, setup_threads
 
 
 def _spec(args) -> specmod.Spec:
     return specmod.load(args.spec)
-
-
-def _setup_threads(spec: specmod.Spec) -> None:
-    """One setting for torch's threads and the C kernels' (spec `threads`; 0 leaves the defaults)."""
-    from pipeline.runtime import kernels
-
-    if spec.threads:
-        kernels.configure_threads(spec.threads)
 
 
 def cmd_check(args) -> int:
@@ -50,7 +43,7 @@ def cmd_engine(args) -> int:
         print(f"would build {s.engine_dir}/target" + (" and draft" if s.has_draft else "")
               + (" and medusa" if s.has_medusa else ""))
         return 0
-    _setup_threads(s)
+    setup_threads(s)
     from pipeline.engine import build_target
 
     build_target(s, force=args.force)
@@ -65,18 +58,9 @@ def cmd_engine(args) -> int:
     return 0
 
 
-def chat_ids(tokenizer, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids for a prompt, with the model's chat template when it has one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-        return list(ids)
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-
-
 def cmd_generate(args) -> int:
     s = _spec(args)
-    _setup_threads(s)
+    setup_threads(s)
     from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
@@ -108,7 +92,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args) -> int:
     s = _spec(args)
-    _setup_threads(s)
+    setup_threads(s)
     from pipeline.bench import run_bench
 
     run_bench(s, quick=args.quick)

@@ -143,13 +143,13 @@ def store(engine_dir: Path, speculation: dict) -> None:
 
 def cmd_pick_k(args) -> int:
     from pipeline import spec as specmod
-    from pipeline.cli import _setup_threads, chat_ids
+    from pipeline.common import chat_ids, setup_threads
     from pipeline.runtime.decode import load_bundle
     from pipeline.sources import read_prompts
     from pipeline.train.draft import split_prompts
 
     s = specmod.load(args.spec)
-    _setup_threads(s)
+    setup_threads(s)
     b = load_bundle(s.engine_dir, s.device, methods=("draft_target",))
     if b.draft is None:
         raise ValueError(f"{s.engine_dir}/draft is not built; set draft.source and run `python -m pipeline engine "

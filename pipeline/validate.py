@@ -255,7 +255,7 @@ def _mean_accepted(rs: list[dict]) -> float:
 
 def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Request) -> dict:
     """Per-draft-position acceptance, measured in-process on the same engines (the gRPC contract has no field)."""
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids
 
     out = {}
     for m in bundle.methods():

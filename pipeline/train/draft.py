@@ -275,7 +275,7 @@ def load_source_draft(spec: Spec, target_tok, log=print) -> tuple[Transformer, d
 def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/draft (+ draft_hf) from spec.draft; a no-op when the inputs are unchanged."""
     from pipeline import preflight
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids
 
     dest, hf_dest = spec.engine_dir / "draft", spec.engine_dir / "draft_hf"
     tdir = spec.engine_dir / "target"

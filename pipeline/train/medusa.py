@@ -240,7 +240,7 @@ def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) ->
 
 def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/medusa (+ medusa_hf) from spec.medusa: train heads, or load FasterDecoding ones."""
-    from pipeline.cli import chat_ids
+    from pipeline.common import chat_ids
 
     med = spec.medusa
     dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
