@@ -26,3 +26,18 @@ def chat_ids(tokenizer, prompt: str, chat: bool = True) -> list[int]:
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         return list(ids)
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def split_prompts(texts: list[str], n_eval: int, train_texts: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """(training, held-out) prompts, one rule for the draft, the Medusa heads and pick-k.
+
+    Validation and the benchmark decode the first prompts (a warm-up, then `validate.max_prompts` of them; the
+    benchmark 1 + 4), so those are held out and the acceptance measured on them is honest. With a separate
+    training set (`train_texts`) they are all the held-out set; without one they are held out whenever 12 or
+    more prompts remain to train on, else every sixth prompt is."""
+    k = max(n_eval, 4) + 1
+    if train_texts is not None:
+        return list(train_texts), texts[:k]
+    if 0 < n_eval and len(texts) - k >= 12:
+        return texts[k:], texts[:k]
+    return [t for i, t in enumerate(texts) if i % 6 != 5], [t for i, t in enumerate(texts) if i % 6 == 5]

@@ -143,10 +143,9 @@ def store(engine_dir: Path, speculation: dict) -> None:
 
 def cmd_pick_k(args) -> int:
     from pipeline import spec as specmod
-    from pipeline.common import chat_ids, setup_threads
+    from pipeline.common import chat_ids, setup_threads, split_prompts
     from pipeline.runtime.decode import load_bundle
     from pipeline.sources import read_prompts
-    from pipeline.train.draft import split_prompts
 
     s = specmod.load(args.spec)
     setup_threads(s)
@@ -156,7 +155,7 @@ def cmd_pick_k(args) -> int:
                          f"{args.spec}` first")
     max_k = args.max_k or min(b.max_draft_len, 8)
     texts = read_prompts(s.path(s.validate.prompts))
-    held = split_prompts(texts)[1] or texts[:4]
+    held = split_prompts(texts, s.validate.max_prompts)[1] or texts[:4]
     out = measure_and_pick(b.target, b.draft, [chat_ids(b.tokenizer, t) for t in held], max_k)
     if args.write:
         store(s.engine_dir, out)

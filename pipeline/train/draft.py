@@ -46,17 +46,8 @@ from pipeline.sources import read_prompts
 from pipeline.spec import Spec
 
 TEACHER_TOPK = 32
-HOLDOUT_EVERY = 8  # without separate training prompts, every 8th prompt is held out of training
-HOLDOUT_EVAL = 8  # with them, this many evaluation prompts measure held-out acceptance
 TUNE_PROMPTS = 8  # a pretrained draft's k is chosen on this many training prompts
 VOCAB_TOKENS = 64  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
-
-
-def split_prompts(prompts: list[str]) -> tuple[list[str], list[str]]:
-    """Every HOLDOUT_EVERY-th prompt is held out of training, for an honest acceptance estimate."""
-    held = [p for i, p in enumerate(prompts) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
-    train = [p for i, p in enumerate(prompts) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
-    return train, held
 
 
 @torch.inference_mode()
@@ -275,7 +266,7 @@ def load_source_draft(spec: Spec, target_tok, log=print) -> tuple[Transformer, d
 def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/draft (+ draft_hf) from spec.draft; a no-op when the inputs are unchanged."""
     from pipeline import preflight
-    from pipeline.common import chat_ids
+    from pipeline.common import chat_ids, split_prompts
 
     dest, hf_dest = spec.engine_dir / "draft", spec.engine_dir / "draft_hf"
     tdir = spec.engine_dir / "target"
@@ -305,11 +296,8 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     hf_cfg = json.loads((tdir / "hf_config.json").read_text())
     end_ids = tuple(target.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path) if prompts_path.is_file() else []
-    if train_path.is_file():
-        # Separate training prompts: the evaluation prompts are all held out.
-        train_texts, held_texts = read_prompts(train_path), texts[:HOLDOUT_EVAL]
-    else:
-        train_texts, held_texts = split_prompts(texts)
+    train_texts, held_texts = split_prompts(texts, spec.validate.max_prompts,
+                                            read_prompts(train_path) if train_path.is_file() else None)
     vocab_ids, stats = None, {}
     if spec.draft.source == "train":
         b = spec.draft.train

@@ -46,15 +46,6 @@ GEN_BATCH = 32  # rows per self-distillation batch (the skinny kernel's limit)
 RUNTIME_VOCAB = 8192  # proposals come from ids < this plus every corpus token, when the vocabulary is larger
 
 
-def split_prompts(texts: list[str], n_eval: int) -> tuple[list[str], list[str]]:
-    """(held-out, training) prompts. The first `n_eval` prompts are what validation and the benchmark
-    decode, so they are held out whenever enough remain to train on; else every sixth is."""
-    if 0 < n_eval and len(texts) - max(n_eval, 4) >= 12:
-        k = max(n_eval, 4)
-        return texts[:k], texts[k:]
-    return [t for i, t in enumerate(texts) if i % 6 == 5], [t for i, t in enumerate(texts) if i % 6 != 5]
-
-
 def progress(label: str, i: int, n: int, t0: float, extra: str = "") -> None:
     """A one-line progress bar on stderr."""
     frac = min(1.0, i / n) if n else 1.0
@@ -240,7 +231,7 @@ def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) ->
 
 def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/medusa (+ medusa_hf) from spec.medusa: train heads, or load FasterDecoding ones."""
-    from pipeline.common import chat_ids
+    from pipeline.common import chat_ids, split_prompts
 
     med = spec.medusa
     dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
@@ -270,11 +261,8 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     model, tok = eng.model, eng.tokenizer
     end_ids = tuple(model.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path)
-    if train_path.is_file():
-        # Separate training prompts: the evaluation prompts are all held out.
-        held, train_texts = texts[: max(spec.validate.max_prompts, 4)], read_prompts(train_path)
-    else:
-        held, train_texts = split_prompts(texts, spec.validate.max_prompts)
+    train_texts, held = split_prompts(texts, spec.validate.max_prompts,
+                                      read_prompts(train_path) if train_path.is_file() else None)
     b = med.train
     held_ids = [chat_ids(tok, t) for t in held]
 
