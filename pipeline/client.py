@@ -160,13 +160,3 @@ def chat_text(tokenizer, prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
     return prompt
-
-
-def server_ready(url: str, model: str = "ensemble") -> bool:
-    import tritonclient.grpc as grpcclient
-
-    try:
-        with grpcclient.InferenceServerClient(url) as c:
-            return c.is_server_ready() and c.is_model_ready(model)
-    except Exception:  # noqa: BLE001 - any failure means "not ready"
-        return False

@@ -260,10 +260,6 @@ class Engine:
     def max_draft_len(self) -> int:
         return int(self.config["build_config"]["max_draft_len"])
 
-    @property
-    def weight_bytes(self) -> int:
-        return quant.weight_bytes(self.model)
-
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":

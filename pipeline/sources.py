@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -247,9 +246,3 @@ def spec_prompts(spec, limit: int = 0) -> list[str]:
     if not out:
         raise SourceError(f"validate.prompts: {spec.validate.prompts} has no prompts")
     return out[:limit] if limit else out
-
-
-def hf_config_summary(cfg: dict) -> str:
-    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-            "vocab_size")
-    return json.dumps({k: cfg.get(k) for k in keys})

@@ -476,12 +476,3 @@ def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:
     elif spec.limits.max_draft_len < 1:
         raise ValueError("limits.max_draft_len: got 0 but medusa.choices is auto; set it to the largest tree size")
     return lines
-
-
-def acceptance_label(acceptance: str | None, temperature: float) -> str:
-    """How reports and the API name the rule a request ran under; typical always says it is lossy."""
-    if temperature == 0:
-        return "greedy (exact)"
-    if acceptance == "typical":
-        return "typical (lossy: not the target's distribution)"
-    return "exact (target sample at each tree node)"

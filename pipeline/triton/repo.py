@@ -91,10 +91,6 @@ def bls_config(spec: Spec, engine_dir: Path):
     """ModelConfig of the python model that runs every method."""
     from tritonclient.grpc import model_config_pb2 as mc
 
-    for key, value in (("limits.max_batch_size", spec.limits.max_batch_size),
-                       ("triton.instance_count", spec.triton.instance_count)):
-        if value > 2**31 - 1:
-            raise ValueError(f"{key}: got {value}; Triton stores it as a 32-bit integer, use a realistic value")
     c = mc.ModelConfig(name=BLS, backend="python", max_batch_size=spec.limits.max_batch_size)
     c.model_transaction_policy.decoupled = True
     c.dynamic_batching.max_queue_delay_microseconds = spec.triton.max_queue_delay_us
