@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import Tensor
 
 from pipeline.engine import load_engine
 from pipeline.runtime.generate import Request, generate
@@ -62,7 +63,7 @@ class OracleHeads(MedusaHeads):
     accept multi-token paths of varying length and the rest of the tree is rejected.
     """
 
-    def __init__(self, model: Transformer, seqs: list[list[int]], n: int = 3):
+    def __init__(self, model: Transformer, seqs: list[list[int]], n: int = 3, ranks: Tensor | None = None):
         super().__init__(n, 1, model.cfg.hidden_size)
         keys, futures = [], []
         V = model.cfg.vocab_size
@@ -76,6 +77,8 @@ class OracleHeads(MedusaHeads):
         self.keys = torch.stack(keys)
         self.futures = torch.tensor(futures)
         self.pos = torch.arange(len(keys))
+        # ranks[j, i]: where head i puts the true token for stored position j (default: the fixed pattern)
+        self.ranks = (self.pos[:, None] + torch.arange(n)) % 3 if ranks is None else ranks
 
     def topk(self, h, target, k):
         j = torch.cdist(h.float(), self.keys).argmin(-1)
@@ -85,7 +88,7 @@ class OracleHeads(MedusaHeads):
             for i in range(self.num_heads):
                 true = int(self.futures[j[b], i])
                 fill = [t for t in range(V) if t != true][: k]
-                r = int(self.pos[j[b]] + i) % 3
+                r = int(self.ranks[j[b], i])
                 row = fill[:r] + [true] + fill[r:]
                 out[b, i] = torch.tensor(row[:k])
         return out
@@ -293,3 +296,88 @@ def test_preflight_reads_head_directories_strictly_and_checks_tree_depth_against
     save_file({k: v for k, v in state.items() if k != "1.1.weight"}, str(tmp_path / "medusa_lm_head.safetensors"))
     with pytest.raises(ValueError, match=r"missing key '1\.1\.weight'"):
         medusa_preflight(spec_with([[0]]))
+
+
+# ---- tree acceptance and KV compaction, against a replay ----
+
+def _oracle_case(target, idx, new):
+    """Requests with budgets `new` (one per row), their greedy continuations (longer than decoded, so every head
+    guess is a real token) and oracle heads over them that put the true token at random ranks."""
+    reqs = [chat_reqs(target, [i], max_new=n)[0] for i, n in zip(idx, new, strict=True)]
+    longer = generate(target.model, chat_reqs(target, idx, max_new=max(new) + 8))
+    seqs = [r.prompt + b.tokens for r, b in zip(reqs, longer, strict=True)]
+    n_keys = sum(len(s) for s in seqs)
+    ranks = torch.randint(0, 3, (n_keys, 3), generator=torch.Generator().manual_seed(0))
+    return reqs, longer, seqs, OracleHeads(target.model, seqs, ranks=ranks)
+
+
+def _replay(choices, heads, seqs, b, prompt_len, new):
+    """Row b's counters under greedy tree acceptance with OracleHeads, computed from the oracle's ranks: head i
+    holds the true token t+2+i at rank ranks[key, i], so the accepted depth is the longest prefix of those
+    ranks that is a path of the tree."""
+    paths = {tuple(p) for p in choices}
+    depth_max = max(len(p) for p in choices)
+    off = sum(len(s) for s in seqs[:b])
+    L, emitted = prompt_len, 1
+    st = {"steps": 1, "draft_proposed": 0, "draft_accepted": 0, "accepted_per_position": [0] * depth_max}
+    while emitted < new:
+        j = off + L - 1  # the key of the hidden state that proposes after the pending token at L
+        ranks = heads.ranks[j].tolist()
+        d = 0
+        while d < depth_max and tuple(ranks[: d + 1]) in paths:
+            d += 1
+        out = min(d + 1, new - emitted)
+        acc = min(d, out)  # the budget can cut an accepted path short: only emitted drafts count
+        st["cut"] = st.get("cut", 0) + (out < d + 1)
+        st["steps"] += 1
+        st["draft_proposed"] += depth_max
+        st["draft_accepted"] += acc
+        for i in range(acc):
+            st["accepted_per_position"][i] += 1
+        emitted += out
+        L += d + 1
+    return st
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_greedy_tree_acceptance_and_counters_equal_a_replay(target, tree):
+    new = [30, 29, 28, 31]
+    reqs, longer, seqs, heads = _oracle_case(target, [1, 2, 7, 4], new)
+    got = medusa_generate(target.model, make_engine(heads, TREES[tree]), reqs)
+    cut = 0
+    for b, (g, r) in enumerate(zip(got, reqs, strict=True)):
+        want = _replay(TREES[tree], heads, seqs, b, len(r.prompt), new[b])
+        cut += want.pop("cut", 0)
+        assert g.tokens == longer[b].tokens[:new[b]]
+        assert {k: getattr(g, k) for k in want} == want
+        assert g.mean_accepted_len == pytest.approx(new[b] / want["steps"])
+    if tree != "chain":
+        assert cut  # some row's budget cut its last accepted path short
+
+
+def test_compaction_leaves_the_cache_as_prefill_would_for_every_path_length(target):
+    """After some steps the handed-off cache must hold, slot for slot, the K/V a plain prefill of the committed
+    context writes: an accepted path of any length is moved into contiguous slots (a skipped or wrong move
+    leaves a rejected node's K/V where the next steps attend)."""
+    from pipeline.runtime.generate import Handoff, prefill
+
+    reqs, _, seqs, heads = _oracle_case(target, [1, 2, 7], [40] * 3)
+    depths = set()
+    for choices in (TREES["mc"], TREES["chain"]):
+        m = make_engine(heads, choices)
+        for batch in ([reqs[0]], [reqs[1]], [reqs[2]], reqs):
+            calls = []
+            out = medusa_generate(target.model, m, batch, yield_to=lambda c=calls: c.append(1) or len(c) > 8)
+            for h in out:
+                assert isinstance(h, Handoff)
+                acc = h.stats["accepted_per_position"] + [0] * 3
+                rounds = h.stats["steps"] - 1
+                by_depth = [rounds - acc[0], acc[0] - acc[1], acc[1] - acc[2], acc[2]]
+                depths |= {d for d, n in enumerate(by_depth) if n}
+                ctx = (h.seq.req.prompt + h.seq.tokens)[: h.cur]
+                ref = target.model.new_cache(1, h.cache.length)
+                prefill(target.model, ref, [ctx])
+                n = h.cur
+                assert torch.allclose(h.cache.k[:, h.row, :, :n], ref.k[:, 0, :, :n], atol=1e-4)
+                assert torch.allclose(h.cache.v[:, h.row, :, :n], ref.v[:, 0, :, :n], atol=1e-4)
+    assert depths == {0, 1, 2, 3}  # every accepted path length was compacted and checked
