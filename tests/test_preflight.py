@@ -95,3 +95,59 @@ def test_stored_k_above_max_draft_len_is_refused():
     s = _spec(speculation={"num_draft_tokens": "auto"})
     with pytest.raises(PreflightError, match="num_draft_tokens 12 above limits.max_draft_len"):
         check_draft_len(s, None, {"speculation": {"num_draft_tokens": 12}})
+
+
+def _normalized(tok, normalizer: dict) -> PreTrainedTokenizerFast:
+    """The same vocabulary (id -> token identical) with another normalizer: it splits some text differently."""
+    from tokenizers import Tokenizer
+
+    d = json.loads(tok.backend_tokenizer.to_str())
+    d["normalizer"] = normalizer
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(d)), unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>", pad_token="</s>")
+
+
+@pytest.mark.parametrize("normalizer, sample", [
+    ({"type": "Lowercase"}, "Hello"),
+    ({"type": "Replace", "pattern": {"String": "\t"}, "content": "    "}, "def f"),
+    ({"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "StripAccents"}]}, "émoji"),
+    ({"type": "Replace", "pattern": {"String": "中"}, "content": "x"}, "ÄÖÜ"),
+    ({"type": "Replace", "pattern": {"String": "<|im_end|>"}, "content": ""}, "im_start"),
+], ids=["lowercase", "tabs", "accents", "cjk", "chat-markers"])
+def test_same_vocabulary_that_splits_text_differently_is_refused(tiny_tokenizer, normalizer, sample):
+    """Each normalizer changes how only some of the sample texts split; every sample must be tried."""
+    other = _normalized(tiny_tokenizer, normalizer)
+    from pipeline.preflight import vocab_list
+
+    assert vocab_list(other) == vocab_list(tiny_tokenizer)
+    with pytest.raises(PreflightError, match=rf"splits .*{sample}.* differently"):
+        compare_tokenizers(tiny_tokenizer, other)
+
+
+def test_a_real_token_against_a_padding_slot_is_refused(tiny_tokenizer):
+    """Padding is exempt only where both sides hold padding: one real token at that id is a real difference."""
+    a, b = _clone(tiny_tokenizer), _clone(tiny_tokenizer)
+    a.add_tokens(["<pad_0>", "<pad_1>"], special_tokens=True)
+    b.add_tokens(["<pad_0>", "banana"])
+    n = len(tiny_tokenizer)
+    with pytest.raises(PreflightError, match=rf"first at id {n + 1}: target '<pad_1>' vs draft 'banana'"):
+        compare_tokenizers(a, b)
+    with pytest.raises(PreflightError, match=rf"first at id {n + 1}: target 'banana' vs draft '<pad_1>'"):
+        compare_tokenizers(b, a)
+    c = _clone(tiny_tokenizer)
+    c.add_tokens(["<|extra_0|>", "[PAD]"], special_tokens=True)
+    assert "match token by token" in compare_tokenizers(a, c)  # padding against padding, any spelling
+
+
+@pytest.mark.parametrize("token", ["<pad_0>", "<|reserved_special_token_5|>", "[unused12]", "<madeupword3>",
+                                   "<dummy-1>", "<placeholder7>", "[PAD]", "<|extra_0|>"])
+def test_padding_spellings(token):
+    assert is_padding(token)
+
+
+@pytest.mark.parametrize("token", ["<|im_start|>", "<|endoftext|>", "[CLS]", "<mask>", "<unk>", "<|user|>",
+                                   "<pad> x", "x<pad>", "<pad", "pad>", "[pad", "<padding text|> ok", "▁pad",
+                                   "<|pad|>x", "unused", "<reservedword> ", "<pad> <s>", "[unused1] [CLS]",
+                                   "<pad_1 banana>", "<extra.0>"])
+def test_real_tokens_are_not_padding(token):
+    assert not is_padding(token)
