@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.figures import Run, mean_accepted_len, median, summarize
 from pipeline.spec import Spec
 
 
@@ -79,10 +80,6 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
     return time.perf_counter() - t, out[:, S:].tolist()
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     from pipeline.common import chat_ids
     from pipeline.runtime import kernels
@@ -123,36 +120,25 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     _hf_generate(hf32, [warm], 8)
     rows: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
-    base_tokens = []
     for i, p in enumerate(ids):
         for label, m, opts in runs:
             dt, res = run(m, p, **opts)
-            rows[label].append({"s": dt, "tokens": res.tokens, "proposed": res.draft_proposed,
-                            "accepted": res.draft_accepted, "steps": res.steps})
-        base_tokens.append(rows["baseline"][-1]["tokens"])
+            rows[label].append(Run(len(res.tokens) / dt, res.tokens, len(res.tokens), res.steps, res.draft_proposed,
+                                   res.draft_accepted))
         dt, out = _hf_generate(hf32, [p], new)
         peers["hf_generate"].append(new / dt)
         if draft_hf is not None:
             dt, _ = _hf_generate(hf32, [p], new, assistant=draft_hf, k=k)
             peers["hf_assisted"].append(new / dt)
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
-            f"{m} {len(rows[m][-1]['tokens']) / rows[m][-1]['s']:.1f}" for m in rows)
+            f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
             + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
 
     report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
                     "methods": {}, "peers": {}}
-    base_tps = [len(r["tokens"]) / r["s"] for r in rows["baseline"]]
+    base_tps = [r.tokens_per_s for r in rows["baseline"]]
     for m, rs in rows.items():
-        tps = [len(r["tokens"]) / r["s"] for r in rs]
-        proposed, accepted = sum(r["proposed"] for r in rs), sum(r["accepted"] for r in rs)
-        entry = {
-            "tokens_per_s": _median(tps),
-            "speedup": _median([a / b_ for a, b_ in zip(tps, base_tps)]),
-            "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_len": sum(len(r["tokens"]) for r in rs) / max(sum(r["steps"] for r in rs), 1),
-            "greedy_identical": sum(r["tokens"] == bt for r, bt in zip(rs, base_tokens)),
-            "greedy_total": len(rs),
-        }
+        entry = summarize(rs, rows["baseline"])
         if m in ("draft_target", "prompt_lookup", "draft_model_only"):
             entry["num_draft_tokens"] = k if m != "prompt_lookup" else default_k(b, m)
         if m == "draft_target":
@@ -161,11 +147,13 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             entry["tree"] = b.medusa.choices if hasattr(b.medusa, "choices") else None
             entry["head_accuracy"] = getattr(b.medusa, "head_accuracy", None)
         report["methods"][m] = entry
-    report["peers"]["hf_generate"] = {"tokens_per_s": _median(peers["hf_generate"])}
+    report["peers"]["hf_generate"] = {"tokens_per_s": median(peers["hf_generate"]),
+                                      "per_prompt_tokens_per_s": peers["hf_generate"]}
     report["methods"]["baseline"]["vs_hf_generate"] = (
-        _median([a / h for a, h in zip(base_tps, peers["hf_generate"])]))
+        median([a / h for a, h in zip(base_tps, peers["hf_generate"])]))
     if peers["hf_assisted"]:
-        report["peers"]["hf_assisted"] = {"tokens_per_s": _median(peers["hf_assisted"]), "num_assistant_tokens": k}
+        report["peers"]["hf_assisted"] = {"tokens_per_s": median(peers["hf_assisted"]), "num_assistant_tokens": k,
+                                          "per_prompt_tokens_per_s": peers["hf_assisted"]}
         report["methods"]["draft_target"]["vs_hf_assisted"] = (
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
@@ -204,7 +192,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             dt, res = run(m, p, hot, **opts)
             tps.append(len(res.tokens) / dt)
             toks, steps = toks + len(res.tokens), steps + res.steps
-        sampled[label] = {"tokens_per_s": _median(tps), "mean_accepted_len": toks / max(steps, 1)}
+        sampled[label] = {"tokens_per_s": median(tps), "mean_accepted_len": mean_accepted_len(toks, steps)}
         if label.endswith("typical"):
             sampled[label]["lossy"] = True
     for v in sampled.values():
@@ -260,9 +248,9 @@ def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
         ours.append(new / (time.perf_counter() - t))
         dt, _ = _hf_generate(hf16, [p], new)
         theirs.append(new / dt)
-    log(f"  bf16: ours {_median(ours):.1f} tokens/s, transformers {_median(theirs):.1f}")
-    return {"new_tokens": new, "baseline_tokens_per_s": _median(ours), "hf_generate_tokens_per_s": _median(theirs),
-            "ratio": _median(ours) / _median(theirs), "note": "ours: bf16 weights widened to fp32 in the kernel"}
+    log(f"  bf16: ours {median(ours):.1f} tokens/s, transformers {median(theirs):.1f}")
+    return {"new_tokens": new, "baseline_tokens_per_s": median(ours), "hf_generate_tokens_per_s": median(theirs),
+            "ratio": median(ours) / median(theirs), "note": "ours: bf16 weights widened to fp32 in the kernel"}
 
 
 def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.client import chat_text
+from pipeline.figures import Run, mean_accepted_len, summarize
 from pipeline.spec import Spec
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
@@ -108,11 +109,8 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
             log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
                 f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods) + " tokens/s")
         base = runs["baseline"]
-        base_tps = [r["tokens_per_s"] for r in base]
+        base_runs = _runs(base)
         for m, rs in runs.items():
-            tps = [r["tokens_per_s"] for r in rs]
-            proposed = sum(r.get("total_draft_tokens", 0) for r in rs)
-            accepted = sum(r.get("total_accepted_draft_tokens", 0) for r in rs)
             divs = []
             for i, (r, b) in enumerate(zip(rs, base)):
                 if r["text"] != b["text"]:
@@ -122,16 +120,10 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
                     divs.append({"prompt": i, **(d or {"classification": "detokenization only"})})
             lat = [r["latency_s"] * 1000 for r in rs]
             report["methods"][m] = {
-                "tokens_per_s": statistics.median(tps),
-                "speedup": statistics.median([a / b for a, b in zip(tps, base_tps)]),
-                "acceptance_rate": accepted / proposed if proposed else 0.0,
-                "mean_accepted_len": _mean_accepted(rs),
-                "greedy_identical": sum(r["text"] == b["text"] for r, b in zip(rs, base)),
-                "greedy_total": len(rs),
+                **summarize(_runs(rs), base_runs),
                 "divergences": divs,
                 "latency_ms": {"p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95)},
                 "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
-                "total_draft_tokens": proposed, "total_accepted_draft_tokens": accepted,
             }
         report["draft"] = draft_summary(spec)
         kept = getattr(bundle.draft, "vocab_ids", None)
@@ -246,11 +238,20 @@ def trimmed(spec: Spec) -> list[str]:
     return out
 
 
+def _runs(rs: list[dict]) -> list[Run]:
+    """Server responses as figure inputs: the forwards a request took are its output tokens minus its accepted
+    drafts (every forward emits its accepted drafts plus one token of its own)."""
+    out = []
+    for r in rs:
+        n, acc = r.get("num_output_tokens", 0), r.get("total_accepted_draft_tokens", 0)
+        out.append(Run(r["tokens_per_s"], r["text"], n, n - acc, r.get("total_draft_tokens", 0), acc))
+    return out
+
+
 def _mean_accepted(rs: list[dict]) -> float:
-    """Tokens per target forward: every forward emits its accepted drafts plus one token of its own."""
-    out = sum(r.get("num_output_tokens", 0) for r in rs)
-    acc = sum(r.get("total_accepted_draft_tokens", 0) for r in rs)
-    return out / (out - acc) if out > acc else 1.0
+    """Tokens per target forward over server responses."""
+    runs = _runs(rs)
+    return mean_accepted_len(sum(r.num_output_tokens for r in runs), sum(r.forwards for r in runs))
 
 
 def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Request) -> dict:

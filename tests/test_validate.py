@@ -56,6 +56,19 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
         assert m["greedy_total"] == s.validate.max_prompts and m["tokens_per_s"] > 0
         # Greedy exactness is computed from what the server sent back; every method here is exact.
         assert m["greedy_identical"] == m["greedy_total"], (name, m["divergences"])
+    # Every figure recomputed from what the report carries: per-prompt tokens/s and token totals.
+    import statistics
+
+    base = methods["baseline"]["per_prompt_tokens_per_s"]
+    assert methods["baseline"]["speedup"] == 1.0 and methods["baseline"]["mean_accepted_len"] == 1.0
+    for name, m in methods.items():
+        tps = m["per_prompt_tokens_per_s"]
+        assert m["tokens_per_s"] == pytest.approx(statistics.median(tps))
+        assert m["speedup"] == pytest.approx(statistics.median([a / b for a, b in zip(tps, base)])), name
+        out, acc, prop = m["num_output_tokens"], m["total_accepted_draft_tokens"], m["total_draft_tokens"]
+        assert 0 < out <= s.validate.max_prompts * s.validate.max_new_tokens
+        assert m["acceptance_rate"] == pytest.approx(acc / prop if prop else 0.0)
+        assert m["mean_accepted_len"] == pytest.approx(out / (out - acc))
     assert methods["draft_target"]["total_draft_tokens"] > 0
     assert 0 <= methods["draft_target"]["acceptance_rate"] <= 1
     assert methods["draft_target"]["lookup_min_ngram"] == 2

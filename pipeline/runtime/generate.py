@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from pipeline.figures import mean_accepted_len
 from pipeline.runtime.model import KVCache, Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token
 
@@ -49,7 +50,7 @@ class Result:
     @property
     def mean_accepted_len(self) -> float:
         """Tokens emitted per target forward pass after prefill (accepted drafts + the target's own)."""
-        return len(self.tokens) / self.steps if self.steps else 0.0
+        return mean_accepted_len(len(self.tokens), self.steps)
 
 
 Emit = Callable[[int, list[int]], None]

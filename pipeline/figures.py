@@ -1,0 +1,60 @@
+"""The figures bench and validate report, computed one way for both from per-prompt runs.
+
+Definitions (DESIGN.md): acceptance rate = accepted draft tokens / proposed draft tokens; mean accepted
+length = tokens emitted per target forward pass (accepted drafts + the target's own token); speedup = the
+median over prompts of (method tokens/s / baseline tokens/s on the same prompt, in the same run), so a
+slow moment of the machine hits both sides of each ratio. The per-prompt tokens/s go into the report too,
+so every figure can be recomputed from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+def median(xs: list[float]) -> float:
+    """The median, 0 for no values (a method that ran no prompts)."""
+    return statistics.median(xs) if xs else 0.0
+
+
+def mean_accepted_len(tokens: int, forwards: int) -> float:
+    """Tokens emitted per target forward pass (0 when nothing ran)."""
+    return tokens / forwards if forwards > 0 else 0.0
+
+
+@dataclass
+class Run:
+    """One prompt decoded by one method: what the figures need of it.
+
+    `output` is what greedy exactness compares (token ids in-process, the text through gRPC); `forwards` the
+    target forward passes it took (in-process `Result.steps`; through gRPC, output tokens minus accepted drafts,
+    since every forward emits its accepted drafts plus one token of its own)."""
+
+    tokens_per_s: float
+    output: object
+    num_output_tokens: int
+    forwards: int
+    proposed: int = 0
+    accepted: int = 0
+
+
+def summarize(runs: list[Run], base: list[Run]) -> dict:
+    """A method's figures over prompts, against the baseline's runs on the same prompts (same order)."""
+    if len(runs) != len(base):
+        raise ValueError(f"{len(runs)} runs against {len(base)} baseline runs; both must cover the same prompts")
+    tps = [r.tokens_per_s for r in runs]
+    proposed, accepted = sum(r.proposed for r in runs), sum(r.accepted for r in runs)
+    out = sum(r.num_output_tokens for r in runs)
+    return {
+        "tokens_per_s": median(tps),
+        "speedup": median([a / b.tokens_per_s for a, b in zip(tps, base, strict=True) if b.tokens_per_s > 0]),
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_len": mean_accepted_len(out, sum(r.forwards for r in runs)),
+        "greedy_identical": sum(r.output == b.output for r, b in zip(runs, base, strict=True)),
+        "greedy_total": len(runs),
+        "total_draft_tokens": proposed,
+        "total_accepted_draft_tokens": accepted,
+        "num_output_tokens": out,
+        "per_prompt_tokens_per_s": tps,
+    }

@@ -1,0 +1,144 @@
+"""`bench` on a tiny deployment whose answers are known: the draft is the target itself (acceptance 1, k + 1
+tokens per forward), prompt lookup's counters come from a replay written here, and every ratio in the report
+is recomputed from the per-prompt figures the report carries."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from pipeline import spec as specmod
+from tests.conftest import make_model_dir, write_spec
+
+K, LOOKUP_K, NGRAM = 3, 4, 3
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, tiny_tokenizer):
+    from pipeline.bench import run_bench
+    from pipeline.engine import build_target
+    from pipeline.train.draft import build_draft
+
+    root = tmp_path_factory.mktemp("bench")
+    make_model_dir(root / "models" / "target", tokenizer=tiny_tokenizer)
+    p = write_spec(root, name="bench", draft={"source": "models/target"},
+                   speculation={"num_draft_tokens": K, "prompt_lookup_num_tokens": LOOKUP_K,
+                                "prompt_lookup_max_ngram": NGRAM})
+    s = specmod.load(p)
+    quiet = lambda *a, **k: None  # noqa: E731
+    build_target(s, log=quiet)
+    build_draft(s, log=quiet)
+    report = run_bench(s, quick=True, log=quiet)
+    return s, report
+
+
+def _prompt_ids(spec) -> list[list[int]]:
+    """What bench decodes in quick mode: prompts 2 and 3 of the set (the first warms up), chat template on."""
+    from pipeline.common import chat_ids
+    from pipeline.engine import load_engine
+    from pipeline.sources import spec_prompts
+
+    tok = load_engine(spec.engine_dir / "target").tokenizer
+    return [chat_ids(tok, t) for t in spec_prompts(spec, 3)[1:]]
+
+
+def _lookup(ctx: list[int]) -> list[int]:
+    """Prompt lookup written out: the tokens after the latest earlier occurrence of the longest recurring tail."""
+    for n in range(min(NGRAM, len(ctx) - 1), 0, -1):
+        tail = ctx[-n:]
+        starts = [s for s in range(len(ctx) - n) if ctx[s:s + n] == tail]
+        if starts:
+            s = starts[-1]
+            return ctx[s + n:s + n + LOOKUP_K]
+    return []
+
+
+def _lookup_replay(base: list[int], prompt: list[int], new: int) -> tuple[int, int, int]:
+    """(proposed, accepted, forwards) of greedy prompt lookup, from the target's own greedy tokens."""
+    proposed = accepted = 0
+    forwards, i = 1, 1
+    while i < new:
+        d = _lookup(prompt + base[:i])
+        n = 0
+        while n < len(d) and d[n] == base[i + n]:
+            n += 1
+        proposed, accepted, forwards = proposed + len(d), accepted + n, forwards + 1
+        i += n + 1
+    return proposed, accepted, forwards
+
+
+def test_bench_figures_have_their_known_answers(bench):
+    from pipeline.engine import load_engine
+    from pipeline.runtime.generate import Request, generate
+
+    spec, r = bench
+    new, m = r["new_tokens"], r["methods"]
+    assert r["prompts"] == 2 and set(m) == {"baseline", "draft_target", "prompt_lookup"}
+    for e in m.values():
+        assert (e["greedy_identical"], e["greedy_total"]) == (2, 2)
+        assert e["num_output_tokens"] == 2 * new
+    assert (m["baseline"]["acceptance_rate"], m["baseline"]["mean_accepted_len"]) == (0.0, 1.0)
+    # the target as its own draft: every draft accepted, k + 1 tokens per forward after the prefill's one
+    forwards = 1 + math.ceil((new - 1) / (K + 1))
+    dt = m["draft_target"]
+    assert dt["num_draft_tokens"] == K and dt["acceptance_rate"] == 1.0
+    assert dt["total_draft_tokens"] == 2 * K * (forwards - 1)
+    assert dt["mean_accepted_len"] == pytest.approx(new / forwards)
+    # prompt lookup: counters from the replay
+    target = load_engine(spec.engine_dir / "target").model
+    prop = acc = fwd = 0
+    for ids in _prompt_ids(spec):
+        (ref,) = generate(target, [Request(ids, new + LOOKUP_K + 1)])
+        p, a, f = _lookup_replay(ref.tokens, ids, new)
+        prop, acc, fwd = prop + p, acc + a, fwd + f
+    pl = m["prompt_lookup"]
+    assert (pl["total_draft_tokens"], pl["total_accepted_draft_tokens"]) == (prop, acc)
+    assert pl["acceptance_rate"] == pytest.approx(acc / prop if prop else 0.0)
+    assert pl["mean_accepted_len"] == pytest.approx(2 * new / fwd)
+
+
+def test_bench_ratios_are_recomputed_from_its_per_prompt_figures(bench):
+    spec, r = bench
+    m, peers = r["methods"], r["peers"]
+    base = m["baseline"]["per_prompt_tokens_per_s"]
+    for name, e in m.items():
+        tps = e["per_prompt_tokens_per_s"]
+        assert len(tps) == 2 and min(tps) > 0
+        assert e["tokens_per_s"] == pytest.approx(statistics.median(tps))
+        assert e["speedup"] == pytest.approx(statistics.median([a / b for a, b in zip(tps, base)])), name
+    assert m["baseline"]["speedup"] == 1.0
+    hf = peers["hf_generate"]["per_prompt_tokens_per_s"]
+    assert peers["hf_generate"]["tokens_per_s"] == pytest.approx(statistics.median(hf))
+    assert m["baseline"]["vs_hf_generate"] == pytest.approx(statistics.median([a / h for a, h in zip(base, hf)]))
+    assert m["draft_target"]["vs_hf_assisted"] == pytest.approx(
+        m["draft_target"]["tokens_per_s"] / statistics.median(peers["hf_assisted"]["per_prompt_tokens_per_s"]))
+    rf = r["roofline"]
+    from pipeline.engine import load_engine
+
+    target = load_engine(spec.engine_dir / "target").model
+    weights = {id(p): p.numel() * p.element_size() for p in target.parameters()}
+    assert rf["weight_bytes_read_per_token"] == sum(weights.values())  # tied embeddings: the head is the table
+    assert rf["limit_tokens_per_s"] == pytest.approx(rf["bandwidth_gbs"] * 1e9 / rf["weight_bytes_read_per_token"])
+    assert rf["fraction_of_limit"] == pytest.approx(m["baseline"]["tokens_per_s"] / rf["limit_tokens_per_s"])
+    hot = r["temperature_0.7"]
+    assert hot["baseline"]["speedup"] == 1.0
+    for e in hot.values():
+        assert e["speedup"] == pytest.approx(e["tokens_per_s"] / hot["baseline"]["tokens_per_s"])
+    cost = r["verify_cost_ms"]
+    assert [c["tokens"] for c in cost] == list(range(1, 9))
+    for c in cost:
+        assert c["relative"] == pytest.approx(c["ms"] / cost[0]["ms"])
+    for block in (r["bf16"], r["batch8"]):
+        assert block["ratio"] == pytest.approx(block["baseline_tokens_per_s"] / block["hf_generate_tokens_per_s"])
+
+
+def test_bench_writes_what_it_returns(bench):
+    spec, r = bench
+    assert json.loads((spec.report_dir / "bench.json").read_text()) == json.loads(json.dumps(r))
+    md = (spec.report_dir / "bench.md").read_text()
+    dt = r["methods"]["draft_target"]
+    row = f"| draft_target | {dt['tokens_per_s']:.1f} | {dt['speedup']:.2f}x | 1.00 | {dt['mean_accepted_len']:.2f} |"
+    assert row in md
