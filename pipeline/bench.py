@@ -213,25 +213,11 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
 
 def verify_cost_curve(model, max_s: int) -> list[dict]:
-    """Median time of one forward over S new tokens at a realistic context length."""
-    cache = model.new_cache(1, 512)
-    ctx = 128
-    with torch.inference_mode():
-        model(torch.zeros(1, ctx, dtype=torch.long), torch.arange(ctx)[None], cache)
-        out = []
-        for s in range(1, max_s + 1):
-            toks = torch.zeros(1, s, dtype=torch.long)
-            pos = torch.arange(ctx, ctx + s)[None]
-            ts = []
-            for _ in range(5):
-                t = time.perf_counter()
-                model.logits(model(toks, pos, cache))
-                ts.append(time.perf_counter() - t)
-            out.append({"tokens": s, "ms": 1000 * statistics.median(ts)})
-    base = out[0]["ms"]
-    for r in out:
-        r["relative"] = r["ms"] / base
-    return out
+    """One forward over S new tokens at a realistic context length (speedpick.verify_costs), relative to S = 1."""
+    from pipeline.speedpick import verify_costs
+
+    costs = verify_costs(model, max_s)
+    return [{"tokens": s, "ms": 1000 * c, "relative": c / costs[0]} for s, c in enumerate(costs, start=1)]
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:

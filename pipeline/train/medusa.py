@@ -38,6 +38,7 @@ from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams, next_token
 from pipeline.sources import read_prompts
 from pipeline.spec import Spec
+from pipeline.speedpick import verify_costs
 from pipeline.tree import build_tree, grow_tree, validate_choices
 
 FORMAT = "pipeline-medusa/1"
@@ -194,30 +195,6 @@ def train_heads(model: Transformer, X: Tensor, Y: Tensor, num_heads: int, num_la
 
 
 @torch.inference_mode()
-def verify_costs(model: Transformer, max_nodes: int, context: int = 128, reps: int = 5) -> list[float]:
-    """Seconds for one target forward (tree mask + logits) over n = 1..max_nodes+1 tokens at `context`.
-
-    Sizes are timed in interleaved rounds and the minimum kept, so load from other processes hits
-    every size alike; the curve is then made non-decreasing (more tokens never cost less).
-    """
-    cache = model.new_cache(1, context + max_nodes + 2)
-    model(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], cache)
-    best = [float("inf")] * (max_nodes + 1)
-    for r in range(reps + 1):
-        for n in range(1, max_nodes + 2):
-            tok = torch.zeros(1, n, dtype=torch.long)
-            kv = context + n
-            t = time.perf_counter()
-            model.logits(model(tok, context + torch.arange(n)[None], cache, mask=torch.ones(1, n, kv, dtype=torch.bool),
-                               kv_len=kv))
-            if r:
-                best[n - 1] = min(best[n - 1], time.perf_counter() - t)
-    for i in range(1, len(best)):
-        best[i] = max(best[i], best[i - 1])
-    return best
-
-
-@torch.inference_mode()
 def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) -> float:
     h = torch.randn(1, model.cfg.hidden_size)
     heads.topk(h, model, k)
@@ -314,7 +291,7 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
 
     if med.choices == "auto":
         log("measuring this machine's verify cost (target forward over 1..max_draft_len+1 tokens) ...")
-        costs = verify_costs(model, spec.limits.max_draft_len)
+        costs = verify_costs(model, spec.limits.max_draft_len + 1, tree=True)
         hc = heads_cost(heads, model, TOPK)
         choices, tree_info = grow_tree(acc, costs, spec.limits.max_draft_len, hc, log=log)
         tree_info.update(verify_cost_ms=[round(c * 1e3, 2) for c in costs], heads_ms=round(hc * 1e3, 2))

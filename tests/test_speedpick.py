@@ -1,0 +1,41 @@
+"""pick-k: the one verify-cost timer, expected tokens per step and the k table, on known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.speedpick import expected_tokens, expected_tokens_iid, measure_acceptance, speed_table, verify_costs
+from tests.test_speculative import tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_costs_cover_every_size_and_never_fall(tree):
+    costs = verify_costs(tiny(seed=0), 6, context=32, reps=2, tree=tree)
+    assert len(costs) == 6 and min(costs) > 0
+    assert costs == sorted(costs)
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens([0.8, 0.5, 0.2], 2) == pytest.approx(2.3)
+    assert expected_tokens_iid(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_iid(1.0, 3) == 4.0
+
+
+def test_speed_table_known_answers():
+    costs = {"c_draft": 0.001, "c_verify": [0.010, 0.011, 0.012, 0.020]}
+    rows = speed_table(costs, [0.8, 0.5, 0.2])
+    assert [r["k"] for r in rows] == [1, 2, 3]
+    # k=2: (1 + 0.8 + 0.5) tokens in 2 draft steps + a 3-token verify = 0.014 s, against 1 token in 0.010 s
+    assert rows[1]["speedup"] == pytest.approx(2.3 * 0.010 / 0.014, abs=1e-3)
+    assert rows[2]["speedup"] == pytest.approx(2.5 * 0.010 / 0.023, abs=1e-3)
+    assert max(rows, key=lambda r: r["speedup"])["k"] == 2
+
+
+def test_measured_acceptance_of_a_perfect_and_a_random_draft():
+    t = tiny(seed=0)
+    prompts = [[5, 6, 7], [9, 3, 4, 2]]
+    assert measure_acceptance(t, t, prompts, 3, max_new=16) == [1.0, 1.0, 1.0]
+    rates = measure_acceptance(t, tiny(layers=1, seed=3), prompts, 3, max_new=16)
+    assert rates == sorted(rates, reverse=True) and rates[0] < 0.5
