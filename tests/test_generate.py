@@ -99,3 +99,21 @@ def test_bad_sampling_params_name_the_field():
         SamplingParams(1.0, 0, 1.5).check(10)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(-0.1).check(10)
+
+
+def test_on_step_sees_every_picked_token_with_the_state_it_came_from():
+    """The training data builders record through on_step: each row's tokens (the end token too), and the hidden
+    state and logits each was picked from."""
+    from tests.test_speculative import tiny
+
+    m = tiny(seed=0)
+    reqs = [Request([5, 6, 7], 30, end_ids=(1,)), Request([9, 3], 12, end_ids=(1,))]
+    seen: dict[int, list] = {0: [], 1: []}
+    out = generate(m, reqs, on_step=lambda b, h, lg, t: seen[b].append((h.clone(), lg.clone(), t)))
+    for b, r in enumerate(out):
+        toks = [t for _, _, t in seen[b]]
+        assert toks[: len(r.tokens)] == r.tokens
+        assert toks[len(r.tokens):] == ([1] if r.finish_reason == "eos" else [])
+        for h, lg, t in seen[b]:
+            assert int(lg.argmax()) == t
+            assert torch.allclose(m.logits(h[None])[0], lg, atol=1e-5)

@@ -188,15 +188,25 @@ def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] |
     return out
 
 
+Step = Callable[[int, Tensor, Tensor, int], None]
+
+
 @torch.inference_mode()
-def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None) -> list[Result]:
-    """Baseline decoding: one target forward per token, all rows of the batch in step."""
+def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None,
+             on_step: Step | None = None) -> list[Result]:
+    """Baseline decoding: one target forward per token, all rows of the batch in step.
+
+    `on_step(row, hidden, logits, token)` sees every token a live row picks (an end token too, before the
+    stopping rules drop it) with the final normed hidden state and the logits it was picked from: the
+    training data builders (draft distillation, Medusa self-distillation) record what they need through it
+    instead of running decode loops of their own."""
     start = time.perf_counter()
     dev = model.embed.weight.device
     seqs = [Sequence(r) for r in reqs]
     gens = [r.params.generator() for r in reqs]
     cache = model.new_cache(len(reqs), cache_length(reqs, 0))
-    logits = model.logits(prefill(model, cache, [r.prompt for r in reqs]))
+    hidden = prefill(model, cache, [r.prompt for r in reqs])
+    logits = model.logits(hidden)
     cur = [len(r.prompt) for r in reqs]
     while True:
         nxt = []
@@ -205,6 +215,8 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
                 nxt.append(0)
                 continue
             t = next_token(logits[b], s.req.params, gens[b])
+            if on_step is not None:
+                on_step(b, hidden[b], logits[b], t)
             emitted = s.extend([t])
             if emitted and on_emit:
                 on_emit(b, emitted)
@@ -213,8 +225,8 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
             break
         active = [b for b, s in enumerate(seqs) if not s.done]
         pos = torch.tensor([[min(c, cache.length - 1)] for c in cur], device=dev)
-        hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)
-        logits = model.logits(hidden[:, 0])
+        hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0]
+        logits = model.logits(hidden)
         for b in active:
             cur[b] += 1
     return finish(seqs, start, [{"steps": len(s.tokens)} for s in seqs])

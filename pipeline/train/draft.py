@@ -38,9 +38,9 @@ from pipeline.engine import (
     write_atomic,
 )
 from pipeline.runtime import quant
-from pipeline.runtime.generate import prefill
+from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, apply_rope, build_model, hf_to_runtime, runtime_to_hf
-from pipeline.runtime.sampling import SamplingParams, next_token
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.speculative import DRAFT_HEAD_FILE, attach_draft_head
 from pipeline.sources import read_prompts
 from pipeline.spec import Spec
@@ -58,7 +58,6 @@ def self_generate(target: Transformer, prompts: list[list[int]], n: int, seq_len
     separate teacher pass is needed). Returns seqs, prompt_lens, vals [n, seq_len, k], ids [n, seq_len, k]."""
     from tqdm import tqdm
 
-    dev = target.embed.weight.device
     rows = []
     for i in range(n):
         p = prompts[i % len(prompts)][: seq_len - 8]
@@ -69,29 +68,15 @@ def self_generate(target: Transformer, prompts: list[list[int]], n: int, seq_len
     seqs: list[list[int]] = []
     for c in tqdm(range(0, n, batch), desc=desc, unit="batch", leave=False):
         chunk = rows[c:c + batch]
-        B = len(chunk)
         toks = [list(p) for p, _ in chunk]
-        gens = [q.generator() for _, q in chunk]
-        done = [False] * B
-        cache = target.new_cache(B, seq_len + 1)
-        logits = target.logits(prefill(target, cache, toks))
-        while True:
+
+        def record(b: int, hidden: Tensor, logits: Tensor, t: int, c: int = c, toks: list = toks) -> None:
             v, ix = torch.softmax(logits, -1).topk(k, -1)
-            nxt = []
-            for b in range(B):
-                if done[b]:
-                    nxt.append(0)
-                    continue
-                at = len(toks[b]) - 1
-                vals[c + b, at], ids[c + b, at] = v[b].half(), ix[b].int()
-                t = next_token(logits[b], chunk[b][1], gens[b])
-                toks[b].append(t)
-                done[b] = t in end_ids or len(toks[b]) >= seq_len
-                nxt.append(t)
-            if all(done):
-                break
-            pos = torch.tensor([[len(t) - 1] for t in toks], device=dev)
-            logits = target.logits(target(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0])
+            at = len(toks[b]) - 1
+            vals[c + b, at], ids[c + b, at] = v.half(), ix.int()
+            toks[b].append(t)  # an end token too: the draft learns where the target stops
+
+        generate(target, [Request(p, seq_len - len(p), q, end_ids=end_ids) for p, q in chunk], on_step=record)
         seqs.extend(toks)
     return {"seqs": seqs, "prompt_lens": [len(p) for p, _ in rows], "vals": vals, "ids": ids}
 

@@ -32,10 +32,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, load_engine, write_atomic
-from pipeline.runtime.generate import prefill
+from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import MedusaHeads, heads_to_state, load_heads_dir
 from pipeline.runtime.model import Transformer
-from pipeline.runtime.sampling import SamplingParams, next_token
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.sources import read_prompts
 from pipeline.spec import Spec
 from pipeline.speedpick import verify_costs
@@ -69,28 +69,15 @@ def self_distill(model: Transformer, prompts: list[list[int]], params: list[Samp
     t0 = time.perf_counter()
     for s in range(0, len(prompts), batch_size):
         batch, ps = prompts[s:s + batch_size], params[s:s + batch_size]
-        B = len(batch)
-        gens = [p.generator() for p in ps]
-        cache = model.new_cache(B, (max(len(p) for p in batch) + new_tokens + 64) // 64 * 64)
-        h = prefill(model, cache, batch)
-        cur = torch.tensor([len(p) for p in batch])
-        toks: list[list[int]] = [[] for _ in range(B)]
-        hid: list[list[Tensor]] = [[] for _ in range(B)]
-        done = [False] * B
-        for _ in range(new_tokens):
-            logits = model.logits(h)
-            nxt = []
-            for b in range(B):
-                t = next_token(logits[b], ps[b], gens[b])
-                if not done[b]:
-                    toks[b].append(t)
-                    hid[b].append(h[b].clone())
-                    done[b] = t in end_ids
-                nxt.append(t)
-            if all(done):
-                break
-            h = model(torch.tensor(nxt)[:, None], cur[:, None], cache)[:, 0]
-            cur = cur + 1
+        toks: list[list[int]] = [[] for _ in batch]
+        hid: list[list[Tensor]] = [[] for _ in batch]
+
+        def record(b: int, hidden: Tensor, logits: Tensor, t: int, toks: list = toks, hid: list = hid) -> None:
+            toks[b].append(t)
+            hid[b].append(hidden.clone())
+
+        generate(model, [Request(p, new_tokens, q, end_ids=end_ids) for p, q in zip(batch, ps, strict=True)],
+                 on_step=record)
         out.extend((torch.tensor(t), torch.stack(x)) for t, x in zip(toks, hid, strict=True))
         if show:
             progress("self-distillation", len(out), len(prompts), t0)
