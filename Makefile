@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load test lint all clean
+.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test lint all clean
 
 all: setup engine repo validate
 
@@ -51,6 +51,9 @@ bench: setup engine
 
 load: setup
 	$(PY) -m pipeline load $(SPEC) $(ARGS)
+
+readme: setup
+	$(PY) -m pipeline readme $(SPEC) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)

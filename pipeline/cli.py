@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--quick", action="store_true", help="fewer prompts and tokens (for tests)")
     for register in _extra_verbs():
         register(verb)
+    from pipeline import readme
+
+    readme.register(sub)
     args = p.parse_args(argv)
     try:
         return args.fn(args) or 0

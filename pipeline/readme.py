@@ -1,0 +1,130 @@
+"""`python -m pipeline readme [SPEC ...]`: the README's figures, rendered from the reports, never typed.
+
+Reads reports/<name>/validate.json (through gRPC) and bench.json (in-process) for each spec and rewrites the
+block between `<!-- figures:begin -->` and `<!-- figures:end -->` in README.md; nothing else in the file
+changes. Each figure carries the date of the run that measured it and the spec it ran, so a stale figure
+shows its age instead of passing for today's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.spec import Spec
+
+BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+COLUMNS = "| method | tokens/s | speedup vs baseline | acceptance | mean accepted length | greedy identical |"
+
+
+class ReadmeError(ValueError):
+    """The README or the reports cannot be rendered; the message says what to run or add."""
+
+
+def _date(report: dict) -> str:
+    return str((report.get("environment") or {}).get("date") or "undated")
+
+
+def _methods_table(methods: dict) -> list[str]:
+    lines = [COLUMNS, "|---|---|---|---|---|---|"]
+    for m, e in methods.items():
+        acc = f"{e['acceptance_rate']:.2f}" if m != "baseline" else ""
+        lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {acc} | "
+                     f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} |")
+    return lines
+
+
+def _peers(report: dict) -> list[str]:
+    """One line on transformers in the same run, with our draft_target's ratio to assisted generation."""
+    peers, methods = report.get("peers") or {}, report["methods"]
+    parts = []
+    gen = (peers.get("hf_generate") or {}).get("tokens_per_s")
+    if gen:
+        parts.append(f"transformers `generate` {gen:.1f} tokens/s (baseline "
+                     f"{methods['baseline']['tokens_per_s'] / gen:.2f}x it)")
+    hfa = (peers.get("hf_assisted") or {}).get("tokens_per_s")
+    if hfa and "draft_target" in methods:
+        parts.append(f"transformers assisted generation with the same draft {hfa:.1f} tokens/s (draft_target "
+                     f"{methods['draft_target']['tokens_per_s'] / hfa:.2f}x it)")
+    return [f"In the same run: {'; '.join(parts)}."] if parts else []
+
+
+def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | None) -> list[str]:
+    """The figures of one spec, from whichever of its two reports exist."""
+    out = [f"### `{name}` (`{spec_path}`)", ""]
+    if validate is None and bench is None:
+        return out + [f"No reports yet: run `make validate SPEC={spec_path}` (and `make bench SPEC={spec_path}`).", ""]
+    if validate is not None:
+        out += [f"Through gRPC at concurrency 1 (`reports/{name}/validate.json`, run {_date(validate)}): "
+                f"{validate['prompts']} prompts x {validate['new_tokens']} new tokens, greedy.", ""]
+        out += _methods_table(validate["methods"]) + [""] + _peers(validate)
+        cross = validate.get("crossover") or {}
+        if cross:
+            out.append("Concurrency from which each method is no faster than baseline: " + ", ".join(
+                f"{m} {'never' if c is None else c}" for m, c in cross.items()) + ".")
+        out.append("")
+    if bench is not None:
+        out += [f"In-process (`reports/{name}/bench.json`, run {_date(bench)}): {bench['prompts']} prompts x "
+                f"{bench['new_tokens']} new tokens, batch {bench['batch']}, {bench['dtype']}, greedy.", ""]
+        out += _methods_table(bench["methods"]) + [""] + _peers(bench)
+        rf = bench.get("roofline")
+        if rf:
+            out.append(f"Baseline reaches {100 * rf['fraction_of_limit']:.0f}% of the memory-bandwidth limit "
+                       f"({rf['limit_tokens_per_s']:.1f} tokens/s at {rf['bandwidth_gbs']:.1f} GB/s).")
+        out.append("")
+    return out
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ReadmeError(f"{path}: not valid JSON ({e}); rerun the command that writes it") from None
+
+
+def render(specs: list[tuple[Spec, str]]) -> str:
+    """The block for (spec, the path it was loaded from) pairs, in that order."""
+    lines = ["<!-- Rendered by `python -m pipeline readme` (make readme) from reports/; edits here are lost. -->", ""]
+    for s, path in specs:
+        lines += render_spec(s.name, path, _read(s.report_dir / "validate.json"), _read(s.report_dir / "bench.json"))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def update(readme: Path, block: str) -> bool:
+    """Replace the marked block in `readme` with `block`; True when the file changed."""
+    text = readme.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ReadmeError(f"{readme}: needs exactly one {BEGIN} line followed by one {END} line where the "
+                          "figures go; add them, then rerun")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{BEGIN}\n{block}{END}{tail}"
+    if new == text:
+        return False
+    tmp = readme.with_suffix(readme.suffix + ".tmp")
+    tmp.write_text(new)
+    tmp.replace(readme)
+    return True
+
+
+def cmd_readme(args) -> int:
+    from pipeline import spec as specmod
+
+    specs = [(specmod.load(p), p) for p in args.specs]
+    readme = Path(args.readme)
+    changed = update(readme, render(specs))
+    print(f"{readme}: figures {'rewritten' if changed else 'already up to date'} from "
+          + ", ".join(str(s.report_dir) for s, _ in specs))
+    return 0
+
+
+def register(sub) -> None:
+    """The `readme` verb; it takes several specs, so it gets its own parser rather than the one-spec `verb`."""
+    sp = sub.add_parser("readme", help="rewrite README.md's figures block from reports/<name>/*.json")
+    sp.add_argument("specs", nargs="+", metavar="SPEC", help="specs whose reports to render, in order")
+    sp.add_argument("--readme", default="README.md", help="the file holding the figures:begin/end markers")
+    sp.set_defaults(fn=cmd_readme)

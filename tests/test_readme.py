@@ -1,0 +1,97 @@
+"""`python -m pipeline readme`: README figures rendered from reports (a synthetic pair here), never typed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import readme
+from pipeline import spec as specmod
+from tests.conftest import write_spec
+
+VALIDATE = {
+    "spec": "demo", "prompts": 8, "new_tokens": 128,
+    "methods": {
+        "baseline": {"tokens_per_s": 20.04, "speedup": 1.0, "acceptance_rate": 0.0, "mean_accepted_len": 1.0,
+                     "greedy_identical": 8, "greedy_total": 8},
+        "draft_target": {"tokens_per_s": 43.26, "speedup": 2.163, "acceptance_rate": 0.8123,
+                         "mean_accepted_len": 3.951, "greedy_identical": 8, "greedy_total": 8},
+    },
+    "peers": {"hf_generate": {"tokens_per_s": 4.0}, "hf_assisted": {"tokens_per_s": 10.0}},
+    "crossover": {"draft_target": 4},
+    "environment": {"date": "2026-12-01T05:40:00+00:00"},
+}
+BENCH = {
+    "spec": "demo", "prompts": 4, "new_tokens": 128, "batch": 1, "dtype": "bfloat16",
+    "methods": {
+        "baseline": {"tokens_per_s": 21.5, "speedup": 1.0, "acceptance_rate": 0.0, "mean_accepted_len": 1.0,
+                     "greedy_identical": 4, "greedy_total": 4},
+        "prompt_lookup": {"tokens_per_s": 25.0, "speedup": 1.167, "acceptance_rate": 0.25,
+                          "mean_accepted_len": 1.4, "greedy_identical": 3, "greedy_total": 4},
+    },
+    "peers": {"hf_generate": {"tokens_per_s": 8.6}},
+    "roofline": {"bandwidth_gbs": 30.0, "limit_tokens_per_s": 55.0, "fraction_of_limit": 0.391},
+    "environment": {"date": "2026-11-30T22:10:00+00:00"},
+}
+README = "# Title\n\nProse before.\n\n<!-- figures:begin -->\nhand-typed 4.4x\n<!-- figures:end -->\n\nProse after.\n"
+
+
+@pytest.fixture
+def demo(tmp_path):
+    path = write_spec(tmp_path, name="demo")
+    s = specmod.load(path)
+    s.report_dir.mkdir(parents=True)
+    (s.report_dir / "validate.json").write_text(json.dumps(VALIDATE))
+    (s.report_dir / "bench.json").write_text(json.dumps(BENCH))
+    (tmp_path / "README.md").write_text(README)
+    return s, path, tmp_path / "README.md"
+
+
+def test_block_carries_every_figure_with_its_date_and_spec(demo):
+    s, path, _ = demo
+    block = readme.render([(s, str(path))])
+    assert f"`demo` (`{path}`)" in block
+    assert "run 2026-12-01T05:40:00+00:00" in block and "run 2026-11-30T22:10:00+00:00" in block
+    assert "| draft_target | 43.3 | 2.16x | 0.81 | 3.95 | 8/8 |" in block
+    assert "| baseline | 20.0 | 1.00x |  | 1.00 | 8/8 |" in block
+    assert "| prompt_lookup | 25.0 | 1.17x | 0.25 | 1.40 | 3/4 |" in block
+    assert "8 prompts x 128 new tokens" in block and "batch 1, bfloat16" in block
+    # ratios to the peers come from the report's own figures: 20.04 / 4.0 and 43.26 / 10.0
+    assert "baseline 5.01x it" in block and "draft_target 4.33x it" in block
+    assert "baseline 2.50x it" in block  # bench: 21.5 / 8.6
+    assert "draft_target 4" in block.split("no faster than baseline:")[1]
+    assert "39% of the memory-bandwidth limit" in block
+    assert "4.4x" not in block
+
+
+def test_update_rewrites_only_the_marked_block_and_is_idempotent(demo):
+    s, path, md = demo
+    block = readme.render([(s, str(path))])
+    assert readme.update(md, block) is True
+    text = md.read_text()
+    assert text.startswith("# Title\n\nProse before.\n\n<!-- figures:begin -->\n")
+    assert text.endswith("<!-- figures:end -->\n\nProse after.\n")
+    assert "hand-typed" not in text and "43.3" in text
+    assert readme.update(md, block) is False and md.read_text() == text
+
+
+def test_cli_renders_from_reports_and_says_when_there_are_none(demo, tmp_path):
+    from pipeline.cli import main
+
+    s, path, md = demo
+    assert main(["readme", str(path), "--readme", str(md)]) == 0
+    assert "| draft_target | 43.3 |" in md.read_text()
+    (s.report_dir / "validate.json").unlink()
+    (s.report_dir / "bench.json").unlink()
+    assert main(["readme", str(path), "--readme", str(md)]) == 0
+    assert f"No reports yet: run `make validate SPEC={path}`" in md.read_text()
+    assert "43.3" not in md.read_text()
+
+
+def test_missing_markers_are_an_error_that_says_what_to_add(demo):
+    s, path, md = demo
+    md.write_text("# no markers\n")
+    with pytest.raises(readme.ReadmeError, match="figures:begin"):
+        readme.update(md, readme.render([(s, str(path))]))
+    assert md.read_text() == "# no markers\n"
