@@ -14,41 +14,31 @@ import sysconfig
 from pathlib import Path
 
 from pipeline.spec import Spec
+from pipeline.triton.trtllm_repo import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
 BLS = "tensorrt_llm_bls"
 ENSEMBLE = "ensemble"
 
-# tensorrtllm_backend's ensemble names and types (reference/trtllm.md 4.4), plus our optional `method`.
-INPUTS: list[tuple[str, str, list[int]]] = [
-    ("text_input", "TYPE_STRING", [1]),
-    ("max_tokens", "TYPE_INT32", [1]),
-    ("temperature", "TYPE_FP32", [1]),
-    ("top_k", "TYPE_INT32", [1]),
-    ("top_p", "TYPE_FP32", [1]),
-    ("seed", "TYPE_UINT64", [1]),
-    ("end_id", "TYPE_INT32", [1]),
-    ("pad_id", "TYPE_INT32", [1]),
-    ("stop_words", "TYPE_STRING", [-1]),
-    ("bad_words", "TYPE_STRING", [-1]),
-    ("stream", "TYPE_BOOL", [1]),
-    ("exclude_input_in_output", "TYPE_BOOL", [1]),
-    ("return_perf_metrics", "TYPE_BOOL", [1]),
-    ("num_draft_tokens", "TYPE_INT32", [1]),
-    ("use_draft_logits", "TYPE_BOOL", [1]),
-    ("disable_at_batch", "TYPE_INT32", [1]),
-    ("method", "TYPE_STRING", [1]),
-]
+# The client contract is written once, as tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) in
+# trtllm_repo; the torch backend serves these of its tensors, in this order (penalties, min_tokens and log
+# probabilities it does not implement, so its ensemble does not declare them).
+SERVED_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "end_id", "pad_id",
+                 "stop_words", "bad_words", "stream", "exclude_input_in_output", "return_perf_metrics",
+                 "num_draft_tokens", "use_draft_logits", "disable_at_batch", "method")
+SERVED_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+                  "num_input_tokens", "num_output_tokens")
+
+
+def _served(table: list, names: tuple[str, ...]) -> list[tuple[str, str, list[int]]]:
+    by_name = {t[0]: t for t in table}
+    return [(n, by_name[n][1], list(by_name[n][2])) for n in names]
+
+
+INPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_INPUTS, SERVED_INPUTS)
 REQUIRED = ("text_input", "max_tokens")
-OUTPUTS: list[tuple[str, str, list[int]]] = [
-    ("text_output", "TYPE_STRING", [-1]),
-    ("acceptance_rate", "TYPE_FP32", [1]),
-    ("total_accepted_draft_tokens", "TYPE_INT32", [1]),
-    ("total_draft_tokens", "TYPE_INT32", [1]),
-    ("num_input_tokens", "TYPE_INT32", [1]),
-    ("num_output_tokens", "TYPE_INT32", [1]),
-]
+OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
