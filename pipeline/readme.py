@@ -48,6 +48,13 @@ def _peers(report: dict) -> list[str]:
     if hfa and "draft_target" in methods:
         parts.append(f"transformers assisted generation with the same draft {hfa:.1f} tokens/s (draft_target "
                      f"{methods['draft_target']['tokens_per_s'] / hfa:.2f}x it)")
+    for key, what in (("llama_cpp", "llama.cpp on the target's own GGUF"),
+                      ("llama_cpp_lookup", "llama.cpp with its prompt-lookup decoding")):
+        tps = (peers.get(key) or {}).get("tokens_per_s")
+        if tps:
+            ratio = (f" (draft_target {methods['draft_target']['tokens_per_s'] / tps:.2f}x it)"
+                     if "draft_target" in methods else "")
+            parts.append(f"{what} {tps:.1f} tokens/s{ratio}")
     return [f"In the same run: {'; '.join(parts)}."] if parts else []
 
 
@@ -59,7 +66,17 @@ def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | 
     if validate is not None:
         out += [f"Through gRPC at concurrency 1 (`reports/{name}/validate.json`, run {_date(validate)}): "
                 f"{validate['prompts']} prompts x {validate['new_tokens']} new tokens, greedy.", ""]
+        if validate.get("trimmed"):
+            out += [f"Trimmed to fit the main job's 30 minutes: {'; '.join(validate['trimmed'])}.", ""]
         out += _methods_table(validate["methods"]) + [""] + _peers(validate)
+        d = validate.get("draft") or {}
+        if d.get("step_fraction_of_target"):
+            cov = d.get("vocab_coverage")
+            out.append(f"Draft as built: {d['dtype']}" + (f" {d['quantization']}" if d.get("quantization") else "")
+                       + f", head of {d['vocab']} tokens" + (f" covering {100 * cov:.1f}% of the target's tokens"
+                                                              if cov else "")
+                       + f", k = {d['num_draft_tokens']} ({d['chosen_by']}); one draft step costs "
+                       f"{d['step_fraction_of_target']:.3f} of a target step.")
         cross = validate.get("crossover") or {}
         if cross:
             out.append("Concurrency from which each method is no faster than baseline: " + ", ".join(
