@@ -200,7 +200,7 @@ def draft_summary(spec: Spec) -> dict:
 
 
 def gguf_peers(spec: Spec, ids: list[list[int]], new: int, log) -> dict:
-    """llama.cpp on the target's own GGUF file, plain and with its prompt lookup, when `make peers` installed it."""
+    """llama.cpp on the target's own GGUF file (its Q4_K_M weights), when `make peers` installed it."""
     import os
 
     from pipeline import peers
@@ -211,10 +211,9 @@ def gguf_peers(spec: Spec, ids: list[list[int]], new: int, log) -> dict:
     if not peers.llama_cpp_available():
         return {"llama_cpp": {"tokens_per_s": None, "note": "llama-cpp-python not installed (make peers)"}}
     threads = spec.threads or os.cpu_count() or 1
-    out = {"llama_cpp": peers.llama_cpp_peer(gguf, ids, new, threads, log=log)}
-    out["llama_cpp_lookup"] = peers.llama_cpp_peer(gguf, ids, new, threads, spec.speculation.prompt_lookup_num_tokens,
-                                                   log=log)
-    return out
+    # The bindings' prompt-lookup decoding needs logits_all and ran under 1 token/s on the pair here, so the
+    # main job leaves it out; pipeline.peers.llama_cpp_peer(..., lookup_tokens=4) runs it on demand.
+    return {"llama_cpp": peers.llama_cpp_peer(gguf, ids, new, threads, log=log)}
 
 
 def trimmed(spec: Spec) -> list[str]:
