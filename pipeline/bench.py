@@ -102,12 +102,14 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         (res,) = decode(b, method, [req], **opts)
         return time.perf_counter() - t, res
 
-    hf32 = hf_model(b.target, torch.float32)
+    # transformers in the engine's own dtype (a bf16 engine against bf16 transformers), as validate does.
+    peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
+    hf_peer = hf_model(b.target, peer_dtype)
     draft_hf = None
     if "draft_target" in methods and (spec.engine_dir / "draft_hf").is_dir():
         from transformers import AutoModelForCausalLM
 
-        draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=torch.float32).eval()
+        draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=peer_dtype).eval()
     k = default_k(b, "draft_target")
 
     runs = [(m, m, {}) for m in methods]
@@ -117,7 +119,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         runs.append(("draft_model_only", "draft_target", {"lookup_min_ngram": 0}))
     for _, m, opts in runs:
         run(m, warm, **opts)
-    _hf_generate(hf32, [warm], 8)
+    _hf_generate(hf_peer, [warm], 8)
     rows: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
     for i, p in enumerate(ids):
@@ -125,10 +127,10 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             dt, res = run(m, p, **opts)
             rows[label].append(Run(len(res.tokens) / dt, res.tokens, len(res.tokens), res.steps, res.draft_proposed,
                                    res.draft_accepted))
-        dt, out = _hf_generate(hf32, [p], new)
+        dt, out = _hf_generate(hf_peer, [p], new)
         peers["hf_generate"].append(new / dt)
         if draft_hf is not None:
-            dt, _ = _hf_generate(hf32, [p], new, assistant=draft_hf, k=k)
+            dt, _ = _hf_generate(hf_peer, [p], new, assistant=draft_hf, k=k)
             peers["hf_assisted"].append(new / dt)
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
@@ -201,7 +203,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
     # bf16 weights and batch-8 throughput (baseline), with transformers alongside.
     report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
-    report["batch8"] = batch_compare(b, hf32, ids, 8, 8 if quick else 32)
+    report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)
     report["environment"] = environment(spec)
     out = spec.report_dir
     out.mkdir(parents=True, exist_ok=True)
