@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -128,3 +129,16 @@ def one_thread():
     yield
     torch.set_num_threads(n)
     kernels.set_threads(kn)
+
+
+def np_unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """Independent reading of the documented layout: in each 32-column block, byte 4p + m holds column
+    4m + p (low nibble) and column 16 + 4m + p (high nibble), both as q + 8."""
+    n, half = packed.shape
+    b = packed.reshape(n, half // 16, 16).astype(np.int64)
+    out = np.zeros((n, half // 16, 32), dtype=np.int64)
+    for byte in range(16):
+        p, m = divmod(byte, 4)
+        out[:, :, 4 * m + p] = b[:, :, byte] & 15
+        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
+    return out.reshape(n, half * 2) - 8

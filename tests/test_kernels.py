@@ -15,25 +15,13 @@ import pytest
 import torch
 
 from pipeline.runtime import kernels, quant
+from tests.conftest import np_unpack_int4
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/FMA")
 KINDS = ["float32", "bfloat16", "int8", "int4"]
 ROWS = [1, 2, 5, 7, 33, 65]
 U = 2.0 ** -24  # fp32 unit roundoff
-
-
-def _np_unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """Independent reading of the documented layout: in each 32-column block, byte 4p + m holds column
-    4m + p (low nibble) and column 16 + 4m + p (high nibble), both as q + 8."""
-    n, half = packed.shape
-    b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    out = np.zeros((n, half // 16, 32), dtype=np.int64)
-    for byte in range(16):
-        p, m = divmod(byte, 4)
-        out[:, :, 4 * m + p] = b[:, :, byte] & 15
-        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
-    return out.reshape(n, half * 2) - 8
 
 
 def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
@@ -49,7 +37,7 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
     s = layer.scales.double().numpy()
     if kind == "int8":
         return layer, layer.qweight.numpy().astype(np.float64) * s[:, None]
-    u = _np_unpack_int4(layer.qweight.numpy())
+    u = np_unpack_int4(layer.qweight.numpy())
     return layer, u * np.repeat(s, group_size, axis=1)
 
 

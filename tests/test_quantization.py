@@ -19,6 +19,7 @@ from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
+from tests.conftest import np_unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,19 +40,6 @@ def _np_int4(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(g / s[..., None]), -7, 7).reshape(n, k), s
 
 
-def _np_unpack(packed: np.ndarray) -> np.ndarray:
-    """The documented layout, read independently: byte 4p + m of a 32-column block holds columns 4m + p
-    (low nibble) and 16 + 4m + p (high nibble), as q + 8."""
-    n, half = packed.shape
-    b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    out = np.zeros((n, half // 16, 32), dtype=np.int64)
-    for byte in range(16):
-        p, m = divmod(byte, 4)
-        out[:, :, 4 * m + p] = b[:, :, byte] & 15
-        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
-    return out.reshape(n, half * 2) - 8
-
-
 def test_int8_round_trip_is_within_half_a_step_per_row():
     w = torch.randn(37, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 37)[:, None]
     q, s = quant.quantize_int8(w)
@@ -70,7 +58,7 @@ def test_int4_round_trip_is_within_half_a_step_per_group_and_packs_two_nibbles(g
     packed, s = quant.quantize_int4(w, gs)
     assert packed.dtype == torch.uint8 and packed.shape == (19, 128) and s.shape == (19, 256 // gs)
     nq, ns = _np_int4(w.numpy(), gs)
-    assert np.array_equal(_np_unpack(packed.numpy()), nq)
+    assert np.array_equal(np_unpack_int4(packed.numpy()), nq)
     deq = quant.dequantize(packed, s).numpy()
     step = np.repeat(ns, gs, axis=1)
     assert (np.abs(deq - w.numpy()) <= step / 2 * (1 + 1e-5)).all()

@@ -311,12 +311,14 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         draft, vocab_ids, stats = out["model"], out["vocab_ids"], out["stats"]
         draft_tok, source_desc = tok, f"distilled from {tdir} ({stats['steps']} steps)"
         hf_draft_state = hf_state(draft, vocab_ids)
+        hf_tied = vocab_ids is None and draft.cfg.tie_embeddings
         held_prompts = [chat_ids(tok, p) for p in held_texts] or [chat_ids(tok, p) for p in texts[:4]]
     else:
         draft, hf_draft_cfg, draft_tok, _ = load_source_draft(spec, tok, log)
         hf_cfg, source_desc = hf_draft_cfg, f"{spec.draft.source}"
         # The HF checkpoint keeps the pretrained draft whole (full head), for transformers and TensorRT-LLM.
         hf_draft_state = runtime_to_hf(draft.state_dict(), draft.cfg)
+        hf_tied = draft.cfg.tie_embeddings
         # A pretrained draft is tuned (k, vocabulary) on the training prompts; the evaluation prompts stay unseen.
         tune = train_texts if train_path.is_file() else held_texts
         held_prompts = [chat_ids(tok, p) for p in tune[:TUNE_PROMPTS]] or [chat_ids(tok, p) for p in texts[:4]]
@@ -338,8 +340,6 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     speculation = choose_k(spec, target, draft, held_prompts, dtype, log)
     if vocab_ids is not None and "coverage" in speculation:
         stats = {**stats, "vocab_coverage": speculation["coverage"]}
-    hf_tied = vocab_ids is None and draft.cfg.tie_embeddings if spec.draft.source == "train" else \
-        draft.cfg.tie_embeddings
     qz, gs = spec.draft.quantization, spec.draft.group_size
     save_hf(hf_dest, hf_cfg, hf_draft_state, draft_tok, dtype, hf_tied)
 
