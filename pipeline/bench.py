@@ -257,7 +257,7 @@ def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
 def environment(spec: Spec) -> dict:
     import importlib.metadata as md
 
-    from pipeline.runtime import kernels
+    from pipeline.runtime import kernels, quant
 
     pk = {}
     for name in ("torch", "transformers", "numpy", "tritonclient", "nvidia-pytriton", "tokenizers"):
@@ -278,7 +278,8 @@ def environment(spec: Spec) -> dict:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
             "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
             "torch_threads": torch.get_num_threads(), "kernel_path": kernels.path(),
-            "kernel_threads": kernels.threads(),
+            "kernel_threads": kernels.threads(), "transparent_hugepages": quant.thp_mode(),
+            "hugepage_mb": quant.hugepage_bytes() >> 20,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}
 
 

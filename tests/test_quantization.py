@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from torch import nn
 
 from pipeline import engine as E
 from pipeline import spec as specmod
@@ -351,6 +352,18 @@ def test_weights_moved_to_huge_pages_keep_values_ties_and_save(tmp_path, monkeyp
         b = moved.logits(moved(toks, torch.arange(3)[None], moved.new_cache(1, 4)))
     assert torch.equal(a, b)
     save_file({k: v.contiguous() for k, v in q.state_dict().items()}, str(tmp_path / "m.safetensors"))
+
+
+def test_weights_moved_to_huge_pages_are_on_huge_pages():
+    """The mapping must be private: a shared anonymous one is shmem and got 4 KB pages here (shmem_enabled never)."""
+    if quant.thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {quant.thp_mode() or 'unknown'} on this kernel")
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(2048, 4096), requires_grad=False)  # 32 MB
+    before = quant.hugepage_bytes()
+    assert quant.to_hugepages(m) == 32 << 20
+    m.w.data.add_(1.0)  # touch every page
+    assert quant.hugepage_bytes() - before >= 16 << 20
 
 
 @pytest.mark.parametrize("algo", ["int8", "int4"])
