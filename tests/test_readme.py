@@ -95,3 +95,21 @@ def test_missing_markers_are_an_error_that_says_what_to_add(demo):
     with pytest.raises(readme.ReadmeError, match="figures:begin"):
         readme.update(md, readme.render([(s, str(path))]))
     assert md.read_text() == "# no markers\n"
+
+
+# Settings the README states (a polling period, a kill timeout, a training budget), not measurements.
+SETTINGS = ("checked every 20 ms", "SIGKILL after 30 s", "4x the drafter training budget")
+
+
+def test_the_readme_types_no_measured_figure_outside_the_rendered_block():
+    """Speeds, speedups, timings and fractions come from reports through `make readme`, never by hand."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    a, b = text.index(readme.BEGIN), text.index(readme.END)
+    prose = text[:a] + text[b:]
+    for setting in SETTINGS:
+        prose = prose.replace(setting, "")
+    typed = re.findall(r"[^\n]{0,40}\b\d+(?:\.\d+)?\s*(?:tokens/s|tok/s|x\b|ms\b|GB/s|s\b|%)[^\n]{0,20}", prose)
+    assert not typed, f"typed figures in README.md outside the figures block: {typed}"
