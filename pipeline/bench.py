@@ -159,6 +159,11 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         report["methods"]["draft_target"]["vs_hf_assisted"] = (
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
+    # llama.cpp on the target's own GGUF (plain, and its bindings' prompt lookup briefly), when installed.
+    from pipeline import peers as gguf
+
+    report["peers"].update(gguf.gguf_peers(spec, ids, new, log, lookup=(1, 8 if quick else 32)))
+
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = measure_bandwidth_gbs(128 if quick else 512)
     wbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in b.target.parameters()}.values())

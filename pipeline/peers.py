@@ -61,3 +61,23 @@ def llama_cpp_peer(gguf: Path, prompts: list[list[int]], new: int, threads: int,
     return {"tokens_per_s": statistics.median(tps), "prompts": len(prompts), "threads": threads,
             "gguf": gguf.name, "version": LLAMA_CPP_VERSION, **({"prompt_lookup_tokens": lookup_tokens}
                                                                   if lookup_tokens else {})}
+
+
+def gguf_peers(spec, ids: list[list[int]], new: int, log=print, lookup: tuple[int, int] | None = None) -> dict:
+    """`peers.llama_cpp` (and with `lookup` = (prompts, tokens), `peers.llama_cpp_prompt_lookup` on that many
+    prompts and new tokens) on the target's own GGUF file, when the target comes from one; a note, not a
+    figure, when `make peers` has not installed llama-cpp-python."""
+    import os
+
+    gguf = gguf_of(spec)
+    if gguf is None:
+        return {}
+    if not llama_cpp_available():
+        return {"llama_cpp": {"tokens_per_s": None, "note": "llama-cpp-python not installed (make peers)"}}
+    threads = spec.threads or os.cpu_count() or 1
+    out = {"llama_cpp": llama_cpp_peer(gguf, ids, new, threads, log=log)}
+    if lookup:
+        # The bindings' prompt lookup needs logits_all and ran under 1 token/s on the pair here: a short run.
+        n, toks = lookup
+        out["llama_cpp_prompt_lookup"] = llama_cpp_peer(gguf, ids[:n], toks, threads, lookup_tokens=4, log=log)
+    return out

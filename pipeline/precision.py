@@ -3,7 +3,9 @@
 Every precision is built in-process from the same float weights (the target engine's, or its source
 when the engine itself is quantized), so the table compares precisions and nothing else:
 
-- `tokens_per_s`: greedy batch-1 decoding of the evaluation prompts (median over prompts);
+- `tokens_per_s`: greedy batch-1 decode steps per second after the first token (the prefill is not a
+  decode step and would understate the roofline; median over prompts); `end_to_end_tokens_per_s`
+  counts the prefill too;
 - `bytes_per_token`: weight bytes one decode step reads (the embedding is a row lookup, not counted
   unless it doubles as an unquantized tied head);
 - `roofline_fraction`: tokens_per_s over bandwidth / bytes_per_token;
@@ -81,11 +83,13 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     for prec in order:
         model = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
         generate(model, [Request(ids[0][:8], 2)])  # warm-up
-        tps, conts = [], []
+        tps, e2e, conts = [], [], []
         for p in ids:
             t = time.perf_counter()
             (res,) = generate(model, [Request(p, new_tokens, end_ids=end_ids)])
-            tps.append(len(res.tokens) / (time.perf_counter() - t))
+            e2e.append(len(res.tokens) / (time.perf_counter() - t))
+            decode_s = res.elapsed_s - res.first_token_s
+            tps.append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0 else e2e[-1])
             conts.append(res.tokens)
         if prec == reference:
             ref_cont = conts
@@ -98,7 +102,8 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             agree, total, logp = agree + a, total + len(c), logp + lp
         b = read_bytes(model)
         speed = statistics.median(tps)
-        out[prec] = {"tokens_per_s": speed, "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
+        out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e),
+                     "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
                      "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
         log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "

@@ -155,7 +155,9 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         else:
             report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
         del hf
-        report["peers"].update(gguf_peers(spec, ids, new, log))
+        from pipeline import peers
+
+        report["peers"].update(peers.gguf_peers(spec, ids, new, log))
 
         # 3b. Concurrency curve.
         report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
@@ -197,23 +199,6 @@ def draft_summary(spec: Spec) -> dict:
             "quantization": (cfg["pretrained_config"].get("quantization") or {}).get("quant_algo"),
             "num_draft_tokens": sp.get("num_draft_tokens"), "chosen_by": sp.get("chosen_by"),
             "step_fraction_of_target": sp.get("draft_step_fraction")}
-
-
-def gguf_peers(spec: Spec, ids: list[list[int]], new: int, log) -> dict:
-    """llama.cpp on the target's own GGUF file (its Q4_K_M weights), when `make peers` installed it."""
-    import os
-
-    from pipeline import peers
-
-    gguf = peers.gguf_of(spec)
-    if gguf is None:
-        return {}
-    if not peers.llama_cpp_available():
-        return {"llama_cpp": {"tokens_per_s": None, "note": "llama-cpp-python not installed (make peers)"}}
-    threads = spec.threads or os.cpu_count() or 1
-    # The bindings' prompt-lookup decoding needs logits_all and ran under 1 token/s on the pair here, so the
-    # main job leaves it out; pipeline.peers.llama_cpp_peer(..., lookup_tokens=4) runs it on demand.
-    return {"llama_cpp": peers.llama_cpp_peer(gguf, ids, new, threads, log=log)}
 
 
 def trimmed(spec: Spec) -> list[str]:

@@ -57,6 +57,13 @@ def test_roofline_fraction_is_speed_over_the_bandwidth_limit(table):
         assert e["roofline_fraction"] == pytest.approx(e["tokens_per_s"] * e["bytes_per_token"] / 10e9)
 
 
+def test_speed_is_decode_steps_after_the_first_token_and_end_to_end_is_kept(table):
+    for prec in ("float32", "bfloat16", "int8", "int4"):
+        e = table[prec]
+        assert e["tokens_per_s"] > 0 and e["end_to_end_tokens_per_s"] > 0
+        assert e["tokens_per_s"] != e["end_to_end_tokens_per_s"]  # the prefill is out of the decode rate
+
+
 def test_reference_agrees_with_itself_and_quality_degrades_with_bits(table):
     assert table["reference"] == "float32" and table["float32"]["agreement_vs_reference"] == 1.0
     lp = {p: table[p]["mean_logprob"] for p in ("float32", "bfloat16", "int8", "int4")}
