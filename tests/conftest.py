@@ -132,13 +132,13 @@ def one_thread():
 
 
 def np_unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """Independent reading of the documented layout: in each 32-column block, byte 4p + m holds column
-    4m + p (low nibble) and column 16 + 4m + p (high nibble), both as q + 8."""
+    """Independent reading of the documented layout: each 32-column block is eight little-endian 16-bit
+    words, word i holding column 8m + i in nibble m (bits 4m..4m+3), as q + 8."""
     n, half = packed.shape
-    b = packed.reshape(n, half // 16, 16).astype(np.int64)
+    words = packed.reshape(n, half // 16, 8, 2).astype(np.int64)
+    words = words[..., 0] | (words[..., 1] << 8)  # [n, blocks, 8]
     out = np.zeros((n, half // 16, 32), dtype=np.int64)
-    for byte in range(16):
-        p, m = divmod(byte, 4)
-        out[:, :, 4 * m + p] = b[:, :, byte] & 15
-        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
+    for i in range(8):
+        for m in range(4):
+            out[:, :, 8 * m + i] = (words[:, :, i] >> (4 * m)) & 15
     return out.reshape(n, half * 2) - 8

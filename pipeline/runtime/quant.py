@@ -3,13 +3,14 @@
 Decoding reads every weight once per token, so bytes per weight set the speed. `int8` keeps one fp32
 scale per output row (symmetric, q in [-127, 127]); `int4` keeps one fp32 scale per `group_size`
 input columns of each row (symmetric, q in [-7, 7], stored as q + 8 in a nibble). Activations stay
-fp32: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`).
+fp32 between layers: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`); for
+int4 (as for bf16 weights) it rounds each activation row to bf16 at the matmul, for vdpbf16ps.
 
-int4 packing, per row and per block of 32 columns (16 bytes): byte 4p + m (p, m in 0..3) holds column
-4m + p in its low nibble and column 16 + 4m + p in its high nibble. Read as four little-endian 32-bit
-words, word p holds in nibble 2m (2m + 1) the column 4m + p (16 + 4m + p), so the kernel gets lanes
-l and l + 16 by shifting the 128-bit block broadcast to lane l / 4 right by 8 (l / 4) bits: no
-cross-lane shuffle.
+int4 packing, per row and per block of 32 columns (16 bytes), read as eight little-endian 16-bit
+words: word i (0..7) holds column 8m + i in nibble m (bits 4m..4m + 3, m in 0..3). So byte 2i holds
+columns i (low nibble) and 8 + i (high), byte 2i + 1 columns 16 + i and 24 + i. The AVX-512 kernel
+broadcasts the block to its four 128-bit lanes, shifts lane m's words right by 4m and looks the low
+nibble up in a table of bf16(u - 8) (vpermw): 32 bf16 weights in column order, as vdpbf16ps takes them.
 
 In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
 plus `P.scales` (fp32 [N] or [N, K / group_size]) instead of `P.weight`; the format is read back from
@@ -26,9 +27,10 @@ import re
 import torch
 from torch import Tensor, nn
 
-# Version of the stored int4 layout (2: the shuffle-free nibble order below; int8 never changed). Engines
-# record it and int4 engines join it to their input hash, so one in an older layout is rebuilt, never misread.
-FORMAT = "qlinear/2"
+# Version of the stored int4 layout (3: the word-nibble order above, for the bf16 dot-product kernel; 2 was
+# a byte order for fp32 lanes; int8 never changed). Engines record it and int4 engines join it to their
+# input hash, so one in an older layout is rebuilt, never misread.
+FORMAT = "qlinear/3"
 
 
 def layout_tag(algo: str) -> tuple[str, ...]:
@@ -43,8 +45,8 @@ LINEAR = re.compile(r"^(layers\.\d+\.(wqkv|wo|w13|w2)|lm_head)\.weight$")
 
 
 # Column of each int4 byte's low / high nibble within a 32-column block (see the module docstring).
-_LO = torch.tensor([4 * (b % 4) + b // 4 for b in range(16)])
-_HI = _LO + 16
+_LO = torch.tensor([16 * (b % 2) + b // 2 for b in range(16)])
+_HI = _LO + 8
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
