@@ -235,6 +235,17 @@ def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
         assert torch.equal(part, out[:s])
 
 
+def test_the_avx512_build_needs_avx512_bf16(monkeypatch, caplog):
+    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base | {"avx512_bf16"})
+    assert kernels.supported_isas() == ["avx512", "avx2"]
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base)
+    monkeypatch.setattr(kernels, "_warned_bf16", [])
+    with caplog.at_level("INFO", logger="pipeline.kernels"):
+        assert kernels.supported_isas() == ["avx2"]
+    assert "AVX512_BF16" in caplog.text
+
+
 def test_configure_threads_sets_torch_and_the_kernels(threads):
     kernels.configure_threads(1)
     assert torch.get_num_threads() == 1 and kernels.threads() == 1
