@@ -66,9 +66,7 @@ def to_old_int4(state: dict) -> dict:
     for k, v in state.items():
         if k.endswith(".qweight") and v.dtype == torch.uint8:
             n, half = v.shape
-            b = v.view(n, half // 16, 16)
-            u = torch.empty(n, half // 16, 32, dtype=torch.uint8)
-            u[..., quant._LO], u[..., quant._HI] = b & 15, b >> 4
+            u = quant.unpack_int4(v).view(n, half // 16, 32)
             out[k] = (u[..., OLD_LO] | (u[..., OLD_LO + 16] << 4)).reshape(n, half).contiguous()
     return out
 

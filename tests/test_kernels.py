@@ -163,6 +163,25 @@ def test_bf16_dot_products_agree_between_builds_on_random_shapes_rows_and_thread
 
 
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
+@pytest.mark.parametrize("k,gs", [(32, 32), (96, 32), (128, 128), (160, 32), (192, 64), (448, 64), (416, 32)])
+def test_int4_superblocks_and_block_tails_agree_and_match_the_reference(k, gs):
+    # Columns below K - K % 128 are stored in 128-column superblocks, the rest in 32-column blocks.
+    w, ref_w = weights("int4", 37, k, seed=k, group_size=gs)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
+    prev = kernels.set_path("avx512")
+    try:
+        a = kernels.linear(x, w)
+        kernels.set_path("avx2")
+        b = kernels.linear(x, w)
+    finally:
+        kernels.set_path(prev)
+    assert torch.equal(a, b)
+    ref = np_bf16(x.numpy()) @ ref_w.T
+    bound = (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+    assert (np.abs(a.double().numpy() - ref) <= bound).all()
+
+
+@pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
 def test_builds_agree_on_adversarial_bf16_inputs(threads):
     # Cancellation, wide exponent spread, tiny (denormal once rounded or multiplied) and huge values: the
     # flush-to-zero and double rounding of vdpbf16ps must be emulated exactly by the AVX2 build.
