@@ -132,13 +132,20 @@ def one_thread():
 
 
 def np_unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """Independent reading of the documented layout: in each 32-column block, byte 4p + m holds column
-    4m + p (low nibble) and column 16 + 4m + p (high nibble), both as q + 8."""
+    """Independent reading of the documented layout, as q = u - 8: a row is read as little-endian 16-bit
+    words; the first K - K % 128 columns are superblocks of 32 words (word i holds column 32m + i in
+    nibble m, bits 4m..4m+3), the rest blocks of 8 words (word i holds column 8m + i in nibble m)."""
     n, half = packed.shape
-    b = packed.reshape(n, half // 16, 16).astype(np.int64)
-    out = np.zeros((n, half // 16, 32), dtype=np.int64)
-    for byte in range(16):
-        p, m = divmod(byte, 4)
-        out[:, :, 4 * m + p] = b[:, :, byte] & 15
-        out[:, :, 16 + 4 * m + p] = b[:, :, byte] >> 4
-    return out.reshape(n, half * 2) - 8
+    k = 2 * half
+    words = packed.astype(np.int64).reshape(n, half // 2, 2)
+    words = words[..., 0] | (words[..., 1] << 8)  # [n, K / 4]
+    out = np.zeros((n, k), dtype=np.int64)
+    col, w = 0, 0
+    while col < k:
+        width = 128 if k - col >= 128 else 32
+        nw = width // 4
+        for i in range(nw):
+            for m in range(4):
+                out[:, col + nw * m + i] = (words[:, w + i] >> (4 * m)) & 15
+        col, w = col + width, w + nw
+    return out - 8

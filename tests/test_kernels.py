@@ -1,7 +1,11 @@
 """The skinny C matmul for fp32, bf16, int8 and int4 weights: each output element has one value whatever
 the number of rows in the call (bitwise, past 32 rows and across row chunks), the AVX-512 and AVX2
 builds agree bit for bit, results stay within a float64 error bound computed here from the
-arithmetic (not from the code's constants), and the torch fallback agrees within 1e-4."""
+arithmetic (not from the code's constants), and the torch fallback agrees within 1e-4.
+
+bf16 and int4 weights multiply activations rounded to bf16 (round to nearest even, denormals to zero),
+by pairs of fused products as vdpbf16ps: the reference rounds x the same way, in numpy, and the
+unrounded product is checked too, within the bf16 rounding of x."""
 
 from __future__ import annotations
 
@@ -22,6 +26,16 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler o
 KINDS = ["float32", "bfloat16", "int8", "int4"]
 ROWS = [1, 2, 5, 7, 33, 65]
 U = 2.0 ** -24  # fp32 unit roundoff
+UB = 2.0 ** -9  # bf16 unit roundoff
+DOT_BF16 = ("bfloat16", "int4")  # weight kinds whose kernel rounds x to bf16
+
+
+def np_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 -> float64 in numpy: round to nearest even on the bits, denormals to signed zero."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    r = np.where((u & 0x7F800000) == 0, (u >> 16) & 0x8000, r)
+    return (r.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
@@ -63,11 +77,17 @@ def test_kernel_matches_float64_reference_within_the_fp32_error_bound(kind, rows
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     got = kernels.linear(x, w).double().numpy()
     xd = x.double().numpy()
-    ref = xd @ ref_w.T
+    xr = np_bf16(x.numpy()) if kind in DOT_BF16 else xd
+    ref = xr @ ref_w.T
     # Sum of k products in fp32 (plus one rounding of each dequantized weight and of the int8 scale):
     # |error| <= (k + 2) u sum |x||w| to first order.
-    bound = (k + 2) * U * (np.abs(xd) @ np.abs(ref_w).T) * 1.01
+    mass = np.abs(xd) @ np.abs(ref_w).T
+    bound = (k + 2) * U * mass * 1.01
     assert (np.abs(got - ref) <= bound).all(), float((np.abs(got - ref) / bound).max())
+    if kind in DOT_BF16:
+        # Against the unrounded x: each x moved by at most UB |x|.
+        loose = (UB + (k + 2) * U) * mass * 1.01
+        assert (np.abs(got - xd @ ref_w.T) <= loose).all()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,6 +131,78 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):
     assert torch.equal(a, b)
 
 
+@pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
+@pytest.mark.parametrize("kind", DOT_BF16)
+@pytest.mark.parametrize("seed", range(6))
+def test_bf16_dot_products_agree_between_builds_on_random_shapes_rows_and_threads(kind, seed, threads):
+    # vdpbf16ps (AVX-512) against its two-FMA emulation (AVX2): random shapes incl. K tails (bf16), every
+    # row count 1..40, both thread counts, and each row equal to that row computed alone.
+    rng = np.random.default_rng(seed)
+    gs = int(rng.choice([32, 64, 128]))
+    k = gs * int(rng.integers(1, 5)) if kind == "int4" else int(rng.integers(1, 300))
+    n = int(rng.integers(1, 90))
+    w, ref_w = weights(kind, n, k, seed=seed, group_size=gs)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32) * np.float32(rng.choice([1e-3, 1, 50])))
+    out = {}
+    prev = kernels.set_path("avx512")
+    try:
+        for isa in ("avx512", "avx2"):
+            kernels.set_path(isa)
+            for nt in (1, 2):
+                kernels.configure_threads(nt)
+                out[isa, nt] = [kernels.linear(x[:s], w) for s in range(1, 41)]
+    finally:
+        kernels.set_path(prev)
+    base = out["avx512", 1][-1]
+    for key, ys in out.items():
+        for s, y in enumerate(ys, start=1):
+            assert torch.equal(y, base[:s]), (kind, k, n, key, s)
+    ref = np_bf16(x.numpy()) @ ref_w.T
+    bound = (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+    assert (np.abs(base.double().numpy() - ref) <= bound).all()
+
+
+@pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
+@pytest.mark.parametrize("k,gs", [(32, 32), (96, 32), (128, 128), (160, 32), (192, 64), (448, 64), (416, 32)])
+def test_int4_superblocks_and_block_tails_agree_and_match_the_reference(k, gs):
+    # Columns below K - K % 128 are stored in 128-column superblocks, the rest in 32-column blocks.
+    w, ref_w = weights("int4", 37, k, seed=k, group_size=gs)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
+    prev = kernels.set_path("avx512")
+    try:
+        a = kernels.linear(x, w)
+        kernels.set_path("avx2")
+        b = kernels.linear(x, w)
+    finally:
+        kernels.set_path(prev)
+    assert torch.equal(a, b)
+    ref = np_bf16(x.numpy()) @ ref_w.T
+    bound = (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+    assert (np.abs(a.double().numpy() - ref) <= bound).all()
+
+
+@pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
+def test_builds_agree_on_adversarial_bf16_inputs(threads):
+    # Cancellation, wide exponent spread, tiny (denormal once rounded or multiplied) and huge values: the
+    # flush-to-zero and double rounding of vdpbf16ps must be emulated exactly by the AVX2 build.
+    g = torch.Generator().manual_seed(11)
+    k, n = 96, 50
+    scale = torch.pow(2.0, torch.randint(-140, 60, (n, k), generator=g).float())
+    w = (torch.randn(n, k, generator=g) * scale).bfloat16()
+    w[:, 0::2] = -w[:, 1::2]  # pairs that cancel
+    x = torch.randn(12, k, generator=g) * torch.pow(2.0, torch.randint(-140, 40, (12, k), generator=g).float())
+    x[3] = 1e-39  # denormal fp32 activations: rounded to zero
+    prev = kernels.set_path("avx512")
+    try:
+        a = kernels.linear(x, w)
+        kernels.set_path("avx2")
+        b = kernels.linear(x, w)
+    finally:
+        kernels.set_path(prev)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert (a[3] == 0).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_fallback_agrees_with_the_kernel(kind):
     n, k = _shape(kind)
@@ -137,7 +229,11 @@ def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
     xd = x.double()
     normed = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) * norm.double()).numpy()
     y = kernels.fused_linear(x, w, norm=norm, eps=eps)
-    assert np.abs(y.double().numpy() - normed @ ref_w.T).max() <= 1e-4 * np.abs(normed @ ref_w.T).max()
+    if kind in DOT_BF16:  # x rounded to bf16 after the norm: within UB |x| per element (plus fp32 sums)
+        bound = (UB + (k + 8) * U) * (np.abs(normed) @ np.abs(ref_w).T) * 1.01
+        assert (np.abs(y.double().numpy() - normed @ ref_w.T) <= bound).all()
+    else:
+        assert np.abs(y.double().numpy() - normed @ ref_w.T).max() <= 1e-4 * np.abs(normed @ ref_w.T).max()
     for s in (1, 7, 33):
         assert torch.equal(kernels.fused_linear(x[:s].contiguous(), w, norm=norm, eps=eps), y[:s])
     gu = torch.randn(40, 2 * k, generator=g)
@@ -147,11 +243,26 @@ def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
     out = base.clone()
     kernels.fused_linear(gu, w, swiglu=True, out=out)
     want = base.double().numpy() + act @ ref_w.T
-    assert np.abs(out.double().numpy() - want).max() <= 1e-4 * np.abs(want).max()
+    if kind in DOT_BF16:
+        bound = (UB + (k + 8) * U) * (np.abs(act) @ np.abs(ref_w).T + np.abs(want)) * 1.01
+        assert (np.abs(out.double().numpy() - want) <= bound).all()
+    else:
+        assert np.abs(out.double().numpy() - want).max() <= 1e-4 * np.abs(want).max()
     for s in (1, 6, 35):
         part = base[:s].clone()
         kernels.fused_linear(gu[:s].contiguous(), w, swiglu=True, out=part)
         assert torch.equal(part, out[:s])
+
+
+def test_the_avx512_build_needs_avx512_bf16(monkeypatch, caplog):
+    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base | {"avx512_bf16"})
+    assert kernels.supported_isas() == ["avx512", "avx2"]
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base)
+    monkeypatch.setattr(kernels, "_warned_bf16", [])
+    with caplog.at_level("INFO", logger="pipeline.kernels"):
+        assert kernels.supported_isas() == ["avx2"]
+    assert "AVX512_BF16" in caplog.text
 
 
 def test_configure_threads_sets_torch_and_the_kernels(threads):

@@ -1,13 +1,16 @@
 """The skinny CPU matmul (skinny.c), compiled on first use with the system C compiler.
 
-It is built for AVX-512 when the CPU has it (avx512f/bw/vl/dq), else for AVX2 + FMA; both builds
+It is built for AVX-512 when the CPU has it (avx512f/bw/vl/dq and avx512_bf16, whose vdpbf16ps
+the bf16 and int4 weights use), else for AVX2 + FMA (which emulates vdpbf16ps exactly); both builds
 compute every output element by the same instruction sequence (see skinny.c), so they agree bit for
 bit. Without a compiler or either instruction set, `linear` falls back to torch (same results within
 1e-4) and the model runs its torch layers. Nothing falls back silently: a failed compile or a missing
 CPU feature is logged once (logger `pipeline.kernels`), and `path()` names what runs ("avx512",
 "avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch` forces a path.
 
-Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4), decoded in registers.
+Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4), decoded in registers. With
+bf16 and int4 weights each activation row is rounded to bf16 at the matmul (vdpbf16ps takes bf16 pairs);
+fp32 and int8 weights multiply fp32 activations.
 Any number of token rows goes through the kernel, so decoding, verification, trees and prefill all
 compute each output element the same way.
 """
@@ -28,13 +31,14 @@ import torch
 import torch.nn.functional as F
 
 SRC = Path(__file__).with_name("skinny.c")
-ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
              "avx2": ["-mavx2", "-mfma"]}
 WT = {torch.float32: 0, torch.bfloat16: 1}  # skinny.c's WT_F32, WT_BF16; int8 = 2, int4 = 3
 log = logging.getLogger("pipeline.kernels")
 _libs: dict[str, ctypes.CDLL | None] = {}
 _lib = None
 _path: str | None = None
+_warned_bf16: list[bool] = []
 
 
 def _cpu_flags() -> set[str]:
@@ -55,7 +59,11 @@ def supported_isas() -> list[str]:
     f = _cpu_flags()
     out = []
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= f:
-        out.append("avx512")
+        if "avx512_bf16" in f:
+            out.append("avx512")
+        elif not _warned_bf16:
+            _warned_bf16.append(True)
+            log.info("this CPU has AVX-512 but not AVX512_BF16 (vdpbf16ps): the skinny kernel runs its AVX2 build")
     if {"avx2", "fma"} <= f:
         out.append("avx2")
     return out
@@ -176,8 +184,15 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
     return w.data_ptr(), None, WT[w.dtype], 0, w.shape[0], w.shape[1]
 
 
+def _dot_bf16(w) -> bool:
+    """True for the weights the kernel multiplies by bf16 dot products (bf16, int4): x is rounded to bf16."""
+    return w.algo == "int4" if _quantized(w) else w.dtype == torch.bfloat16
+
+
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
     weight = w.weight if _quantized(w) else w
+    if x.dtype == torch.float32 and x.device.type == "cpu" and _dot_bf16(w):
+        x = x.bfloat16().float()  # the kernel's rounding of the activations (skinny.c), so both paths agree
     return F.linear(x, weight.to(device=x.device, dtype=x.dtype))
 
 

@@ -213,7 +213,7 @@ class Transformer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Activations (and the KV cache) are fp32 on CPU, where bf16 weights are widened in the kernel."""
+        """Activations (and the KV cache) are fp32 on CPU; bf16 / int4 matmuls round them to bf16."""
         p = self.embed.weight
         return torch.float32 if p.device.type == "cpu" else p.dtype
 

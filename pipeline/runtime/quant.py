@@ -3,13 +3,15 @@
 Decoding reads every weight once per token, so bytes per weight set the speed. `int8` keeps one fp32
 scale per output row (symmetric, q in [-127, 127]); `int4` keeps one fp32 scale per `group_size`
 input columns of each row (symmetric, q in [-7, 7], stored as q + 8 in a nibble). Activations stay
-fp32: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`).
+fp32 between layers: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`); for
+int4 (as for bf16 weights) it rounds each activation row to bf16 at the matmul, for vdpbf16ps.
 
-int4 packing, per row and per block of 32 columns (16 bytes): byte 4p + m (p, m in 0..3) holds column
-4m + p in its low nibble and column 16 + 4m + p in its high nibble. Read as four little-endian 32-bit
-words, word p holds in nibble 2m (2m + 1) the column 4m + p (16 + 4m + p), so the kernel gets lanes
-l and l + 16 by shifting the 128-bit block broadcast to lane l / 4 right by 8 (l / 4) bits: no
-cross-lane shuffle.
+int4 packing, per row: the first K - K % 128 columns in superblocks of 128 columns (64 bytes), read as 32
+little-endian 16-bit words: word i (0..31) holds column 32m + i in nibble m (bits 4m..4m + 3, m in 0..3).
+The K % 128 columns left (a multiple of 32) come in blocks of 32 columns (16 bytes = 8 words): word i
+holds column 8m + i in nibble m. The AVX-512 kernel shifts a superblock's words right by 4m and looks the
+low nibble up in a table of bf16(u - 8) (vpermw): 32 bf16 weights of columns 32m.. in order, as vdpbf16ps
+takes them; a 32-column block is broadcast to the four 128-bit lanes, lane m shifted by 4m.
 
 In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
 plus `P.scales` (fp32 [N] or [N, K / group_size]) instead of `P.weight`; the format is read back from
@@ -26,9 +28,10 @@ import re
 import torch
 from torch import Tensor, nn
 
-# Version of the stored int4 layout (2: the shuffle-free nibble order below; int8 never changed). Engines
-# record it and int4 engines join it to their input hash, so one in an older layout is rebuilt, never misread.
-FORMAT = "qlinear/2"
+# Version of the stored int4 layout (3: the word-nibble orders above, for the bf16 dot-product kernel; 2 was
+# a byte order for fp32 lanes; int8 never changed). Engines record it and int4 engines join it to their
+# input hash, so one in an older layout is rebuilt, never misread.
+FORMAT = "qlinear/3"
 
 
 def layout_tag(algo: str) -> tuple[str, ...]:
@@ -42,9 +45,30 @@ GROUP_SIZES = (32, 64, 128)
 LINEAR = re.compile(r"^(layers\.\d+\.(wqkv|wo|w13|w2)|lm_head)\.weight$")
 
 
-# Column of each int4 byte's low / high nibble within a 32-column block (see the module docstring).
-_LO = torch.tensor([4 * (b % 4) + b // 4 for b in range(16)])
-_HI = _LO + 16
+_NIBBLES: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def nibble_columns(K: int) -> tuple[Tensor, Tensor]:
+    """(column of each packed byte's low nibble, of its high nibble) for rows of K columns (module docstring)."""
+    if K not in _NIBBLES:
+        lo = []
+        K128 = K - K % 128
+        for base in range(0, K128, 128):  # byte 2i + h holds nibbles 2h, 2h + 1 of word i
+            lo += [base + 64 * (j % 2) + j // 2 for j in range(64)]
+        for base in range(K128, K, 32):
+            lo += [base + 16 * (j % 2) + j // 2 for j in range(16)]
+        lo_t = torch.tensor(lo)
+        _NIBBLES[K] = (lo_t, lo_t + torch.where(lo_t < K128, 32, 8))
+    return _NIBBLES[K]
+
+
+def unpack_int4(qweight: Tensor) -> Tensor:
+    """uint8 [N, K / 2] packed int4 -> u = q + 8, uint8 [N, K]."""
+    N, half = qweight.shape
+    lo, hi = nibble_columns(2 * half)
+    u = torch.empty(N, 2 * half, dtype=torch.uint8, device=qweight.device)
+    u[:, lo.to(qweight.device)], u[:, hi.to(qweight.device)] = qweight & 15, qweight >> 4
+    return u
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -65,21 +89,18 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     wf = w.detach().float().view(N, K // group_size, group_size)
     amax = wf.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
-    u = (torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K // 32, 32) + 8).to(torch.uint8)
-    packed = u[..., _LO] | (u[..., _HI] << 4)
-    return packed.reshape(N, K // 2).contiguous(), scale.contiguous()
+    u = (torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8).to(torch.uint8)
+    lo, hi = nibble_columns(K)
+    packed = u[:, lo.to(u.device)] | (u[:, hi.to(u.device)] << 4)
+    return packed.contiguous(), scale.contiguous()
 
 
 def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does)."""
     if qweight.dtype == torch.int8:
         return qweight.float() * scales[:, None]
-    N = qweight.shape[0]
     K = qweight.shape[1] * 2
-    b = qweight.view(N, K // 32, 16)
-    u = torch.empty(N, K // 32, 32, dtype=torch.uint8, device=qweight.device)
-    u[..., _LO], u[..., _HI] = b & 15, b >> 4
-    return (u.view(N, K).float() - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
+    return (unpack_int4(qweight).float() - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
 
 
 def algo_of(qweight: Tensor) -> str:

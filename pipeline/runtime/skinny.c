@@ -6,18 +6,33 @@
 // so verifying k+1 tokens costs about what decoding one does.
 //
 // Weights are fp32, bf16, int8 (per output row scale) or int4 (scale per group of input columns, two
-// nibbles per byte), decoded to fp32 in registers. Each output element is computed by one fixed
-// instruction sequence whatever the number of rows in the call, the tile it falls in or the thread
-// count: 16 fp32 lanes accumulate k = l, l + 16, ... (lane l) by fused multiply-add, the lanes are
-// summed by a fixed tree, the K % 16 tail is added by scalar fmaf, and an int8 row is scaled last
-// (int4: each lane sums (u - 8) x over a group, then adds scale * that partial sum).
-// So speculative verification, trees, batches and prefill see bit-identical logits to plain decoding.
-// This file is compiled twice: with AVX-512 (one zmm per 16 lanes) and with AVX2 (two ymm); both
-// implement the same sequence, so the two builds agree bit for bit as well.
+// nibbles per byte). Each output element is computed by one fixed instruction sequence whatever the
+// number of rows in the call, the tile it falls in or the thread count, so speculative verification,
+// trees, batches and prefill see bit-identical logits to plain decoding.
+//
+// fp32 and int8 weights: decoded to fp32 in registers; 16 fp32 lanes accumulate k = l, l + 16, ...
+// (lane l) by fused multiply-add, the lanes are summed by a fixed tree, the K % 16 tail is added by
+// scalar fmaf, and an int8 row is scaled last.
+//
+// bf16 and int4 weights (bf16 dot products): each row of x is rounded to bf16 once per call (round to
+// nearest even, denormals to signed zero, NaN quieted: what vcvtneps2bf16 does) and zero-padded to a
+// multiple of 32 columns. Lane j (0..15) of a 32-column block accumulates, in this order,
+//     acc = RN(acc + w[2j + 1] x[2j + 1]);  acc = RN(acc + w[2j] x[2j])
+// with exact products, denormal inputs read as zero and denormal results flushed to signed zero: that is
+// vdpbf16ps (AVX512_BF16), measured bitwise on this CPU (AMD Zen 4) against a float128 model and against
+// the two-FMA emulation below on 16M random and adversarial lanes (cancellation, exponent spread,
+// denormals, overflow; only NaN payloads differ). int4 nibbles are looked up into bf16(u - 8), exactly.
+// The lanes are summed by the same fixed tree; int4 lanes sum a group, then add scale * partial sum.
+// These two weight types run with MXCSR FTZ|DAZ in both builds (set and restored per call and thread).
+//
+// This file is compiled twice: with AVX-512 (+ AVX512_BF16: one zmm per 16 lanes, vdpbf16ps) and with
+// AVX2 (two ymm; the dot product as two FMAs under FTZ|DAZ); both implement the same sequence, so the
+// two builds agree bit for bit as well.
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
+#include <stdlib.h>
 
 enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3 };
 
@@ -38,36 +53,76 @@ static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float f) { return _mm512_set1_ps(f); }
 static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_loadf(const float *p) { return _mm512_loadu_ps(p); }
-static inline v16 v_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 static inline v16 v_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
-// One 32-column int4 block (16 bytes, layout in skinny_matmul's comment) -> u - 8 for columns k..k+15
-// (lo) and k+16..k+31 (hi), exact small integers in fp32. The block is broadcast to the four 128-bit
-// lanes, each lane shifts its own nibbles down (vpsrlvd, no cross-lane shuffle) and vpermps looks the
-// low 4 bits up in the table u - 8: this keeps the conversion off the FP pipes, which the FMAs fill
-// (converting with cvtdq2ps or a 2^23 bias made one-token int4 steps no faster than int8 on this CPU).
-static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
-    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512i l = _mm512_srlv_epi32(b, sh);
-    *lo = _mm512_permutexvar_ps(l, tab);  // only the low 4 bits of each index are used
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(l, 4), tab);
-}
 static inline float v_hsum(v16 a) {
     __m256 lo = _mm512_castps512_ps256(a);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
     return hsum256(_mm256_add_ps(lo, hi));
 }
-// Weight rows per tile for a token group of g rows (32 zmm registers: accumulators R*g, decoded weights;
-// int4 also holds a group's partial sums, R*g more).
+// Weight rows per tile for a token group of g rows, fp32 / int8 weights (32 zmm registers: accumulators
+// R*g, decoded weights).
 static const int R_FOR_G[7] = {0, 8, 6, 4, 4, 3, 3};
-static const int R4_FOR_G[7] = {0, 6, 4, 3, 2, 2, 2};
-// Every (R, g) that rows() asks for: R_FOR_G[g] or R4_FOR_G[g] with groups of g and g - 1 rows, and R = 1.
-#define TILE_CASES(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(3, 5) T(3, 4) T(3, 6) \
-                      T(4, 1) T(3, 3) T(3, 2) T(2, 4) T(2, 3) T(2, 5) T(2, 6) \
-                      T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+// Every (R, g) that rows() asks for: R_FOR_G[g] (RB_, RQ_ below) with groups of g and g - 1 rows, and R = 1.
+#define TILE_CASES_F(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(3, 5) T(3, 4) T(3, 6) \
+                        T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#define TILE_CASES_B(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(4, 5) T(4, 6) \
+                        T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#define TILE_CASES_Q(T) T(8, 1) T(5, 2) T(5, 1) T(3, 3) T(3, 2) T(3, 4) T(2, 5) T(2, 4) T(2, 6) \
+                        T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+// bf16 dot products. wv32 / xv32: 32 bf16 weights / activations (column 2j in the low half of lane j).
+#if !defined(__AVX512BF16__)
+#error "the AVX-512 build needs AVX512_BF16 (-mavx512bf16)"
+#endif
+typedef __m512i wv32;
+typedef __m512i xv32;
+typedef uint16_t xq_t;  // rounded activations as stored: bf16
+static inline wv32 w_bf16(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline wv32 w_bf16_tail(const uint16_t *p, int n) {
+    return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), (const void *)p);
+}
+static inline xv32 x_load(const xq_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline v16 v_dp(v16 acc, wv32 w, xv32 x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+// bf16(u - 8) for u = 0..15, twice: vpermw reads the low 5 bits of each index, bit 4 is a neighbour's bit.
+static const uint16_t U4_BF16[32] __attribute__((aligned(64))) = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+static const uint16_t U4_SHIFT[32] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12};
+// One 32-column int4 block (16 bytes = 8 words; word i holds column 8m + i in nibble m) -> 32 bf16 in
+// column order: the block is broadcast to the four 128-bit lanes, lane m shifts its words right by 4m
+// (vpsrlvw) and vpermw looks the low nibble up in U4_BF16. No cross-lane shuffle besides the lookup.
+static inline wv32 w_u4(const uint8_t *p) {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+    const __m512i sh = _mm512_load_si512((const void *)U4_SHIFT), tab = _mm512_load_si512((const void *)U4_BF16);
+    return _mm512_permutexvar_epi16(_mm512_srlv_epi16(b, sh), tab);
+}
+// Chunk m (columns 32m..32m + 31) of a 128-column int4 superblock (64 bytes = 32 words; word i holds column
+// 32m + i in nibble m): one plain load, a shift and the lookup, no broadcast (a broadcast load costs a
+// shuffle on this CPU: the per-32-column blocks above made one-token int4 matmuls ~9% slower).
+static inline wv32 w_u4s(const uint8_t *p, const int m) {
+    const __m512i tab = _mm512_load_si512((const void *)U4_BF16);
+    return _mm512_permutexvar_epi16(_mm512_srli_epi16(_mm512_loadu_si512((const void *)p), 4 * m), tab);
+}
+// x row -> bf16, padded with zeros to Kp (a multiple of 32) columns: vcvtneps2bf16.
+static void x_round(const float *x, xq_t *out, int K, int Kp) {
+    int k = 0;
+    for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+    if (k < K) {
+        __m512 t = _mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), x + k);
+        _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(t));
+        k += 16;
+    }
+    for (; k < Kp; k++) out[k] = 0;
+}
+// Weight rows per tile for a token group of g rows, bf16 dot products (accumulators R*g, R weight
+// vectors, one x vector) and int4 (R*g more for a group's partial sums, the lookup table and shifts).
+// (Measured, one thread, a Qwen2.5-1.5B layer: 6 rows x 3 tokens streamed 15% slower than 4 x 3.)
+static const int RB_FOR_G[7] = {0, 8, 6, 4, 4, 4, 4};
+static const int RQ_FOR_G[7] = {0, 8, 5, 3, 3, 2, 2};
+
 #else
 #define ISA_NAME "avx2"
 typedef struct { __m256 a, b; } v16;
@@ -78,32 +133,106 @@ static inline v16 v_fma(v16 a, v16 b, v16 c) {
     return r;
 }
 static inline v16 v_loadf(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
-static inline __m256 bf8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline v16 v_bf16(const uint16_t *p) { v16 r = {bf8(p), bf8(p + 8)}; return r; }
 static inline __m256 i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 static inline v16 v_i8(const int8_t *p) { v16 r = {i8x8(p), i8x8(p + 8)}; return r; }
-// As the AVX-512 v_u4, with the block broadcast to both 128-bit halves of two ymm registers.
-static inline __m256 u4_8(__m256i v, __m256i m15, __m256i magic, __m256 off) {
-    return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, m15), magic)), off);
-}
-static inline void v_u4(const uint8_t *p, v16 *lo, v16 *hi) {
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m256i m15 = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
-    const __m256 off = _mm256_set1_ps(8388616.0f);
-    __m256i la = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8));
-    __m256i lb = _mm256_srlv_epi32(b, _mm256_setr_epi32(16, 16, 16, 16, 24, 24, 24, 24));
-    lo->a = u4_8(la, m15, magic, off), lo->b = u4_8(lb, m15, magic, off);
-    hi->a = u4_8(_mm256_srli_epi32(la, 4), m15, magic, off), hi->b = u4_8(_mm256_srli_epi32(lb, 4), m15, magic, off);
-}
 static inline float v_hsum(v16 a) { return hsum256(_mm256_add_ps(a.a, a.b)); }
 // 16 ymm registers, two per 16-lane accumulator.
 static const int R_FOR_G[7] = {0, 3, 2, 1, 1, 1, 1};
-static const int R4_FOR_G[7] = {0, 1, 1, 1, 1, 1, 1};
-#define TILE_CASES(T) T(3, 1) T(2, 2) T(2, 1) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#define TILE_CASES_F(T) T(3, 1) T(2, 2) T(2, 1) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#define TILE_CASES_B(T) T(2, 1) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+#define TILE_CASES_Q(T) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
+// bf16 dot products emulated: per lane, two FMAs (odd column first) on the bf16 values widened to fp32,
+// under MXCSR FTZ|DAZ, which is vdpbf16ps bit for bit (see the header). o*: odd columns 2j + 1, e*: even
+// columns 2j, a: lanes 0..7, b: lanes 8..15.
+typedef struct { __m256 oa, ob, ea, eb; } wv32;
+typedef wv32 xv32;
+typedef float xq_t;  // rounded activations as stored: fp32, each 32-column block as oa ob ea eb
+static inline wv32 w_split(__m256i a, __m256i b) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000);
+    wv32 r = {_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi)),
+              _mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+    return r;
+}
+static inline wv32 w_bf16(const uint16_t *p) {
+    return w_split(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 16)));
+}
+static inline wv32 w_bf16_tail(const uint16_t *p, int n) {
+    uint16_t t[32] = {0};
+    memcpy(t, p, 2 * (size_t)n);
+    return w_bf16(t);
+}
+static inline xv32 x_load(const xq_t *p) {
+    xv32 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+    return r;
+}
+static inline v16 v_dp(v16 acc, wv32 w, xv32 x) {
+    acc.a = _mm256_fmadd_ps(w.oa, x.oa, acc.a);
+    acc.a = _mm256_fmadd_ps(w.ea, x.ea, acc.a);
+    acc.b = _mm256_fmadd_ps(w.ob, x.ob, acc.b);
+    acc.b = _mm256_fmadd_ps(w.eb, x.eb, acc.b);
+    return acc;
+}
+// As the AVX-512 w_u4: lane j needs columns 2j, 2j + 1 = words 2 (j % 4), 2 (j % 4) + 1, i.e. dword j % 4,
+// nibble j / 4 of each half: broadcast the block to both 128-bit halves, shift dwords right by 4 (j / 4).
+static inline __m256 u4f(__m256i v) {  // low 4 bits u -> u - 8 in fp32, exact
+    const __m256i m15 = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(0x4B000000);
+    return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, m15), magic)),
+                         _mm256_set1_ps(8388616.0f));
+}
+static inline wv32 w_u4(const uint8_t *p) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i la = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    __m256i lb = _mm256_srlv_epi32(b, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12));
+    wv32 r = {u4f(_mm256_srli_epi32(la, 16)), u4f(_mm256_srli_epi32(lb, 16)), u4f(la), u4f(lb)};
+    return r;
+}
+// As the AVX-512 w_u4s: lane j needs columns 32m + 2j, 32m + 2j + 1 = nibble m of words 2j, 2j + 1, i.e. of
+// dword j, bits 4m and 16 + 4m.
+static inline wv32 w_u4s(const uint8_t *p, const int m) {
+    __m256i la = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)p), 4 * m);
+    __m256i lb = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)), 4 * m);
+    wv32 r = {u4f(_mm256_srli_epi32(la, 16)), u4f(_mm256_srli_epi32(lb, 16)), u4f(la), u4f(lb)};
+    return r;
+}
+// fp32 -> bf16 as vcvtneps2bf16: round to nearest even, NaN -> quiet NaN, denormal -> signed zero; returned
+// as the fp32 value (bf16 << 16) in each 32-bit lane.
+static inline __m256i bf16_round8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i top = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                   _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7F800000));
+    const __m256i den = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+    r = _mm256_blendv_epi8(r, _mm256_and_si256(top, _mm256_set1_epi32(0x8000)), den);
+    return _mm256_slli_epi32(r, 16);
+}
+static void x_round(const float *x, xq_t *out, int K, int Kp) {
+    float t[32];
+    for (int k0 = 0; k0 < Kp; k0 += 32) {
+        const float *src = x + k0;
+        if (k0 + 32 > K) {
+            for (int k = 0; k < 32; k++) t[k] = k0 + k < K ? x[k0 + k] : 0.f;
+            src = t;
+        }
+        // pairs (2j, 2j + 1) of columns: odd to lane j of oa/ob, even to ea/eb
+        const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        for (int h = 0; h < 2; h++) {
+            __m256i p0 = _mm256_permutevar8x32_epi32(bf16_round8(_mm256_loadu_ps(src + 16 * h)), perm);
+            __m256i p1 = _mm256_permutevar8x32_epi32(bf16_round8(_mm256_loadu_ps(src + 16 * h + 8)), perm);
+            // p0 = [e0..e3 | o0..o3] of lanes 8h..8h+3, p1 the same for lanes 8h+4..8h+7
+            __m256i ev = _mm256_permute2x128_si256(p0, p1, 0x20), od = _mm256_permute2x128_si256(p0, p1, 0x31);
+            _mm256_storeu_si256((__m256i *)(out + k0 + 8 * h), od);
+            _mm256_storeu_si256((__m256i *)(out + k0 + 16 + 8 * h), ev);
+        }
+    }
+}
+static const int RB_FOR_G[7] = {0, 2, 1, 1, 1, 1, 1};
+static const int RQ_FOR_G[7] = {0, 1, 1, 1, 1, 1, 1};
+
 #endif
 
 const char *skinny_isa(void) { return ISA_NAME; }
@@ -118,24 +247,58 @@ static inline int64_t row_bytes(int K, int wt) {
     return wt == WT_F32 ? 4 * (int64_t)K : wt == WT_BF16 ? 2 * (int64_t)K : wt == WT_I8 ? (int64_t)K : (int64_t)K / 2;
 }
 
-// One weight element, for the K % 16 tail (never reached for int4, whose K is a multiple of 32).
+// One weight element, for the K % 16 tail of fp32 / int8 rows.
 static inline float w1(const void *w, int64_t row, int64_t k, int K, int wt) {
     if (wt == WT_F32) return ((const float *)w)[row * K + k];
-    if (wt == WT_BF16) {
-        uint32_t u = ((uint32_t)((const uint16_t *)w)[row * K + k]) << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
     return (float)((const int8_t *)w)[row * K + k];
 }
 
-// R weight rows times G token rows, all in registers; R, G and wt are constants after inlining. While
-// it runs, the next R rows are prefetched (into L2): without that, the hardware prefetcher leaves DRAM idle
-// during the FMAs, and verifying 4 tokens cost 1.6x decoding one instead of ~1.0x.
-static inline __attribute__((always_inline)) void tile(const float *x, const void *w, const float *sc, float *y,
+// fp32 / int8: R weight rows times G token rows, all in registers; R, G and wt are constants after
+// inlining. While it runs, the next R rows are prefetched (into L2): without that, the hardware prefetcher
+// leaves DRAM idle during the FMAs, and verifying 4 tokens cost 1.6x decoding one instead of ~1.0x.
+static inline __attribute__((always_inline)) void tile(const void *xv, const void *w, const float *sc, float *y,
                                                        int K, int N, int gs, int n, int s0, const int R, const int G,
                                                        const int wt) {
+    (void)gs;
+    const float *x = (const float *)xv;
+    v16 acc[MAXR][MAXG];
+    const int64_t rb = row_bytes(K, wt);
+    const char *wb = (const char *)w;
+    const char *next = wb + (int64_t)(n + R) * rb;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < G; i++) acc[r][i] = v_zero();
+    const int esize = wt == WT_F32 ? 4 : 1;
+    int K16 = K & ~15;
+    for (int k = 0; k < K16; k += 16) {
+        for (int off = 0; off < R * 16 * esize; off += 64) _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
+        v16 wv[MAXR];
+        for (int r = 0; r < R; r++) {
+            const char *p = wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
+            wv[r] = wt == WT_F32 ? v_loadf((const float *)p) : v_i8((const int8_t *)p);
+        }
+        for (int i = 0; i < G; i++) {
+            v16 xr = v_loadf(x + (int64_t)(s0 + i) * K + k);
+            for (int r = 0; r < R; r++) acc[r][i] = v_fma(wv[r], xr, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < G; i++) {
+            float v = v_hsum(acc[r][i]);
+            for (int k = K & ~15; k < K; k++) v = fmaf(w1(w, n + r, k, K, wt), x[(int64_t)(s0 + i) * K + k], v);
+            if (wt == WT_I8) v *= sc[n + r];
+            y[(int64_t)(s0 + i) * N + n + r] = v;
+        }
+}
+
+// bf16 / int4: the same tile with bf16 dot products on x rounded to bf16 (xq: rows of Kp = K rounded up
+// to 32, zero-padded; see x_round). A bf16 row's K % 32 tail is one more block, the weights zero-filled.
+// int4: y = sum over groups of s_g * (sum over the group of (u - 8) x): the group's partial sums stay in
+// registers and are scaled once per group, not once per weight.
+static inline __attribute__((always_inline)) void tile_dp(const void *xv, const void *w, const float *sc, float *y,
+                                                          int K, int N, int gs, int n, int s0, const int R,
+                                                          const int G, const int wt) {
+    const xq_t *xq = (const xq_t *)xv;
+    const int64_t Kp = (K + 31) & ~31;
     v16 acc[MAXR][MAXG];
     const int64_t rb = row_bytes(K, wt);
     const char *wb = (const char *)w;
@@ -143,83 +306,94 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     if (wt == WT_I4) {
-        // y = sum over groups of s_g * (sum over the group of (u - 8) x): the group's partial sums stay in
-        // registers and are scaled once per group, not once per weight.
-        const int ng = K / gs;
-        for (int g0 = 0; g0 < K; g0 += gs) {
-            v16 part[MAXR][MAXG];
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < G; i++) part[r][i] = v_zero();
-            for (int k = g0; k < g0 + gs; k += 32) {
-                for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
-                v16 lo[MAXR], hi[MAXR];
-                for (int r = 0; r < R; r++) v_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2), &lo[r], &hi[r]);
-                for (int i = 0; i < G; i++) {
-                    const float *xr = x + (int64_t)(s0 + i) * K + k;
-                    v16 x0 = v_loadf(xr), x1 = v_loadf(xr + 16);
-                    for (int r = 0; r < R; r++) part[r][i] = v_fma(lo[r], x0, part[r][i]);
-                    for (int r = 0; r < R; r++) part[r][i] = v_fma(hi[r], x1, part[r][i]);
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                v16 vs = v_set1(sc[(int64_t)(n + r) * ng + g0 / gs]);
-                for (int i = 0; i < G; i++) acc[r][i] = v_fma(vs, part[r][i], acc[r][i]);
+        // Columns below K & ~127 come in 128-column superblocks, the rest in 32-column blocks (see
+        // skinny_matmul); either way lane sums go chunk by chunk into a group's partial sums.
+        const int ng = K / gs, K128 = K & ~127;
+        v16 part[MAXR][MAXG];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < G; i++) part[r][i] = v_zero();
+#define I4_CHUNK(DECODE, KC)                                                                                   \
+    {                                                                                                          \
+        wv32 wq[MAXR];                                                                                         \
+        for (int r = 0; r < R; r++) wq[r] = DECODE;                                                            \
+        for (int i = 0; i < G; i++) {                                                                          \
+            xv32 xr = x_load(xq + (int64_t)(s0 + i) * Kp + (KC));                                              \
+            for (int r = 0; r < R; r++) part[r][i] = v_dp(part[r][i], wq[r], xr);                              \
+        }                                                                                                      \
+        if (((KC) + 32) % gs == 0) {                                                                           \
+            for (int r = 0; r < R; r++) {                                                                      \
+                v16 vs = v_set1(sc[(int64_t)(n + r) * ng + (KC) / gs]);                                        \
+                for (int i = 0; i < G; i++) acc[r][i] = v_fma(vs, part[r][i], acc[r][i]), part[r][i] = v_zero(); \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+        for (int k = 0; k < K128; k += 128) {
+            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+            const uint8_t *rowp = (const uint8_t *)(wb + (int64_t)n * rb + k / 2);
+            I4_CHUNK(w_u4s(rowp + r * rb, 0), k)
+            I4_CHUNK(w_u4s(rowp + r * rb, 1), k + 32)
+            I4_CHUNK(w_u4s(rowp + r * rb, 2), k + 64)
+            I4_CHUNK(w_u4s(rowp + r * rb, 3), k + 96)
+        }
+        for (int k = K128; k < K; k += 32) {
+            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+            I4_CHUNK(w_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2)), k)
+        }
+#undef I4_CHUNK
+    } else {
+        const int K32 = K & ~31;
+        for (int k = 0; k < K32; k += 32) {
+            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(next + (int64_t)k * 2 * R + off, PF_HINT);
+            wv32 wq[MAXR];
+            for (int r = 0; r < R; r++) wq[r] = w_bf16((const uint16_t *)(wb + (int64_t)(n + r) * rb) + k);
+            for (int i = 0; i < G; i++) {
+                xv32 xr = x_load(xq + (int64_t)(s0 + i) * Kp + k);
+                for (int r = 0; r < R; r++) acc[r][i] = v_dp(acc[r][i], wq[r], xr);
             }
         }
-    } else {
-        const int esize = wt == WT_F32 ? 4 : wt == WT_BF16 ? 2 : 1;
-        int K16 = K & ~15;
-        for (int k = 0; k < K16; k += 16) {
-            for (int off = 0; off < R * 16 * esize; off += 64)
-                _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
-            v16 wv[MAXR];
-            for (int r = 0; r < R; r++) {
-                const char *p = wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
-                wv[r] = wt == WT_F32 ? v_loadf((const float *)p) : wt == WT_BF16 ? v_bf16((const uint16_t *)p)
-                                                                                : v_i8((const int8_t *)p);
-            }
+        if (K32 < K) {
+            wv32 wq[MAXR];
+            for (int r = 0; r < R; r++) wq[r] = w_bf16_tail((const uint16_t *)(wb + (int64_t)(n + r) * rb) + K32, K - K32);
             for (int i = 0; i < G; i++) {
-                v16 xv = v_loadf(x + (int64_t)(s0 + i) * K + k);
-                for (int r = 0; r < R; r++) acc[r][i] = v_fma(wv[r], xv, acc[r][i]);
+                xv32 xr = x_load(xq + (int64_t)(s0 + i) * Kp + K32);
+                for (int r = 0; r < R; r++) acc[r][i] = v_dp(acc[r][i], wq[r], xr);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < G; i++) {
-            float v = v_hsum(acc[r][i]);
-            if (wt != WT_I4)
-                for (int k = K & ~15; k < K; k++) v = fmaf(w1(w, n + r, k, K, wt), x[(int64_t)(s0 + i) * K + k], v);
-            if (wt == WT_I8) v *= sc[n + r];
-            y[(int64_t)(s0 + i) * N + n + r] = v;
-        }
+        for (int i = 0; i < G; i++) y[(int64_t)(s0 + i) * N + n + r] = v_hsum(acc[r][i]);
 }
 
-#define T1(R, G, WT) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT); break;
-#define TILE_FN(NAME, WT)                                                                                        \
-    static void NAME(const float *x, const void *w, const float *sc, float *y, int K, int N, int gs, int n,       \
+#define TILE_FN(NAME, KERNEL, CASES, WT)                                                                         \
+    static void NAME(const void *x, const void *w, const float *sc, float *y, int K, int N, int gs, int n,        \
                      int s0, int R, int G) {                                                                     \
         switch (R * 16 + G) {                                                                                    \
-            TILE_CASES(T_##WT)                                                                                   \
+            CASES(T_##WT)                                                                                        \
             default: /* not reached; one row at a time is the same arithmetic */                                 \
                 for (int r = 0; r < R; r++) NAME(x, w, sc, y, K, N, gs, n + r, s0, 1, G);                        \
         }                                                                                                        \
     }
-#define T_F32(R, G) T1(R, G, WT_F32)
-#define T_BF16(R, G) T1(R, G, WT_BF16)
-#define T_I8(R, G) T1(R, G, WT_I8)
-#define T_I4(R, G) T1(R, G, WT_I4)
-TILE_FN(tile_f32, F32)
-TILE_FN(tile_bf16, BF16)
-TILE_FN(tile_i8, I8)
-TILE_FN(tile_i4, I4)
+#define T_F32(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_F32); break;
+#define T_I8(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I8); break;
+#define T_BF16(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_BF16); break;
+#define T_I4(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4); break;
+TILE_FN(tile_f32, tile, TILE_CASES_F, F32)
+TILE_FN(tile_i8, tile, TILE_CASES_F, I8)
+TILE_FN(tile_bf16, tile_dp, TILE_CASES_B, BF16)
+TILE_FN(tile_i4, tile_dp, TILE_CASES_Q, I4)
 
-typedef void (*tile_fn)(const float *, const void *, const float *, float *, int, int, int, int, int, int, int);
+typedef void (*tile_fn)(const void *, const void *, const float *, float *, int, int, int, int, int, int, int);
 
-static void rows(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
+static void rows(const void *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
                  int n1, int wt) {
     tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : tile_i4;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
-    int R = (wt == WT_I4 ? R4_FOR_G : R_FOR_G)[base + (extra > 0)];
+    int R = (wt == WT_I4 ? RQ_FOR_G : wt == WT_BF16 ? RB_FOR_G : R_FOR_G)[base + (extra > 0)];
+    // bf16 dot products flush denormals (vdpbf16ps does, whatever MXCSR says): the AVX2 FMAs must as well,
+    // and the rest of both builds' arithmetic (lane sums, int4 group scales) runs under the same mode.
+    const int dp = wt == WT_BF16 || wt == WT_I4;
+    const unsigned int csr = _mm_getcsr();
+    if (dp) _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     for (int n = n0; n < n1;) {
         int r = n1 - n >= R ? R : 1;
         for (int i = 0, s0 = 0; i < groups; i++) {
@@ -229,35 +403,44 @@ static void rows(const float *x, const void *w, const float *sc, float *y, int S
         }
         n += r;
     }
+    if (dp) _mm_setcsr(csr);
 }
 
 // Token rows per pass over the weights: a pass keeps its rows of x in L2 while every weight row streams
 // by once, so a 512-token prefill reads the weights 512 / ROW_CHUNK times (it is compute-bound anyway).
 #define ROW_CHUNK 48
 
-// x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8; in each 32-column block, byte
-// 4p + m holds column 4m + p in its low nibble and column 16 + 4m + p in its high nibble); sc: int8 [N]
-// or int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
+// x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
+// superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
+// (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
+// column 8m + i in nibble m);
+// sc: int8 [N] or int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
 void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                    int wt, int gs) {
     if (threads < 1) threads = 1;
     int chunk = (N + threads - 1) / threads;
     chunk = (chunk + 23) / 24 * 24;
+    const int dp = wt == WT_BF16 || wt == WT_I4;
+    const int Kp = (K + 31) & ~31;
+    xq_t *xq = dp ? (xq_t *)malloc(sizeof(xq_t) * (size_t)(S < ROW_CHUNK ? S : ROW_CHUNK) * Kp) : NULL;
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
-        const float *xc = x + (int64_t)c0 * K;
+        const void *xc = x + (int64_t)c0 * K;
         float *yc = y + (int64_t)c0 * N;
+        if (dp) {
+            for (int s = 0; s < cs; s++) x_round(x + (int64_t)(c0 + s) * K, xq + (int64_t)s * Kp, K, Kp);
+            xc = xq;
+        }
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
         for (int t = 0; t < threads; t++) {
             int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
             if (n0 < n1) rows(xc, w, sc, yc, cs, K, N, gs, n0, n1, wt);
         }
     }
+    free(xq);
 }
 
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
-
-#include <stdlib.h>
 
 // y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
 // x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
