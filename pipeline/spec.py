@@ -122,6 +122,9 @@ class TritonSpec:
     instance_count: int = 1
     max_queue_delay_us: int = 2000
     startup_timeout_s: float = 180.0
+    # torch backend: the served models stream (decoupled; gRPC streams and HTTP generate_stream), or answer
+    # one response per request (false; unary gRPC infer and HTTP infer/generate).
+    decoupled: bool = True
     # Container the tensorrt_llm backend's repository and launch target.
     image: str = "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3"
 

@@ -26,6 +26,7 @@ def test_every_config_parses_with_tritons_schema_and_names_match_tensorrtllm_bac
     for name, c in cfgs.items():
         assert c.name == name
     assert (path / "tensorrt_llm_bls" / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
+    assert (path / "ensemble" / "1" / "model.py").read_text() == repomod.FORWARD_SOURCE.read_text()
 
 
 def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
@@ -41,15 +42,19 @@ def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
     assert c.parameters["default_method"].string_value == "baseline"
 
 
-def test_ensemble_is_a_real_ensemble_forwarding_every_input_and_output(written):
-    _, path = written
-    c = _configs(path)["ensemble"]
-    assert c.platform == "ensemble"
-    (step,) = c.ensemble_scheduling.step
-    assert step.model_name == "tensorrt_llm_bls"
-    ins, outs = repomod.ensemble_io()
-    assert dict(step.input_map) == {n: n for n, _, _ in ins}
-    assert dict(step.output_map) == {n: n for n, _, _ in outs}
+def test_ensemble_relays_to_the_bls_model_with_its_own_io_and_transaction_policy(written, tiny_root):
+    s, path = written
+    cfgs = _configs(path)
+    c, bls = cfgs["ensemble"], cfgs["tensorrt_llm_bls"]
+    assert c.backend == "python" and c.parameters["target_model"].string_value == "tensorrt_llm_bls"
+    assert [(i.name, i.data_type, list(i.dims)) for i in c.input] == [(i.name, i.data_type, list(i.dims))
+                                                                      for i in bls.input]
+    assert [o.name for o in c.output] == [o.name for o in bls.output]
+    assert c.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
+    unary = specmod.parse({"name": "x", "triton": {"decoupled": False}}, tiny_root)
+    assert not repomod.bls_config(unary, tiny_root).model_transaction_policy.decoupled
+    e = repomod.ensemble_config(unary)
+    assert not e.model_transaction_policy.decoupled and e.parameters["target_decoupled"].string_value == "false"
 
 
 def test_ensemble_io_matches_the_written_config_and_the_client_contract(written):
@@ -62,8 +67,8 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
     assert got_in == ins and got_out == outs
     bls = _configs(path)["tensorrt_llm_bls"]
-    assert {i.name for i in bls.input if not i.optional} == {"text_input", "max_tokens"}
-    assert all(i.optional for i in c.input), "a missing input must reach the BLS, which names it"
+    assert all(i.optional for i in bls.input) and all(i.optional for i in c.input), \
+        "a missing input (or a `stop` request, which has no other) must reach the model, which names it"
     types = {n: (t, d) for n, t, d in ins + outs}
     # tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) and the later perf outputs
     assert types["text_input"] == ("TYPE_STRING", [1])
@@ -76,6 +81,13 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     assert types["acceptance_rate"] == ("TYPE_FP32", [1])
     for n in ("total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens"):
         assert types[n] == ("TYPE_INT32", [1])
+    # every input tensorrtllm_backend's ensemble declares is accepted by Triton (the model honours or refuses it)
+    for n, t in {"random_seed": "TYPE_UINT64", "min_length": "TYPE_INT32", "beam_width": "TYPE_INT32",
+                 "repetition_penalty": "TYPE_FP32", "presence_penalty": "TYPE_FP32", "frequency_penalty": "TYPE_FP32",
+                 "length_penalty": "TYPE_FP32", "return_log_probs": "TYPE_BOOL", "num_return_sequences": "TYPE_INT32",
+                 "return_context_logits": "TYPE_BOOL", "return_generation_logits": "TYPE_BOOL",
+                 "embedding_bias_words": "TYPE_STRING", "stop": "TYPE_BOOL"}.items():
+        assert types[n][0] == t, n
 
 
 def test_default_method_follows_the_spec(tiny_root):

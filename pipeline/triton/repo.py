@@ -1,9 +1,12 @@
 """Write triton_repo/<name>/ for the torch backend: tensorrtllm_backend's model names and client I/O.
 
 One python-backend model, `tensorrt_llm_bls`, holds the weights once and serves every decoding
-method the engines support (request input `method`, default from its config). `ensemble` is a real
-Triton ensemble over it, so clients written for tensorrtllm_backend's ensemble work unchanged.
-Every config.pbtxt is produced from Triton's own ModelConfig protobuf, so it parses by construction.
+method the engines support (request input `method`, default from its config). `ensemble` has
+tensorrtllm_backend's ensemble interface and relays every request to it (`forward.py`, a python
+model without weights): Triton 2.51's platform "ensemble" does not pass a client's cancellation,
+deadline or disconnect on to its steps, the relay does (as a `stop` request). Both are decoupled
+(streaming) or not as the spec's `triton.decoupled` says. Every config.pbtxt is produced from
+Triton's own ModelConfig protobuf, so it parses by construction.
 """
 
 from __future__ import annotations
@@ -18,15 +21,30 @@ from pipeline.triton.trtllm_repo import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
+FORWARD_SOURCE = Path(__file__).resolve().parent / "forward.py"
 BLS = "tensorrt_llm_bls"
 ENSEMBLE = "ensemble"
 
 # The client contract is written once, as tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) in
-# trtllm_repo; the torch backend serves these of its tensors, in this order (penalties, min_tokens and log
-# probabilities it does not implement, so its ensemble does not declare them).
-SERVED_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "end_id", "pad_id",
-                 "stop_words", "bad_words", "stream", "exclude_input_in_output", "return_perf_metrics",
-                 "num_draft_tokens", "use_draft_logits", "disable_at_batch", "method")
+# trtllm_repo. The torch backend declares every one of its inputs, and the older era's names next to them, so
+# none is "unexpected" to Triton: the parser (pipeline/triton/parse.py) honours each or refuses it with an error
+# naming it. `stop` is tensorrt_llm's: stop the running request with this request id.
+EXTRA_INPUTS: list[tuple[str, str, list[int]]] = [
+    ("random_seed", "TYPE_UINT64", [1]),
+    ("min_length", "TYPE_INT32", [1]),
+    ("early_stopping", "TYPE_BOOL", [1]),
+    ("return_num_input_tokens", "TYPE_BOOL", [1]),
+    ("return_num_output_tokens", "TYPE_BOOL", [1]),
+    ("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
+    ("prompt_table_extra_id", "TYPE_UINT64", [1]),
+    ("prompt_vocab_size", "TYPE_INT32", [1]),
+    ("lora_task_id", "TYPE_UINT64", [1]),
+    ("lora_weights", "TYPE_FP16", [-1, -1]),
+    ("lora_config", "TYPE_INT32", [-1, 3]),
+    ("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    ("guided_decoding_guide", "TYPE_STRING", [1]),
+    ("stop", "TYPE_BOOL", [1]),
+]
 SERVED_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                   "num_input_tokens", "num_output_tokens")
 
@@ -36,8 +54,12 @@ def _served(table: list, names: tuple[str, ...]) -> list[tuple[str, str, list[in
     return [(n, by_name[n][1], list(by_name[n][2])) for n in names]
 
 
-INPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_INPUTS, SERVED_INPUTS)
-REQUIRED = ("text_input", "max_tokens")
+INPUTS: list[tuple[str, str, list[int]]] = [(n, t, list(d)) for n, t, d in ENSEMBLE_INPUTS] + [
+    e for e in EXTRA_INPUTS if e[0] not in {n for n, _, _ in ENSEMBLE_INPUTS}]
+# Every input is optional to Triton: a `stop` request carries only `stop`, and a missing text_input or
+# max_tokens is refused by the model with an error naming it (Triton 2.51 answers an ensemble request that
+# lacks a required input with an empty success).
+REQUIRED: tuple[str, ...] = ()
 OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
 
 
@@ -82,7 +104,7 @@ def bls_config(spec: Spec, engine_dir: Path):
     from tritonclient.grpc import model_config_pb2 as mc
 
     c = mc.ModelConfig(name=BLS, backend="python", max_batch_size=spec.limits.max_batch_size)
-    c.model_transaction_policy.decoupled = True
+    c.model_transaction_policy.decoupled = spec.triton.decoupled
     c.dynamic_batching.max_queue_delay_microseconds = spec.triton.max_queue_delay_us
     _io(c.input, INPUTS, REQUIRED)
     _io(c.output, OUTPUTS, None)
@@ -112,21 +134,19 @@ def bls_config(spec: Spec, engine_dir: Path):
 
 
 def ensemble_config(spec: Spec):
-    """A platform "ensemble" that forwards every input and output to the BLS model."""
+    """The relay model (forward.py) with the ensemble's client I/O, forwarding every request to the BLS model."""
     from tritonclient.grpc import model_config_pb2 as mc
 
-    c = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.limits.max_batch_size)
-    # Every ensemble input is optional: Triton 2.51 answers an ensemble request that lacks a required
-    # input with an empty success, while the BLS model rejects it with an error naming the input.
-    _io(c.input, INPUTS, ())
+    c = mc.ModelConfig(name=ENSEMBLE, backend="python", max_batch_size=spec.limits.max_batch_size)
+    c.model_transaction_policy.decoupled = spec.triton.decoupled
+    c.dynamic_batching.max_queue_delay_microseconds = 0
+    _io(c.input, INPUTS, REQUIRED)
     _io(c.output, OUTPUTS, None)
-    step = c.ensemble_scheduling.step.add()
-    step.model_name = BLS
-    step.model_version = -1
-    for name, _, _ in INPUTS:
-        step.input_map[name] = name
-    for name, _, _ in OUTPUTS:
-        step.output_map[name] = name
+    g = c.instance_group.add()
+    g.count = 1
+    g.kind = mc.ModelInstanceGroup.KIND_CPU
+    c.parameters["target_model"].string_value = BLS
+    c.parameters["target_decoupled"].string_value = str(spec.triton.decoupled).lower()
     return c
 
 
@@ -158,6 +178,7 @@ def write_repo(spec: Spec, log=print) -> Path:
     (tmp / BLS / "1").mkdir(parents=True)
     (tmp / ENSEMBLE / "1").mkdir(parents=True)
     shutil.copyfile(MODEL_SOURCE, tmp / BLS / "1" / "model.py")
+    shutil.copyfile(FORWARD_SOURCE, tmp / ENSEMBLE / "1" / "model.py")
     (tmp / BLS / "config.pbtxt").write_text(to_pbtxt(bls_config(spec, engine_dir)))
     (tmp / ENSEMBLE / "config.pbtxt").write_text(to_pbtxt(ensemble_config(spec)))
     if repo.exists():
