@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_every_bad_request_gets_a_clear_error_and_the_next_good_one_succeeds(ser
     s, srv = served
     for what, (inputs, pattern) in BAD_REQUESTS.items():
         msg = _error(srv.grpc_url, model, inputs)
-        import re
+
 
         assert re.search(pattern, msg, re.S), f"{what}: {msg}"
         ok = generate(srv.grpc_url, model, "Tell me about the moon.", 3)
@@ -264,3 +265,214 @@ def test_a_server_on_a_damaged_engine_fails_fast_naming_the_file(tiny_root, tiny
         srvmod.start(s, log=lambda *a: None)
     assert time.monotonic() - t0 < 120
     assert srvmod.running_pid(s) is None and all(srvmod.port_free("127.0.0.1", p) for p in ports.values())
+
+
+# ---- issue 18: hostile sampling values, cancellation on every model, NVIDIA's clients, unary infer -------------
+
+EXTREME = {"temperature 1e-38": {"temperature": 1e-38}, "temperature 3e38": {"temperature": 3e38},
+           "top_k 2**31-1": {"temperature": 1.0, "top_k": 2**31 - 1, "seed": 1},
+           "top_p 1e-45": {"temperature": 1.0, "top_p": 1e-45, "seed": 2}}
+
+
+@pytest.mark.parametrize("method", ["baseline", "prompt_lookup"])
+def test_extreme_sampling_values_next_to_good_streams_fail_nobody(served, method):
+    """Issue 18's scenario: requests with legal but extreme sampling values sent while good streams run. Each is
+    defined (greedy below a tiny temperature, top-1 below a tiny top_p, no top-k above the vocabulary) and
+    completes; the good streams complete with their solo text, plain or speculative (disable_at_batch 0)."""
+    s, srv = served
+    opts = {"method": method, "disable_at_batch": 0, "end_id": UNUSED_END}
+    good = [f"Write a long story about ship number {i}." for i in range(3)]
+    solo = [generate(srv.grpc_url, "ensemble", p, 60, **opts)["text"] for p in good]
+    greedy_extreme = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 20, **opts)["text"]
+    errors_before = _metric(s, "spec_decode_request_errors_total")
+    got: dict = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, generate(
+        srv.grpc_url, "ensemble", good[i], 60, stream=True, **opts))) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for what, o in EXTREME.items():
+        got[what] = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 20, **opts, **o)
+    for t in threads:
+        t.join()
+    assert [got[i]["text"] for i in range(3)] == solo
+    assert all(got[w]["complete"] and 1 <= got[w]["num_output_tokens"] <= 20 for w in EXTREME)  # sampling may end
+    assert got["temperature 1e-38"]["text"] == greedy_extreme, "a temperature below 1e-3 is greedy"
+    assert _metric(s, "spec_decode_request_errors_total") == errors_before
+
+
+def _cancel_counters(s) -> tuple[float, float]:
+    return _metric(s, "spec_decode_requests_cancelled_total"), _metric(s, "spec_decode_cancelled_tokens_total")
+
+
+STREAMY = "Explain how rain forms over the ocean."  # the random model's first tokens decode to text at once
+DIE_AFTER_FIRST_PIECE = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pipeline.client import infer_stream, make_inputs
+infer_stream({url!r}, {model!r}, make_inputs({prompt!r}, {n}, stream=True, end_id=0),
+             on_response=lambda r: os._exit(0))
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline", "process exit"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_an_abandoned_stream_stops_decoding_and_is_counted_on_every_model(served, model, how):
+    """A stream its client cancels, whose gRPC deadline passes, or whose client process exits stops decoding
+    within a step or two on both models (the ensemble relays it as a stop request), and is counted."""
+    s, srv = served
+    n = 480  # 0.3 s or more of decoding alone; the client is gone after its first piece (or its 0.1 s deadline)
+    before, tokens_before = _cancel_counters(s)
+    t0 = time.monotonic()
+    if how == "process exit":
+        code = DIE_AFTER_FIRST_PIECE.format(root=str(ROOT), url=srv.grpc_url, model=model, n=n, prompt=STREAMY)
+        assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+    else:
+        ins = make_inputs(STREAMY, n, stream=True, end_id=UNUSED_END)
+        seen: list = []
+        try:
+            _, complete = infer_stream(srv.grpc_url, model, ins, on_response=seen.append,
+                                       cancel=(lambda: bool(seen)) if how == "cancel" else None,
+                                       stream_timeout=0.1 if how == "deadline" else None)
+        except RequestError as e:
+            assert how == "deadline" and "Deadline" in str(e), e
+            complete = False
+        assert not complete
+    deadline = time.monotonic() + 20
+    while _cancel_counters(s)[0] - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after, tokens_after = _cancel_counters(s)
+    assert after - before == 1, f"the {how} on {model} was not counted as a cancellation"
+    assert tokens_after - tokens_before < n / 2, f"the row decoded {tokens_after - tokens_before} of {n} tokens"
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_stop_request_by_id_cancels_a_request_on_the_ensemble(served):
+    """tensorrtllm_backend's `stop` input: a client that cannot cancel its own call names it by request id."""
+    from pipeline.client import stop
+
+    s, srv = served
+    before, _ = _cancel_counters(s)
+    got: dict = {}
+    ins = make_inputs(STREAMY, 480, stream=True, end_id=UNUSED_END)
+    started = threading.Event()
+    t = threading.Thread(target=lambda: got.setdefault("r", infer_stream(
+        srv.grpc_url, "ensemble", ins, request_id="story-7", on_response=lambda r: started.set())))
+    t.start()
+    assert started.wait(60)
+    stop(srv.grpc_url, "ensemble", "story-7")
+    t.join(60)
+    assert not t.is_alive()
+    assert "r" not in got, "the stopped request was answered as if complete"
+    assert _cancel_counters(s)[0] - before == 1
+    msg = _error(srv.grpc_url, "ensemble", [_tensor("stop", [[True]], bool)])
+    assert "stop: true needs the request_id" in msg
+
+
+def _trtllm_style_stream(url: str, model: str, prompt: str, output_len: int, **sampling) -> tuple[list[str], list]:
+    """A client the way tensorrtllm_backend's inflight_batcher_llm gRPC examples are written: every input as a
+    [1, 1] numpy array through InferInput, the stream started with a callback that queues results, the request
+    sent with a request id, stop_stream() waiting for the stream to end, then the queue read."""
+    import queue as queue_mod
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    def prepare_tensor(name, data):
+        t = grpcclient.InferInput(name, data.shape, np_to_triton_dtype(data.dtype))
+        t.set_data_from_numpy(data)
+        return t
+
+    arrays = {"text_input": np.array([[prompt]], dtype=object),
+              "max_tokens": np.array([[output_len]], dtype=np.int32),
+              "bad_words": np.array([[""]], dtype=object), "stop_words": np.array([[""]], dtype=object),
+              "end_id": np.array([[UNUSED_END]], dtype=np.int32), "pad_id": np.array([[UNUSED_END]], dtype=np.int32),
+              "stream": np.array([[True]], dtype=bool)}
+    types = {"beam_width": np.int32, "temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+             "length_penalty": np.float32, "random_seed": np.uint64, "min_length": np.int32,
+             "return_log_probs": bool}
+    for name, value in sampling.items():
+        arrays[name] = np.array([[value]], dtype=types[name])
+    results: queue_mod.Queue = queue_mod.Queue()
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: results.put(error if error else result))
+        client.async_stream_infer(model, [prepare_tensor(k, v) for k, v in arrays.items()], request_id="1")
+        client.stop_stream()
+    pieces, errors = [], []
+    while not results.empty():
+        r = results.get()
+        if isinstance(r, Exception):
+            errors.append(str(r))
+        elif r.as_numpy("text_output") is not None:
+            pieces.append(r.as_numpy("text_output").reshape(-1)[0].decode())
+    return pieces, errors
+
+
+def test_a_client_written_like_tensorrtllm_backends_examples_is_served_or_told_why(served):
+    s, srv = served
+    want = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 24, end_id=UNUSED_END)["text"]
+    neutral = {"beam_width": 1, "temperature": 0.0, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "length_penalty": 1.0, "random_seed": 5,
+               "min_length": 1, "return_log_probs": False}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        pieces, errors = _trtllm_style_stream(srv.grpc_url, model, "Tell me about the moon.", 24, **neutral)
+        assert not errors and "".join(pieces) == want, (model, errors)
+    for name, value, pattern in [("beam_width", 2, "beam_width: got 2; beam search is not implemented"),
+                                 ("repetition_penalty", 1.3, "repetition_penalty: got 1.3"),
+                                 ("return_log_probs", True, "return_log_probs: got True"),
+                                 ("min_length", 9, "min_length: got 9")]:
+        pieces, errors = _trtllm_style_stream(srv.grpc_url, "ensemble", "Tell me about the moon.", 8,
+                                              **{**neutral, name: value})
+        assert not pieces and len(errors) == 1 and re.search(pattern, errors[0]), (name, errors)
+    sampled = {**neutral, "temperature": 0.9, "top_k": 0, "random_seed": 11}
+    a, _ = _trtllm_style_stream(srv.grpc_url, "ensemble", "Tell me about the moon.", 16, **sampled)
+    b = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 16, end_id=UNUSED_END, temperature=0.9, seed=11)
+    assert "".join(a) == b["text"], "random_seed is seed"
+
+
+@pytest.fixture(scope="module")
+def unary_served(tiny_root, tiny_engine, served):
+    """The same engine served with triton.decoupled: false (one response per request: ModelInfer works)."""
+    import shutil
+
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    s = specmod.load(write_spec(tiny_root, name="unary", limits=LIMITS,
+                                triton={**ports, "startup_timeout_s": 240, "decoupled": False}))
+    shutil.copytree(served[0].engine_dir, s.engine_dir, dirs_exist_ok=True)
+    write_repo(s, log=lambda *a: None)
+    srv = srvmod.start(s, log=lambda *a: None)
+    yield s, srv
+    srvmod.stop(s)
+
+
+def test_unary_infer_works_on_both_models_of_a_non_decoupled_deployment(served, unary_served):
+    from pipeline.client import infer_unary, stop
+
+    s, srv = unary_served
+    want = generate(served[1].grpc_url, "ensemble", "Tell me about the moon.", 12, end_id=UNUSED_END)
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        got = generate(srv.grpc_url, model, "Tell me about the moon.", 12, unary=True, end_id=UNUSED_END)
+        assert got["complete"] and got["text"] == want["text"] and got["num_output_tokens"] == 12, model
+    with pytest.raises(RequestError, match=r"stream: true, but this deployment is not decoupled"):
+        infer_unary(srv.grpc_url, "ensemble", make_inputs("Tell me about the moon.", 4, stream=True))
+    with pytest.raises(RequestError, match=r"max_tokens: got 0"):
+        generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 0, unary=True)
+    # a unary call is cancelled by a stop request naming it (a non-decoupled client cannot cancel a stream)
+    before = _metric(s, "spec_decode_requests_cancelled_total")
+    err: dict = {}
+
+    def long_call():
+        try:
+            generate(srv.grpc_url, "ensemble", "Write a long story.", 480, unary=True, request_id="u-1",
+                     end_id=UNUSED_END)
+        except RequestError as e:
+            err["e"] = str(e)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    time.sleep(0.02)  # a stop that arrives first is remembered, so no race with the request's arrival
+    stop(srv.grpc_url, "ensemble", "u-1", unary=True)
+    t.join(60)
+    assert "cancelled" in err.get("e", ""), err
+    assert _metric(s, "spec_decode_requests_cancelled_total") - before == 1

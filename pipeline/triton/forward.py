@@ -99,7 +99,7 @@ class TritonPythonModel:
         answered = False
         try:
             bls = pb_utils.InferenceRequest(model_name=self.target, inputs=tensors, request_id=internal,
-                                            requested_output_names=self.outputs)
+                                            requested_output_names=self.outputs, parameters={"relay": True})
             responses = bls.exec(decoupled=True) if self.target_decoupled else [bls.exec()]
             for resp in responses:
                 if answered:
@@ -111,6 +111,15 @@ class TritonPythonModel:
                 out = resp.output_tensors()
                 if not out:
                     continue  # the empty final response of a decoupled stream
+                err = next((t for t in out if t.name() == "error_message"), None)
+                if err is not None:  # the decoding model's error, in band (see model.py TritonResponder.error)
+                    msg = err.as_numpy().reshape(-1)[0]
+                    msg = msg.decode("utf-8", "replace") if isinstance(msg, bytes) else str(msg)
+                    code = pb_utils.TritonError.CANCELLED if msg.startswith("CANCELLED: ") else None
+                    msg = msg.removeprefix("CANCELLED: ")
+                    error = pb_utils.TritonError(msg) if code is None else pb_utils.TritonError(msg, code)
+                    answered = self._send(flight, pb_utils.InferenceResponse(output_tensors=[], error=error), FINAL)
+                    continue
                 if stream:
                     if not self._send(flight, pb_utils.InferenceResponse(output_tensors=out), 0):
                         answered = True

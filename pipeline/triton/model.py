@@ -29,7 +29,10 @@ METRICS = {
     "output": ("spec_decode_output_tokens_total", "Tokens generated"),
     "steps": ("spec_decode_target_steps_total", "Target forward passes (incl. prefill)"),
     "errors": ("spec_decode_request_errors_total", "Requests rejected or failed"),
-    "cancelled": ("spec_decode_requests_cancelled_total", "Requests cancelled by their client"),
+    "cancelled": ("spec_decode_requests_cancelled_total",
+                  "Requests cancelled by their client (gRPC cancel, deadline, disconnect, or a stop request)"),
+    "cancelled_tokens": ("spec_decode_cancelled_tokens_total",
+                         "Tokens decoded for requests that were then cancelled (the work spent on nobody)"),
     "plain": ("spec_decode_requests_speculation_off_total",
               "Requests decoded plainly (wholly or in part) because the requests in flight reached "
               "speculation.disable_at_batch"),
@@ -52,11 +55,19 @@ def _add_paths(paths: list[str]) -> None:
     sys.path[:] = [p for p in paths if p] + [p for p in added if p not in paths] + [p for p in before if p not in paths]
 
 
+def _relayed(request) -> bool:
+    """Sent by the `ensemble` relay (forward.py), which marks its requests with the parameter relay=true."""
+    try:
+        return bool(json.loads(request.parameters() or "{}").get("relay"))
+    except (ValueError, AttributeError):
+        return False
+
+
 class TritonResponder:
     """The scheduler's Responder over one request's response sender."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, relayed: bool = False):
+        self.sender, self.relayed = sender, relayed
 
     def send(self, texts: list[str], results: list | None, final: bool) -> None:
         out = []
@@ -74,6 +85,14 @@ class TritonResponder:
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL if final else 0)
 
     def error(self, message: str, cancelled: bool = False) -> None:
+        if self.relayed:
+            # Triton 2.51's python backend drops an error response to a BLS caller once a stream has begun
+            # (and with it the final flag), so the `ensemble` relay gets the error as an output it turns back
+            # into an error for its client.
+            text = ("CANCELLED: " if cancelled else "") + message
+            out = [pb_utils.Tensor("error_message", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL)
+            return
         err = pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED) if cancelled else pb_utils.TritonError(
             message)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err), flags=FINAL)
@@ -139,7 +158,7 @@ class TritonPythonModel:
         self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=kind) for k, (n, d) in METRICS.items()}
         self.counters: dict = {}
         for what in ("requests", "proposed", "accepted", "output", "steps", "plain", "resumed", "errors",
-                     "cancelled"):
+                     "cancelled", "cancelled_tokens"):
             for method in self.methods:
                 self._count(what, method, 0)
 
@@ -154,7 +173,7 @@ class TritonPythonModel:
         from pipeline.triton.parse import BadRequest
 
         for request in requests:
-            out = TritonResponder(request.get_response_sender())
+            out = TritonResponder(request.get_response_sender(), _relayed(request))
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:
@@ -169,11 +188,7 @@ class TritonPythonModel:
         return None
 
     def _reject(self, out: TritonResponder, msg: str) -> None:
-        self._count("errors", "invalid", 1)
-        try:
-            out.error(msg)
-        except Exception as e:  # noqa: BLE001 - the client may be gone
-            self._log("warn", f"could not send an error response: {e}")
+        self.scheduler.reject(out, msg)
 
     def finalize(self) -> None:
         self.scheduler.close()

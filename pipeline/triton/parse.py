@@ -182,7 +182,8 @@ class RequestParser:
                 ok = bool(v) == neutral if isinstance(neutral, bool) else (
                     math.isfinite(float(v)) and float(v) == float(neutral))
                 if not ok:
-                    raise BadRequest(f"{name}: got {v.item() if hasattr(v, 'item') else v}; {why}")
+                    shown = bool(v) if isinstance(neutral, bool) else f"{float(v):.6g}"
+                    raise BadRequest(f"{name}: got {shown}; {why}")
         for name, why in UNSUPPORTED_INPUTS.items():
             if not _empty(get(name)):
                 raise BadRequest(f"{name}: {why}; omit it")

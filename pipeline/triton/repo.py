@@ -60,7 +60,9 @@ INPUTS: list[tuple[str, str, list[int]]] = [(n, t, list(d)) for n, t, d in ENSEM
 # max_tokens is refused by the model with an error naming it (Triton 2.51 answers an ensemble request that
 # lacks a required input with an empty success).
 REQUIRED: tuple[str, ...] = ()
-OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
+# ours: with an error response to the ensemble relay (forward.py), which turns it back into an error
+OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS) + [
+    ("error_message", "TYPE_STRING", [1])]
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:

@@ -138,15 +138,28 @@ class Scheduler:
             self.worker.join(timeout=timeout)
 
     def submit(self, parsed: Parsed, out: Responder) -> None:
-        """Queue a parsed request (any thread). A `stop` request marks its target and is answered at once."""
+        """Queue a parsed request (any thread). A `stop` request marks its target at once; every response,
+        its own included, goes out from the worker thread (the python backend's stub deadlocked when execute's
+        thread sent a response while the worker sent pieces)."""
         if parsed.stop:
             now = time.monotonic()
             with self._stops_lock:
                 self._stops = {k: t for k, t in self._stops.items() if now - t < STOP_MEMORY_S}
                 self._stops[parsed.request_id] = now
-            out.send([], None, final=True)
+            self.inbox.put(lambda: self._answer(out, lambda: out.send([], None, final=True)))
             return
         self.inbox.put(Job(parsed, out))
+
+    def reject(self, out: Responder, message: str) -> None:
+        """Answer a request the parser refused (any thread; sent from the worker)."""
+        self.count("errors", "invalid", 1)
+        self.inbox.put(lambda: self._answer(out, lambda: out.error(message)))
+
+    def _answer(self, out: Responder, send: Callable[[], None]) -> None:
+        try:
+            send()
+        except Exception as e:  # noqa: BLE001 - the client may be gone
+            self.log("warn", f"could not send a response: {type(e).__name__}: {e}")
 
     # ---- the decode worker ---------------------------------------------------------------------------
 
@@ -158,10 +171,12 @@ class Scheduler:
         """One scheduling round (worker thread, or a test driving it); False when there was nothing to do."""
         if not self.waiting and not self.pool.rows:
             try:
-                self.waiting.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
+                self._take(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             except queue.Empty:
                 return False
         self._collect()
+        if not self.waiting and not self.pool.rows:
+            return True
         try:
             self._schedule()
         except Exception as e:  # noqa: BLE001 - a failed step fails the rows it held; keep serving
@@ -176,9 +191,15 @@ class Scheduler:
         """Move everything `submit` queued into the worker's waiting list (worker thread only)."""
         try:
             while True:
-                self.waiting.append(self.inbox.get_nowait())
+                self._take(self.inbox.get_nowait())
         except queue.Empty:
             pass
+
+    def _take(self, item) -> None:
+        if isinstance(item, Job):
+            self.waiting.append(item)
+        else:
+            item()  # an answer to send from this thread
 
     def _busy(self, key: tuple, rows: int) -> bool:
         """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
@@ -394,14 +415,15 @@ class Scheduler:
             return
         job.answered = job.failed = True
         self.count("cancelled", job.method, 1)
+        self.count("cancelled_tokens", job.method, sum(len(r.tokens) for r in job.rows))
         self._answer_error(job, "request cancelled by the client", True)
 
     def _stopped(self, job: Job) -> bool:
         rid = job.p.request_id
         if not rid or not self._stops:
             return False
-        with self._stops_lock:
-            return rid in self._stops
+        with self._stops_lock:  # the ensemble relay names its requests <client id>#<suffix>
+            return rid in self._stops or rid.partition("#")[0] in self._stops
 
     def _is_cancelled(self, job: Job, every: float | None = None) -> bool:
         if job.cancelled or job.answered:  # never ask Triton about a request answered already: it is freed
