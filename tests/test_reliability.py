@@ -31,7 +31,8 @@ def served(tiny_root, tiny_engine):
     from pipeline.engine import build_target
 
     ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
-    s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, triton={**ports, "startup_timeout_s": 240}))
+    s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, threads=1,
+                                triton={**ports, "startup_timeout_s": 240}))
     build_target(s, log=lambda *a: None)
     write_repo(s, log=lambda *a: None)
     srv = srvmod.start(s, log=lambda *a: None)
@@ -476,3 +477,9 @@ def test_unary_infer_works_on_both_models_of_a_non_decoupled_deployment(served, 
     t.join(60)
     assert "cancelled" in err.get("e", ""), err
     assert _metric(s, "spec_decode_requests_cancelled_total") - before == 1
+
+
+def test_the_served_model_sets_torch_and_kernel_threads_from_the_spec(served):
+    s, _ = served
+    assert s.threads == 1
+    assert "threads: torch 1, kernels 1" in srvmod.log_file(s).read_text()

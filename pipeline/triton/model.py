@@ -105,16 +105,15 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         cfg = json.loads(args["model_config"])
         _add_paths(_param(cfg, "python_path").split(":"))
-        import torch
-
         from pipeline.runtime import kernels
         from pipeline.runtime.decode import default_k, load_bundle
         from pipeline.triton.parse import Limits, RequestParser
         from pipeline.triton.scheduler import Scheduler
 
-        threads = int(_param(cfg, "threads", "0") or 0) or (os.cpu_count() or 1)
-        torch.set_num_threads(threads)  # one setting for torch and the C kernels (spec `threads`, 0 = all cores)
-        kernels.set_threads(threads)
+        kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # torch and the C kernels: spec `threads`
+        import torch
+
+        threads = f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}"
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
         bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
         opts = bundle.options
@@ -146,8 +145,8 @@ class TritonPythonModel:
         self._metrics()
         self.scheduler = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log).start()
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {default_method}; "
-                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads} threads; "
-                                 f"kernel {'C' if kernels.available() else 'torch (no C kernel)'})")
+                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads}; "
+                                 f"kernel path {kernels.path()})")
 
     @staticmethod
     def _log(level: str, msg: str) -> None:
