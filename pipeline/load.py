@@ -75,6 +75,12 @@ def server_counter(spec: specmod.Spec, name: str) -> float:
     return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
+def _server_cancelled(spec: specmod.Spec) -> float:
+    """Requests the server stopped for their clients: the decoding model's count plus the relay's (queued there)."""
+    return server_counter(spec, "spec_decode_requests_cancelled_total") + server_counter(
+        spec, "spec_decode_relay_cancelled_total")
+
+
 def _check(concurrency: int, duration: float, max_tokens: int) -> None:
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         raise ValueError(f"--concurrency: got {concurrency}; must be between 1 and {MAX_CONCURRENCY}")
@@ -101,14 +107,18 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
              sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
              cancel_every: int = 0, disconnect_every: int = 0, unary_every: int = 0, write: bool = True,
-             reference: list[str] | None = None) -> dict:
+             reference: list[str] | None = None, window: bool = False) -> dict:
     """Drive the running server; return (and write to reports/<name>/load.json) the summary.
 
     Request i of the run uses methods[i % len(methods)]; with `temperatures` it cycles through them (0 is
     greedy and checked against the reference), else every `sample_every`-th request samples at 0.8. Every
     `unary_every`-th request is unary (one response: ModelInfer on a `triton.decoupled: false` server, a
     stream=false request on a decoupled one), the others stream; every `cancel_every`-th cancels its stream
-    after the first piece and every `disconnect_every`-th drops its connection there instead."""
+    after the first piece and every `disconnect_every`-th drops its connection there instead.
+
+    With `window`, streams still running at the deadline are cancelled there (not waited for) and
+    `tokens_per_s` counts the requests completed between a warm-up (a quarter of the run) and the deadline:
+    the steady state, without the ramp-up and the tail in which a draining queue leaves the batch part empty."""
     from pipeline.client import RequestError, generate
     from pipeline.triton.server import running_pid, server_rss_mb
 
@@ -124,13 +134,14 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled)["text"]
                      for p in prompts]
     rss_before = server_rss_mb(pid)
-    cancelled_before = server_counter(spec, "spec_decode_requests_cancelled_total")
+    cancelled_before = _server_cancelled(spec)
     lock = threading.Lock()
     keys = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
             "streamed", "unary", "sampled")
     stats = dict.fromkeys(keys, 0)
     latencies: list[float] = []
     ttfts: list[float] = []
+    done_at: list[tuple[float, int]] = []
     samples: list[str] = []
     deadline = time.monotonic() + duration
 
@@ -148,11 +159,14 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         cancel = decoupled and not drop and cancel_every > 0 and i % cancel_every == cancel_every - 1
         unary = not (cancel or drop) and (not decoupled or unary_every > 0 and i % unary_every == unary_every - 1)
         pieces: list = []
+        stop_at = (lambda: bool(pieces)) if cancel or drop else None
+        if window and not unary:
+            stop_at = (lambda f=stop_at: time.monotonic() > deadline or bool(f and f()))
         try:
             r = generate(url, model, prompts[p], max_tokens if not (cancel or drop) else 4 * max_tokens,
                          method=method, stream=not unary, unary=unary and not decoupled,
                          timeout=max(120.0, duration * 4), on_piece=pieces.append,
-                         cancel=(lambda: bool(pieces)) if cancel or drop else None, disconnect=drop, **opts)
+                         cancel=stop_at, disconnect=drop, **opts)
         except RequestError as e:
             with lock:
                 stats["requests"] += 1
@@ -166,10 +180,14 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
                 stats["disconnected" if drop else "cancelled"] += 1
                 return
             stats["unary" if unary else "streamed"] += 1
+            if window and not r["complete"] and time.monotonic() > deadline:
+                stats["cut"] = stats.get("cut", 0) + 1  # cancelled at the deadline
+                return
             if not r["complete"] or r.get("num_output_tokens") is None:
                 stats["incomplete"] += 1
                 return
             stats["tokens"] += r["num_output_tokens"]
+            done_at.append((time.monotonic(), r["num_output_tokens"]))
             latencies.append(r["latency_s"] * 1000)
             ttfts.append(r["ttft_s"] * 1000)
             if temp > 0:
@@ -196,7 +214,12 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
-    time.sleep(1.0)  # let the server notice the last cancellations
+    warm = t0 + duration / 4
+    steady = sum(n for t, n in done_at if warm <= t <= deadline) / (deadline - warm)
+    provoked = stats["cancelled"] + stats["disconnected"] + stats.get("cut", 0)
+    settle = time.monotonic() + 10  # let the server notice the last cancellations
+    while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
+        time.sleep(0.2)
     rss_after = server_rss_mb(pid)
     out = {
         "requests": stats["requests"], "errors": stats["errors"], "incomplete": stats["incomplete"],
@@ -204,8 +227,10 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         "sampled_requests": stats["sampled"], "streamed": stats["streamed"], "unary": stats["unary"],
         "cancelled": stats["cancelled"] + stats["disconnected"], "cancelled_by_client": stats["cancelled"],
         "disconnected": stats["disconnected"],
-        "server_cancelled": server_counter(spec, "spec_decode_requests_cancelled_total") - cancelled_before,
-        "output_tokens": stats["tokens"], "tokens_per_s": stats["tokens"] / wall if wall > 0 else 0.0,
+        "server_cancelled": _server_cancelled(spec) - cancelled_before,
+        "output_tokens": stats["tokens"],
+        "tokens_per_s": steady if window else (stats["tokens"] / wall if wall > 0 else 0.0),
+        "cut_at_deadline": stats.get("cut", 0),
         "latency_ms": {"p50": _percentile(latencies, 50), "p95": _percentile(latencies, 95)},
         "ttft_ms": {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95)},
         "rss_mb": {"before": rss_before, "after": rss_after},
@@ -239,7 +264,7 @@ def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens
     points = []
     for c in levels:
         r = run_load(spec, c, duration, max_tokens, methods, model, sample_every=0, log=log, write=False,
-                     reference=reference)
+                     reference=reference, window=True)
         points.append({k: r[k] for k in ("concurrency", "requests", "errors", "incomplete", "greedy_mismatches",
                                          "tokens_per_s", "latency_ms", "ttft_ms", "rss_mb")})
     falls = [f"{a['concurrency']} -> {b['concurrency']}: {a['tokens_per_s']:.1f} -> {b['tokens_per_s']:.1f}"

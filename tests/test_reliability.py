@@ -167,6 +167,27 @@ def test_load_run_is_complete_exact_and_reports_memory(served, capsys):
     assert report["rss_mb"]["before"] > 0 and report["rss_mb"]["after"] < report["rss_mb"]["before"] * 1.5 + 100
 
 
+def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
+    """`load --soak`, short: every provoked cancel and disconnect is counted by the server, nothing else fails,
+    greedy answers equal the reference and the server's memory stays put."""
+    from pipeline.cli import main
+
+    s, srv = served
+    spec_path = Path(s.root) / "build" / "rel.yaml"
+    rc = main(["load", str(spec_path), "--soak", "--concurrency", "8", "--duration", "12", "--max-tokens", "12"])
+    r = json.loads((s.report_dir / "load.json").read_text())
+    assert rc == 0, r
+    assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
+    assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
+    assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
+    assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
+    assert r["server_cancelled"] == r["cancelled"], "every abandoned request was stopped and counted"
+    assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
+    for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
+        assert key in r
+    assert set(r["latency_ms"]) == {"p50", "p95"} and set(r["rss_mb"]) == {"before", "after"}
+
+
 def test_load_refuses_unbounded_or_remote_runs(served, tiny_root):
     from pipeline.load import run_load
 

@@ -22,7 +22,9 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 WATCH_S = 0.05  # how often the watcher wakes
-CHECK_S = 0.1  # how often each request's client is asked whether it is still there
+CHECK_S = 0.1  # how often the client of a request that is decoding (has had a response) is asked if it is there
+QUEUED_CHECK_S = 1.0  # ... and of one still queued: each ask is a round trip to Triton, and at 128 requests in
+# flight asking all of them every 100 ms took most of a core
 
 
 class _Flight:
@@ -32,6 +34,8 @@ class _Flight:
     def __init__(self, sender, client_id: str):
         self.sender, self.client_id = sender, client_id
         self.checked = 0.0
+        self.started = False  # a response came: the request is decoding, not queued
+        self.relayed = False  # handed to the decoding model (else it waits for a slot here)
         self.stopped: bool | str = False
         self.final = False
         self.lock = threading.Lock()
@@ -47,6 +51,14 @@ class TritonPythonModel:
         self.outputs = [o["name"] for o in cfg["output"]]
         self.flights: dict[str, _Flight] = {}
         self.lock = threading.Lock()
+        # At most this many relayed requests are handed to the decoding model at once (it runs max_batch_size
+        # rows and queues the rest); the others wait here. With 64 BLS calls pending, Triton 2.51's stub stopped
+        # answering the watcher's is_cancelled(), so abandoned requests decoded on; 16 pending are fine.
+        self.slots = threading.Semaphore(max(2, 2 * int(cfg.get("max_batch_size", 1) or 1)))
+        family = pb_utils.MetricFamily(name="spec_decode_relay_cancelled_total", kind=pb_utils.MetricFamily.COUNTER,
+                                       description="Requests cancelled while queued in the ensemble relay (never "
+                                                   "decoded; the decoding model counts the others)")
+        self.relay_cancelled = family.Metric(labels={"model": args.get("model_name", "ensemble")})
         self.stopping = False
         self.watcher = threading.Thread(target=self._watch, name="cancel-watch", daemon=True)
         self.watcher.start()
@@ -97,11 +109,21 @@ class TritonPythonModel:
         with self.lock:
             self.flights[internal] = flight
         answered = False
+        while not self.slots.acquire(timeout=WATCH_S):
+            if flight.stopped:  # the client left while queued here: nothing was decoded
+                self.relay_cancelled.increment(1.0)
+                self._send(flight, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    "request cancelled by the client", pb_utils.TritonError.CANCELLED)), FINAL)
+                with self.lock:
+                    self.flights.pop(internal, None)
+                return
+        flight.relayed = True
         try:
             bls = pb_utils.InferenceRequest(model_name=self.target, inputs=tensors, request_id=internal,
                                             requested_output_names=self.outputs, parameters={"relay": True})
             responses = bls.exec(decoupled=True) if self.target_decoupled else [bls.exec()]
             for resp in responses:
+                flight.started = True
                 if answered:
                     continue
                 if resp.has_error():
@@ -133,6 +155,7 @@ class TritonPythonModel:
                 self._send(flight, pb_utils.InferenceResponse(
                     output_tensors=[], error=pb_utils.TritonError(f"ensemble: {type(e).__name__}: {e}")), FINAL)
         finally:
+            self.slots.release()
             with self.lock:
                 self.flights.pop(internal, None)
 
@@ -159,7 +182,8 @@ class TritonPythonModel:
             time.sleep(WATCH_S)
             now = time.monotonic()
             with self.lock:
-                due = [(i, f) for i, f in self.flights.items() if f.stopped is not True and now - f.checked >= CHECK_S]
+                due = [(i, f) for i, f in self.flights.items() if f.stopped is not True
+                       and now - f.checked >= (CHECK_S if f.started or f.stopped == "gone" else QUEUED_CHECK_S)]
             for internal, f in due:
                 f.checked = now
                 try:
@@ -170,9 +194,10 @@ class TritonPythonModel:
                 except Exception as e:  # noqa: BLE001 - cannot ask Triton: treat the client as gone
                     pb_utils.Logger.log_warn(f"ensemble: cancellation check for {internal} failed: {e}")
                     gone = True
-                if gone:
-                    f.stopped = True
-                    self._stop(internal)
+                if gone:  # stop without waiting: the answer comes at the decoder's next step, and waiting for each
+                    f.stopped = True  # in turn let 64 abandoned requests decode on for 64 steps
+                    if f.relayed:
+                        threading.Thread(target=self._stop, args=(internal,), daemon=True).start()
 
     def finalize(self) -> None:
         self.stopping = True

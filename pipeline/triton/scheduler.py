@@ -23,8 +23,8 @@ emitted, so the row that caused it fails alone (or, if the fault was in speculat
 plainly). Only a failed forward step of the continuous batch fails its rows (`_abort_pool`), and
 the server keeps serving. Cancellation: a cancelled client (gRPC cancel, deadline, disconnect) or a
 `stop` request naming the request id stops its row at the next step; running rows are checked every
-`CANCEL_CHECK_S`, queued ones every `QUEUED_CHECK_S` (each check is a round trip to Triton, so
-hundreds of queued requests must not be polled at every step).
+`CANCEL_CHECK_S`, queued ones every `QUEUED_CHECK_S` and once more as they are admitted (each check is
+a round trip to Triton, so hundreds of queued requests must not be polled at every step).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pipeline.runtime.batcher import ContinuousBatch, RowFailure
 from pipeline.triton.parse import Parsed
 
 CANCEL_CHECK_S = 0.02
-QUEUED_CHECK_S = 0.25
+QUEUED_CHECK_S = 1.0
 STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
 
 
@@ -255,6 +255,9 @@ class Scheduler:
                 if len(job.reqs) > free:
                     break
                 pending.remove(job)
+                if self._is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
+                    self._cancel(job)
+                    continue
                 job.rows, job.results = [Row(job, i) for i in range(len(job.reqs))], [None] * len(job.reqs)
                 admit.append(job)
                 free -= len(job.reqs)
