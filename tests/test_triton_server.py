@@ -147,7 +147,7 @@ def test_every_method_runs_side_by_side_on_one_server_with_the_same_greedy_text(
     assert baseline["total_draft_tokens"] == 0, "num_draft_tokens 0 without a method means baseline"
 
 
-def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_answer(served):
+def test_requests_sent_while_a_batch_runs_each_equal_their_solo_answer(served):
     s, srv = served
     prompts = [f"{PROMPT} ({i})" for i in range(3)]
     budgets = [5, 13, 9]
@@ -155,13 +155,14 @@ def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_an
             for p, n in zip(prompts, budgets)]
     before = _metrics(s)
     got: list = [None] * 3
-    blocker = threading.Thread(target=lambda: generate(srv.grpc_url, "ensemble", PROMPT, 200, method="baseline",
-                                                       end_id=UNUSED_END))
+    finished: list = []
+    blocker = threading.Thread(target=lambda: (generate(srv.grpc_url, "ensemble", PROMPT, 200, method="baseline",
+                                                        end_id=UNUSED_END), finished.append("blocker")))
     blocker.start()
     time.sleep(0.3)
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+    threads = [threading.Thread(target=lambda i=i: (got.__setitem__(
         i, generate(srv.grpc_url, "ensemble", prompts[i], budgets[i], method="baseline", stream=i == 1,
-                    end_id=UNUSED_END))) for i in range(3)]
+                    end_id=UNUSED_END)), finished.append(i))) for i in range(3)]
     for t in threads:
         t.start()
     for t in [blocker, *threads]:
@@ -171,8 +172,9 @@ def test_requests_queued_behind_a_batch_run_together_and_each_equals_its_solo_an
     after = _metrics(s)
     total = lambda m, name: sum(v for k, v in m.items() if k.startswith(f'{name}{{model="tensorrt_llm_bls"'))
     assert total(after, "nv_inference_count") - total(before, "nv_inference_count") == 4
-    assert total(after, "nv_inference_exec_count") - total(before, "nv_inference_exec_count") < 4, \
-        "the three requests that queued behind the long one were not batched"
+    assert sorted(finished, key=str) == [0, 1, 2, "blocker"]
+    # (That they share the running batch is test_a_short_request_joins_a_running_one_and_finishes_first: the
+    # relay hands requests on one by one, so Triton's own batch count no longer says it.)
 
 
 def _short_during_long(srv, short_prompt: str, method: str, short_opts: dict | None = None,
