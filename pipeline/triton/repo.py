@@ -54,8 +54,8 @@ def _served(table: list, names: tuple[str, ...]) -> list[tuple[str, str, list[in
     return [(n, by_name[n][1], list(by_name[n][2])) for n in names]
 
 
-INPUTS: list[tuple[str, str, list[int]]] = [(n, t, list(d)) for n, t, d in ENSEMBLE_INPUTS] + [
-    e for e in EXTRA_INPUTS if e[0] not in {n for n, _, _ in ENSEMBLE_INPUTS}]
+INPUTS: list[tuple[str, str, list[int]]] = [(t[0], t[1], list(t[2])) for t in ENSEMBLE_INPUTS] + [
+    e for e in EXTRA_INPUTS if e[0] not in {t[0] for t in ENSEMBLE_INPUTS}]
 # Every input is optional to Triton: a `stop` request carries only `stop`, and a missing text_input or
 # max_tokens is refused by the model with an error naming it (Triton 2.51 answers an ensemble request that
 # lacks a required input with an empty success).
