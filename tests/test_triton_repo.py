@@ -62,7 +62,10 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
 
     _, path = written
     c = _configs(path)["ensemble"]
-    ins, outs = repomod.ensemble_io()
+    ins, outs = repomod.INPUTS, repomod.OUTPUTS
+    contract_in, contract_out = repomod.ensemble_io()
+    assert set(n for n, _, _ in contract_in) < set(n for n, _, _ in ins), "the contract is served, and more"
+    assert [o for o in outs if o[0] != "error_message"] == contract_out
     got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
     assert got_in == ins and got_out == outs

@@ -66,8 +66,11 @@ OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUT
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
-    """(inputs, outputs) of the `ensemble` model as (name, data_type, dims) lists."""
-    return [(n, t, list(d)) for n, t, d in INPUTS], [(n, t, list(d)) for n, t, d in OUTPUTS]
+    """(inputs, outputs) of the client contract the `ensemble` model serves (trtllm_repo's table), as (name,
+    data_type, dims) lists. Its config declares INPUTS / OUTPUTS: these plus EXTRA_INPUTS and error_message."""
+    shared = {t[0] for t in ENSEMBLE_INPUTS} | {t[0] for t in ENSEMBLE_OUTPUTS}
+    return ([(n, t, list(d)) for n, t, d in INPUTS if n in shared],
+            [(n, t, list(d)) for n, t, d in OUTPUTS if n in shared])
 
 
 def default_methods(spec: Spec) -> list[str]:
