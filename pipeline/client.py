@@ -3,7 +3,8 @@
 Every call opens its own gRPC stream (decoupled models only answer on streams) or, with
 `unary=True`, one ModelInfer call (models served with `triton.decoupled: false`), so calls are safe
 from many threads at once as long as each thread uses its own client (the default: one per call).
-`generate` returns the text, the perf outputs, the latency and the time to first token. To stop a
+`generate` returns the text, the perf outputs, the latency and the time to first token. Every wait is
+bounded (`timeout`: RequestTimeout when no final response came in time). To stop a
 request: cancel its stream (`cancel=`), let its deadline pass, or close the connection; both models
 stop decoding it at their next step. `stop(url, model, request_id)` does the same by request id
 (tensorrtllm_backend's `stop` input), for clients that cannot cancel their own call.
@@ -24,6 +25,10 @@ PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_t
 
 class RequestError(RuntimeError):
     """The server rejected or failed a request; the message is the server's."""
+
+
+class RequestTimeout(RequestError):
+    """No final response within the client's timeout (a slow server, or a response that never came)."""
 
 
 def _tensor(name: str, value, dtype) -> object:
@@ -86,14 +91,14 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
     c = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
     c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=stream_timeout)
-    responses, complete, cancelled = [], False, False
+    responses, complete, cancelled, answered = [], False, False, False
     deadline = time.monotonic() + timeout
     try:
         c.async_stream_infer(model, inputs, enable_empty_final_response=True, request_id=request_id)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RequestError(f"no final response from {model} within {timeout:.0f}s")
+                raise RequestTimeout(f"no final response from {model} within {timeout:.0f}s")
             try:  # a waiting client wakes rarely: 128 clients polling every 50 ms took CPU from the server
                 result, error = q.get(timeout=min(left, 0.2 if cancel else 1.0))
             except queue.Empty:
@@ -102,6 +107,7 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
                     break
                 continue
             if error is not None:
+                answered = True  # the server's error ends the request
                 raise RequestError(error.message() if isinstance(error, InferenceServerException) else str(error))
             resp = result.get_response()
             final = resp.parameters.get("triton_final_response")
@@ -121,7 +127,10 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
             c._channel.close()  # no cancel, no goodbye: the server only sees the connection go
         else:
             try:
-                c.stop_stream(cancel_requests=cancelled)
+                # Without a final response or an error from the server (cancelled, timed out), cancel:
+                # stop_stream(cancel_requests=False) waits for the server to end the stream, which a lost response
+                # would make wait forever.
+                c.stop_stream(cancel_requests=not (complete or answered))
             finally:
                 if client is None:
                     c.close()
@@ -137,6 +146,8 @@ def infer_unary(url: str, model: str, inputs: list, timeout: float = 300.0, requ
         try:
             return c.infer(model, inputs, request_id=request_id, client_timeout=timeout)
         except InferenceServerException as e:
+            if str(e.status() or "").endswith("DEADLINE_EXCEEDED"):
+                raise RequestTimeout(f"no response from {model} within {timeout:.0f}s") from None
             raise RequestError(e.message()) from None
 
 

@@ -76,9 +76,8 @@ def server_counter(spec: specmod.Spec, name: str) -> float:
 
 
 def _server_cancelled(spec: specmod.Spec) -> float:
-    """Requests the server stopped for their clients: the decoding model's count plus the relay's (queued there)."""
-    return server_counter(spec, "spec_decode_requests_cancelled_total") + server_counter(
-        spec, "spec_decode_relay_cancelled_total")
+    """Requests the server stopped for their clients (every served model counts its own)."""
+    return server_counter(spec, "spec_decode_requests_cancelled_total")
 
 
 def _check(concurrency: int, duration: float, max_tokens: int) -> None:
@@ -107,7 +106,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
              sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
              cancel_every: int = 0, disconnect_every: int = 0, unary_every: int = 0, write: bool = True,
-             reference: list[str] | None = None, window: bool = False) -> dict:
+             reference: list[str] | None = None, window: bool = False, request_timeout: float = 120.0) -> dict:
     """Drive the running server; return (and write to reports/<name>/load.json) the summary.
 
     Request i of the run uses methods[i % len(methods)]; with `temperatures` it cycles through them (0 is
@@ -118,8 +117,12 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
 
     With `window`, streams still running at the deadline are cancelled there (not waited for) and
     `tokens_per_s` counts the requests completed between a warm-up (a quarter of the run) and the deadline:
-    the steady state, without the ramp-up and the tail in which a draining queue leaves the batch part empty."""
-    from pipeline.client import RequestError, generate
+    the steady state, without the ramp-up and the tail in which a draining queue leaves the batch part empty.
+
+    Every wait is bounded: a request without its final response after `request_timeout` seconds counts as
+    incomplete, and a client still waiting `request_timeout` + 15 s after the deadline is left behind (its request
+    counted incomplete), so a lost response never hangs the tool."""
+    from pipeline.client import RequestError, RequestTimeout, generate
     from pipeline.triton.server import running_pid, server_rss_mb
 
     _check(concurrency, duration, max_tokens)
@@ -133,8 +136,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     prompts = _prompts(spec, num_prompts, chat)
     if reference is None:
         log(f"reference answers for {len(prompts)} prompts (greedy, baseline, one at a time) ...")
-        reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled)["text"]
-                     for p in prompts]
+        reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled,
+                              timeout=request_timeout)["text"] for p in prompts]
     rss_before = server_rss_mb(pid)
     cancelled_before = _server_cancelled(spec)
     lock = threading.Lock()
@@ -167,8 +170,15 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         try:
             r = generate(url, model, prompts[p], max_tokens if not (cancel or drop) else long_budget,
                          method=method, stream=not unary, unary=unary and not decoupled,
-                         timeout=max(120.0, duration * 4), on_piece=pieces.append,
+                         timeout=request_timeout, on_piece=pieces.append,
                          cancel=stop_at, disconnect=drop, **opts)
+        except RequestTimeout as e:  # a response that never came (or came too late): incomplete, not a hang
+            with lock:
+                stats["requests"] += 1
+                stats["incomplete"] += 1
+                if len(samples) < 5:
+                    samples.append(f"{method}: {e}")
+            return
         except RequestError as e:
             with lock:
                 stats["requests"] += 1
@@ -213,8 +223,15 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
     for t in threads:
         t.start()
+    give_up = deadline + request_timeout + 15.0
     for t in threads:
-        t.join()
+        t.join(timeout=max(0.0, give_up - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:  # each has one request in flight that never ended: incomplete (the daemon threads are left behind)
+        with lock:
+            stats["requests"] += stuck
+            stats["incomplete"] += stuck
+            samples.append(f"{stuck} clients still waiting {request_timeout + 15:.0f}s after the deadline")
     wall = time.monotonic() - t0
     warm = t0 + duration / 4
     steady = sum(n for t, n in done_at if warm <= t <= deadline) / (deadline - warm)
@@ -253,7 +270,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
 
 
 def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens: int = 32,
-              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", log=print) -> dict:
+              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", log=print,
+              request_timeout: float = 120.0) -> dict:
     """tokens/s and latency at each concurrency level (greedy, streaming, resubmitting clients), one reference."""
     from pipeline.client import generate
 
@@ -261,12 +279,12 @@ def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens
         _check(c, duration, max_tokens)
     url = _loopback_url(spec)
     prompts = _prompts(spec, 8, True)
-    reference = [generate(url, model, p, max_tokens, method="baseline", unary=not spec.triton.decoupled)["text"]
-                 for p in prompts]
+    reference = [generate(url, model, p, max_tokens, method="baseline", unary=not spec.triton.decoupled,
+                          timeout=request_timeout)["text"] for p in prompts]
     points = []
     for c in levels:
         r = run_load(spec, c, duration, max_tokens, methods, model, sample_every=0, log=log, write=False,
-                     reference=reference, window=True)
+                     reference=reference, window=True, request_timeout=request_timeout)
         points.append({k: r[k] for k in ("concurrency", "requests", "errors", "incomplete", "greedy_mismatches",
                                          "tokens_per_s", "latency_ms", "ttft_ms", "rss_mb")})
     falls = [f"{a['concurrency']} -> {b['concurrency']}: {a['tokens_per_s']:.1f} -> {b['tokens_per_s']:.1f}"
@@ -287,25 +305,30 @@ def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens
 
 
 def cmd_load(args) -> int:
+    from pipeline.triton.repo import client_model
+
     s = specmod.load(args.spec)
+    args.model = args.model or client_model(s)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else ()
     if args.curve:
         levels = [int(x) for x in args.curve.split(",") if x.strip()]
-        out = run_curve(s, levels, args.duration or 20.0, args.max_tokens, methods or ("baseline",), args.model)
+        out = run_curve(s, levels, args.duration or 20.0, args.max_tokens, methods or ("baseline",), args.model,
+                        request_timeout=args.request_timeout)
         bad = sum(p["errors"] + p["incomplete"] + p["greedy_mismatches"] for p in out["points"])
         return 1 if bad else 0
     if args.soak:
         out = run_load(s, args.concurrency or SOAK["concurrency"], args.duration or SOAK["duration"], args.max_tokens,
                        methods or tuple(served_methods(s)), model=args.model, num_prompts=args.prompts,
                        temperatures=SOAK["temperatures"], cancel_every=SOAK["cancel_every"],
-                       disconnect_every=SOAK["disconnect_every"], unary_every=2)
+                       disconnect_every=SOAK["disconnect_every"], unary_every=2,
+                       request_timeout=args.request_timeout)
         if out["server_cancelled"] < out["cancelled"]:
             missed = out["cancelled"] - out["server_cancelled"]
             print(f"note: {missed:.0f} of the {out['cancelled']} abandoned requests finished before the server saw "
                   "their client go (a fast model), so they count as served")
         return 1 if out["errors"] + out["incomplete"] + out["greedy_mismatches"] else 0
     out = run_load(s, args.concurrency or 8, args.duration or 10.0, args.max_tokens, methods or ("baseline",),
-                   model=args.model, num_prompts=args.prompts)
+                   model=args.model, num_prompts=args.prompts, request_timeout=args.request_timeout)
     bad = out["errors"] + out["incomplete"] + out["greedy_mismatches"]
     return 1 if bad else 0
 
@@ -319,8 +342,10 @@ def register(verb) -> None:
     sp.add_argument("--max-tokens", type=int, default=32)
     sp.add_argument("--methods", default="", help="comma-separated, e.g. baseline,prompt_lookup "
                                                   "(default baseline; --soak: every method the engines serve)")
-    sp.add_argument("--model", default="ensemble")
+    sp.add_argument("--model", default="", help="ensemble (default, when served) or tensorrt_llm_bls")
     sp.add_argument("--prompts", type=int, default=8, help="distinct prompts (each gets a greedy reference first)")
     sp.add_argument("--soak", action="store_true", help="mixed methods, temperatures 0/0.7/1.0, stream and unary, "
                                                         "cancels and disconnects (32 clients, 120 s unless given)")
+    sp.add_argument("--request-timeout", type=float, default=120.0,
+                    help="seconds a client waits for a request's final response before counting it incomplete")
     sp.add_argument("--curve", default="", help="comma-separated concurrency levels, e.g. 1,2,4,8,16,32,64,128")

@@ -25,8 +25,9 @@ def test_every_config_parses_with_tritons_schema_and_names_match_tensorrtllm_bac
     assert set(cfgs) == {"ensemble", "tensorrt_llm_bls"}
     for name, c in cfgs.items():
         assert c.name == name
-    assert (path / "tensorrt_llm_bls" / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
-    assert (path / "ensemble" / "1" / "model.py").read_text() == repomod.FORWARD_SOURCE.read_text()
+    for name in ("ensemble", "tensorrt_llm_bls"):  # one python model, served twice
+        assert (path / name / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
+    assert (path / ".step.lock").is_file(), "the file the served models take turns on"
 
 
 def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
@@ -42,19 +43,33 @@ def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
     assert c.parameters["default_method"].string_value == "baseline"
 
 
-def test_ensemble_relays_to_the_bls_model_with_its_own_io_and_transaction_policy(written, tiny_root):
+def test_ensemble_and_bls_are_the_same_model_with_the_same_io_and_transaction_policy(written, tiny_root):
     s, path = written
     cfgs = _configs(path)
     c, bls = cfgs["ensemble"], cfgs["tensorrt_llm_bls"]
-    assert c.backend == "python" and c.parameters["target_model"].string_value == "tensorrt_llm_bls"
+    assert c.backend == bls.backend == "python"
     assert [(i.name, i.data_type, list(i.dims)) for i in c.input] == [(i.name, i.data_type, list(i.dims))
                                                                       for i in bls.input]
     assert [o.name for o in c.output] == [o.name for o in bls.output]
+    assert dict(c.parameters) == dict(bls.parameters) and c.parameters["step_lock"].string_value == "true"
+    assert c.max_batch_size == bls.max_batch_size == s.limits.max_batch_size
     assert c.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
     unary = specmod.parse({"name": "x", "triton": {"decoupled": False}}, tiny_root)
-    assert not repomod.bls_config(unary, tiny_root).model_transaction_policy.decoupled
-    e = repomod.ensemble_config(unary)
-    assert not e.model_transaction_policy.decoupled and e.parameters["target_decoupled"].string_value == "false"
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert not repomod.model_config(unary, tiny_root, name).model_transaction_policy.decoupled
+
+
+def test_triton_models_serves_only_the_models_it_lists(tiny_root, tiny_engine):
+    s = specmod.load(write_spec(tiny_root, name="only_bls", triton={"models": ["tensorrt_llm_bls"]}))
+    import shutil
+
+    shutil.copytree(tiny_engine, s.engine_dir / "target", dirs_exist_ok=True)
+    path = repomod.write_repo(s, log=lambda *a: None)
+    assert set(_configs(path)) == {"tensorrt_llm_bls"}
+    assert repomod.client_model(s) == "tensorrt_llm_bls" and repomod.client_model(s, "tensorrt_llm_bls") == \
+        "tensorrt_llm_bls"
+    both = specmod.load(tiny_root / "build" / "tiny.yaml")
+    assert both.triton.models == ["ensemble", "tensorrt_llm_bls"] and repomod.client_model(both) == "ensemble"
 
 
 def test_ensemble_io_matches_the_written_config_and_the_client_contract(written):
@@ -65,7 +80,7 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     ins, outs = repomod.INPUTS, repomod.OUTPUTS
     contract_in, contract_out = repomod.ensemble_io()
     assert set(n for n, _, _ in contract_in) < set(n for n, _, _ in ins), "the contract is served, and more"
-    assert [o for o in outs if o[0] != "error_message"] == contract_out
+    assert outs == contract_out
     got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
     assert got_in == ins and got_out == outs

@@ -1,13 +1,16 @@
 """Triton python-backend model (the adapter): the torch runtime behind tensorrtllm_backend's client contract.
 
-Copied into triton_repo/<name>/tensorrt_llm_bls/1/model.py. One instance holds the weights and
-serves every method (`method` input; default from config). This file only translates between
-Triton and the two Triton-free pieces it imports from the project: `pipeline.triton.parse` turns a
-request's tensors into runtime Requests (or a BadRequest naming the input), and
-`pipeline.triton.scheduler` decodes them on one worker thread and answers through a `Responder`,
-here one that wraps the request's response sender. Decoupled (streaming) or not follows the
-model's transaction policy (spec `triton.decoupled`); both answer through the response sender,
-so `execute` never blocks on decoding.
+Copied into triton_repo/<name>/ensemble/1/model.py and tensorrt_llm_bls/1/model.py: both served
+models are this model, each in its own stub process with its own copy of the weights, its own
+scheduler and its own clients, so each sees its clients' cancellation, deadline and disconnect
+itself (no model forwards requests to another). One instance serves every method (`method` input;
+default from config). This file only translates between Triton and the Triton-free pieces it
+imports from the project: `pipeline.triton.parse` turns a request's tensors into runtime Requests
+(or a BadRequest naming the input), `pipeline.triton.scheduler` decodes them on one worker thread
+and answers through a `Responder`, here one that wraps the request's response sender, and
+`pipeline.triton.gate` makes the served models take turns at decoding steps (a file lock in the
+model repository). Decoupled (streaming) or not follows the model's transaction policy (spec
+`triton.decoupled`); both answer through the response sender, so `execute` never blocks on decoding.
 """
 
 from __future__ import annotations
@@ -55,19 +58,11 @@ def _add_paths(paths: list[str]) -> None:
     sys.path[:] = [p for p in paths if p] + [p for p in added if p not in paths] + [p for p in before if p not in paths]
 
 
-def _relayed(request) -> bool:
-    """Sent by the `ensemble` relay (forward.py), which marks its requests with the parameter relay=true."""
-    try:
-        return bool(json.loads(request.parameters() or "{}").get("relay"))
-    except (ValueError, AttributeError):
-        return False
-
-
 class TritonResponder:
     """The scheduler's Responder over one request's response sender."""
 
-    def __init__(self, sender, relayed: bool = False):
-        self.sender, self.relayed = sender, relayed
+    def __init__(self, sender):
+        self.sender = sender
 
     def send(self, texts: list[str], results: list | None, final: bool) -> None:
         out = []
@@ -85,14 +80,6 @@ class TritonResponder:
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL if final else 0)
 
     def error(self, message: str, cancelled: bool = False) -> None:
-        if self.relayed:
-            # Triton 2.51's python backend drops an error response to a BLS caller once a stream has begun
-            # (and with it the final flag), so the `ensemble` relay gets the error as an output it turns back
-            # into an error for its client.
-            text = ("CANCELLED: " if cancelled else "") + message
-            out = [pb_utils.Tensor("error_message", np.array([[text.encode("utf-8")]], dtype=np.object_))]
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL)
-            return
         err = pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED) if cancelled else pb_utils.TritonError(
             message)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=err), flags=FINAL)
@@ -107,6 +94,7 @@ class TritonPythonModel:
         _add_paths(_param(cfg, "python_path").split(":"))
         from pipeline.runtime import kernels
         from pipeline.runtime.decode import default_k, load_bundle
+        from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
         from pipeline.triton.scheduler import Scheduler
 
@@ -143,7 +131,12 @@ class TritonPythonModel:
             decoupled=pb_utils.using_decoupled_model_transaction_policy(cfg))
         self.parser = RequestParser(bundle.tokenizer, limits)
         self._metrics()
-        self.scheduler = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log).start()
+        # Both served models decode in their own stub process: they take turns at steps (pipeline/triton/gate.py).
+        instance = args.get("model_instance_name") or self.model_name
+        self.gate = StepGate(Path(args["model_repository"]).parent, instance) if _param(
+            cfg, "step_lock", "true") == "true" and args.get("model_repository") else NoGate()
+        self.scheduler = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log,
+                                   gate=self.gate).start()
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {default_method}; "
                                  f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads}; "
                                  f"kernel path {kernels.path()})")
@@ -172,7 +165,7 @@ class TritonPythonModel:
         from pipeline.triton.parse import BadRequest
 
         for request in requests:
-            out = TritonResponder(request.get_response_sender(), _relayed(request))
+            out = TritonResponder(request.get_response_sender())
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:
@@ -191,3 +184,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.scheduler.close()
+        g = self.gate
+        pb_utils.Logger.log_info(f"{self.model_name}: step lock taken {g.acquisitions} times, waited {g.waited_s:.1f}s "
+                                 f"for it, handed it over {g.handoffs} times")
+        g.close()

@@ -1,12 +1,14 @@
 """Write triton_repo/<name>/ for the torch backend: tensorrtllm_backend's model names and client I/O.
 
-One python-backend model, `tensorrt_llm_bls`, holds the weights once and serves every decoding
-method the engines support (request input `method`, default from its config). `ensemble` has
-tensorrtllm_backend's ensemble interface and relays every request to it (`forward.py`, a python
-model without weights): Triton 2.51's platform "ensemble" does not pass a client's cancellation,
-deadline or disconnect on to its steps, the relay does (as a `stop` request). Both are decoupled
-(streaming) or not as the spec's `triton.decoupled` says. Every config.pbtxt is produced from
-Triton's own ModelConfig protobuf, so it parses by construction.
+`ensemble` and `tensorrt_llm_bls` are two instances of one python-backend model (`model.py`), with
+tensorrtllm_backend's ensemble interface: each loads the engines and serves every decoding method
+they support (request input `method`, default from its config). Not a platform "ensemble" over a
+BLS model: Triton 2.51's ensemble does not pass a client's cancellation, deadline or disconnect on
+to its steps, and a model that forwards requests by BLS calls lost final responses under load; each
+of the two sees its own clients. They take turns at decoding steps (`gate.py`, a file lock in the
+repository). `triton.models` serves only some of them; both are decoupled (streaming) or not as
+`triton.decoupled` says. Every config.pbtxt is produced from Triton's own ModelConfig protobuf, so
+it parses by construction.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from pipeline.triton.trtllm_repo import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
-FORWARD_SOURCE = Path(__file__).resolve().parent / "forward.py"
 BLS = "tensorrt_llm_bls"
 ENSEMBLE = "ensemble"
+MODELS = (ENSEMBLE, BLS)
+STEP_LOCK = ".step.lock"  # pipeline.triton.gate.LOCK_NAME (gate.py is not imported here: it is the served side's)
 
 # The client contract is written once, as tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) in
 # trtllm_repo. The torch backend declares every one of its inputs, and the older era's names next to them, so
@@ -57,20 +60,22 @@ def _served(table: list, names: tuple[str, ...]) -> list[tuple[str, str, list[in
 INPUTS: list[tuple[str, str, list[int]]] = [(t[0], t[1], list(t[2])) for t in ENSEMBLE_INPUTS] + [
     e for e in EXTRA_INPUTS if e[0] not in {t[0] for t in ENSEMBLE_INPUTS}]
 # Every input is optional to Triton: a `stop` request carries only `stop`, and a missing text_input or
-# max_tokens is refused by the model with an error naming it (Triton 2.51 answers an ensemble request that
-# lacks a required input with an empty success).
+# max_tokens is refused by the model with an error naming it.
 REQUIRED: tuple[str, ...] = ()
-# ours: with an error response to the ensemble relay (forward.py), which turns it back into an error
-OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS) + [
-    ("error_message", "TYPE_STRING", [1])]
+OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
     """(inputs, outputs) of the client contract the `ensemble` model serves (trtllm_repo's table), as (name,
-    data_type, dims) lists. Its config declares INPUTS / OUTPUTS: these plus EXTRA_INPUTS and error_message."""
+    data_type, dims) lists. Its config declares INPUTS / OUTPUTS: these plus EXTRA_INPUTS."""
     shared = {t[0] for t in ENSEMBLE_INPUTS} | {t[0] for t in ENSEMBLE_OUTPUTS}
     return ([(n, t, list(d)) for n, t, d in INPUTS if n in shared],
             [(n, t, list(d)) for n, t, d in OUTPUTS if n in shared])
+
+
+def client_model(spec: Spec, prefer: str = ENSEMBLE) -> str:
+    """The served model a client of this spec talks to: `prefer` when the spec serves it, else the one it serves."""
+    return prefer if prefer in spec.triton.models else spec.triton.models[0]
 
 
 def default_methods(spec: Spec) -> list[str]:
@@ -104,11 +109,11 @@ def _io(msg_list, entries, required=()):
             m.optional = True
 
 
-def bls_config(spec: Spec, engine_dir: Path):
-    """ModelConfig of the python model that runs every method."""
+def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
+    """ModelConfig of one served model (`ensemble` or `tensorrt_llm_bls`: the same python model)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
-    c = mc.ModelConfig(name=BLS, backend="python", max_batch_size=spec.limits.max_batch_size)
+    c = mc.ModelConfig(name=name, backend="python", max_batch_size=spec.limits.max_batch_size)
     c.model_transaction_policy.decoupled = spec.triton.decoupled
     c.dynamic_batching.max_queue_delay_microseconds = spec.triton.max_queue_delay_us
     _io(c.input, INPUTS, REQUIRED)
@@ -131,6 +136,7 @@ def bls_config(spec: Spec, engine_dir: Path):
         "draft_confidence": str(spec.speculation.draft_confidence),
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
+        "step_lock": "true",
         "python_path": ":".join(python_path()),
     }
     for key, value in params.items():
@@ -138,21 +144,8 @@ def bls_config(spec: Spec, engine_dir: Path):
     return c
 
 
-def ensemble_config(spec: Spec):
-    """The relay model (forward.py) with the ensemble's client I/O, forwarding every request to the BLS model."""
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    c = mc.ModelConfig(name=ENSEMBLE, backend="python", max_batch_size=spec.limits.max_batch_size)
-    c.model_transaction_policy.decoupled = spec.triton.decoupled
-    c.dynamic_batching.max_queue_delay_microseconds = 0
-    _io(c.input, INPUTS, REQUIRED)
-    _io(c.output, OUTPUTS, None)
-    g = c.instance_group.add()
-    g.count = 1
-    g.kind = mc.ModelInstanceGroup.KIND_CPU
-    c.parameters["target_model"].string_value = BLS
-    c.parameters["target_decoupled"].string_value = str(spec.triton.decoupled).lower()
-    return c
+def bls_config(spec: Spec, engine_dir: Path):
+    return model_config(spec, engine_dir, BLS)
 
 
 def to_pbtxt(config) -> str:
@@ -180,15 +173,14 @@ def write_repo(spec: Spec, log=print) -> Path:
     repo = spec.repo_dir
     tmp = repo.parent / f".{repo.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / BLS / "1").mkdir(parents=True)
-    (tmp / ENSEMBLE / "1").mkdir(parents=True)
-    shutil.copyfile(MODEL_SOURCE, tmp / BLS / "1" / "model.py")
-    shutil.copyfile(FORWARD_SOURCE, tmp / ENSEMBLE / "1" / "model.py")
-    (tmp / BLS / "config.pbtxt").write_text(to_pbtxt(bls_config(spec, engine_dir)))
-    (tmp / ENSEMBLE / "config.pbtxt").write_text(to_pbtxt(ensemble_config(spec)))
+    for name in spec.triton.models:
+        (tmp / name / "1").mkdir(parents=True)
+        shutil.copyfile(MODEL_SOURCE, tmp / name / "1" / "model.py")
+        (tmp / name / "config.pbtxt").write_text(to_pbtxt(model_config(spec, engine_dir, name)))
+    (tmp / STEP_LOCK).touch()
     if repo.exists():
         shutil.rmtree(repo)
     tmp.rename(repo)
-    log(f"wrote {repo} (models {ENSEMBLE}, {BLS}; default method, first built of: {', '.join(default_methods(spec))}; "
-        f"python {sys.version.split()[0]})")
+    log(f"wrote {repo} (models {', '.join(spec.triton.models)}; default method, first built of: "
+        f"{', '.join(default_methods(spec))}; python {sys.version.split()[0]})")
     return repo

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
+from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
 
 CANCEL_CHECK_S = 0.02
@@ -111,8 +112,9 @@ def _log(level: str, msg: str) -> None:
 
 class Scheduler:
     def __init__(self, bundle, max_batch_size: int, count: Callable[[str, str, float], None] | None = None,
-                 log: Callable[[str, str], None] = _log):
+                 log: Callable[[str, str], None] = _log, gate=None):
         self.bundle, self.tok = bundle, bundle.tokenizer
+        self.gate = gate or NoGate()  # held around every decoding step (pipeline.triton.gate)
         self.max_batch_size = max_batch_size
         self.count = count or (lambda what, method, value: None)
         self.log = log
@@ -178,7 +180,8 @@ class Scheduler:
         if not self.waiting and not self.pool.rows:
             return True
         try:
-            self._schedule()
+            with self.gate:  # one step (or one speculative batch, which pauses between its rounds)
+                self._schedule()
         except Exception as e:  # noqa: BLE001 - a failed step fails the rows it held; keep serving
             self.log("error", f"decode worker: {type(e).__name__}: {e}")
             self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
@@ -425,8 +428,8 @@ class Scheduler:
         rid = job.p.request_id
         if not rid or not self._stops:
             return False
-        with self._stops_lock:  # the ensemble relay names its requests <client id>#<suffix>
-            return rid in self._stops or rid.partition("#")[0] in self._stops
+        with self._stops_lock:
+            return rid in self._stops
 
     def _is_cancelled(self, job: Job, every: float | None = None) -> bool:
         if job.cancelled or job.answered:  # never ask Triton about a request answered already: it is freed
@@ -482,6 +485,7 @@ class Scheduler:
         answered: set[int] = set()
 
         def busy() -> bool:
+            self.gate.pause()  # between rounds: the other served model takes its step if it waits
             # Also yield once half the batch has finished, so the rest resume without the finished rows:
             # they would otherwise ride along in every verify pass until the longest row ends.
             return self._busy(key, len(rows) - len(answered)) or (
