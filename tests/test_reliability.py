@@ -70,7 +70,7 @@ BAD_REQUESTS = {
     "megabyte prompt": (_replace(GOOD, "text_input", [[b"x" * 1_000_000]], object),
                         r"text_input: 1000000 characters, far above"),
     "wrong dtype": (_replace(GOOD, "max_tokens", [[4.0]], np.float32), r"max_tokens.*(TYPE_FP32|FP32).*INT32"),
-    "wrong shape": (_replace(GOOD, "max_tokens", [[4, 4]], np.int32), r"max_tokens.*shape"),
+    "wrong shape": (_replace(GOOD, "max_tokens", [[4, 4]], np.int32), r"max_tokens.*shape|shape.*max_tokens"),
     "invalid UTF-8": (_replace(GOOD, "text_input", [[b"caf\xe9 \xff"]], object), r"text_input: not valid UTF-8"),
     "top_p 0": (GOOD + [_tensor("top_p", [[0.0]], np.float32)], r"top_p: got 0.0; must be in \(0, 1\]"),
     "top_p above 1": (GOOD + [_tensor("top_p", [[1.5]], np.float32)], r"top_p: got 1.5"),
@@ -83,6 +83,12 @@ BAD_REQUESTS = {
     "bad_words": (GOOD + [_tensor("bad_words", [[b"moon"]], object)], r"bad_words: not supported"),
     "batch above max_batch_size": ([_tensor("text_input", [[b"hi"]] * 5, object),
                                     _tensor("max_tokens", [[4]] * 5, np.int32)], r"batch.size.*4"),
+    "batch size 0": ([_tensor("text_input", np.empty((0, 1), dtype=object), object),
+                      _tensor("max_tokens", np.empty((0, 1), dtype=np.int32), np.int32)],
+                     r"^text_input: batch size 0 \(shape \[0, 1\]\); this model accepts 1 to 4 rows"),
+    "max_tokens of batch 0 next to one prompt": (
+        [_tensor("text_input", [[b"hi"]], object), _tensor("max_tokens", np.empty((0, 1), dtype=np.int32), np.int32)],
+        r"^max_tokens: got shape \[0, 1\]; expected \[1, 1\]"),
     "streaming a batch": ([_tensor("text_input", [[b"hi"]] * 2, object), _tensor("max_tokens", [[4]] * 2, np.int32),
                            _tensor("stream", [[True]] * 2, bool)], r"stream: streaming needs one row"),
 }

@@ -30,14 +30,15 @@ def test_every_config_parses_with_tritons_schema_and_names_match_tensorrtllm_bac
     assert (path / ".step.lock").is_file(), "the file the served models take turns on"
 
 
-def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
+def test_bls_is_decoupled_python_model_with_the_engine_limits_and_an_explicit_batch_dimension(written):
     s, path = written
     c = _configs(path)["tensorrt_llm_bls"]
     assert c.backend == "python"
     assert c.model_transaction_policy.decoupled
-    assert c.max_batch_size == s.limits.max_batch_size
-    assert c.HasField("dynamic_batching")
-    assert c.dynamic_batching.max_queue_delay_microseconds == s.triton.max_queue_delay_us
+    # Triton does not batch (so a batch of 0 reaches the model, which names it); the model takes up to max_rows
+    assert c.max_batch_size == 0 and not c.HasField("dynamic_batching")
+    assert c.parameters["max_rows"].string_value == str(s.limits.max_batch_size)
+    assert all(list(i.dims)[0] == -1 for i in [*c.input, *c.output])
     assert sum(g.count for g in c.instance_group) == s.triton.instance_count
     assert c.parameters["engine_dir"].string_value == str((s.engine_dir).resolve())
     assert c.parameters["default_method"].string_value == "baseline"
@@ -52,7 +53,8 @@ def test_ensemble_and_bls_are_the_same_model_with_the_same_io_and_transaction_po
                                                                       for i in bls.input]
     assert [o.name for o in c.output] == [o.name for o in bls.output]
     assert dict(c.parameters) == dict(bls.parameters) and c.parameters["step_lock"].string_value == "true"
-    assert c.max_batch_size == bls.max_batch_size == s.limits.max_batch_size
+    assert c.max_batch_size == bls.max_batch_size == 0 and c.parameters["max_rows"].string_value == str(
+        s.limits.max_batch_size)
     assert c.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
     unary = specmod.parse({"name": "x", "triton": {"decoupled": False}}, tiny_root)
     for name in ("ensemble", "tensorrt_llm_bls"):
@@ -83,7 +85,8 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     assert outs == contract_out
     got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
-    assert got_in == ins and got_out == outs
+    batch = lambda table: [(n, t, [-1, *d]) for n, t, d in table]  # noqa: E731 - the explicit batch dimension
+    assert got_in == batch(ins) and got_out == batch(outs)
     bls = _configs(path)["tensorrt_llm_bls"]
     assert all(i.optional for i in bls.input) and all(i.optional for i in c.input), \
         "a missing input (or a `stop` request, which has no other) must reach the model, which names it"

@@ -156,8 +156,10 @@ class RequestParser:
             return [None] * batch
         if arr.ndim == 0:
             arr = arr.reshape(1, 1)
+        if arr.shape[0] not in (1, batch) or arr.size == 0:
+            raise BadRequest(f"{name}: got shape {list(arr.shape)}; expected [{batch}, 1] to match text_input")
         flat = arr.reshape(arr.shape[0], -1)
-        if flat.shape[0] not in (1, batch) or flat.shape[1] < 1:
+        if flat.shape[1] < 1:
             raise BadRequest(f"{name}: got shape {list(arr.shape)}; expected [{batch}, 1] to match text_input")
         return [flat[min(i, flat.shape[0] - 1), 0] for i in range(batch)]
 

@@ -113,16 +113,21 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
     """ModelConfig of one served model (`ensemble` or `tensorrt_llm_bls`: the same python model)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
-    c = mc.ModelConfig(name=name, backend="python", max_batch_size=spec.limits.max_batch_size)
+    # The batch dimension is explicit (max_batch_size 0, dims [-1, ...]): with Triton's own batching (max_batch_size
+    # > 0) a request of batch size 0 got Triton core's "input byte size mismatch" and never reached the model; this
+    # way the parser answers it in its own words and refuses batches above limits.max_batch_size (`max_rows`).
+    # Triton then hands over requests one at a time, which costs nothing: execute only parses and queues, and the
+    # scheduler batches rows itself.
+    c = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
     c.model_transaction_policy.decoupled = spec.triton.decoupled
-    c.dynamic_batching.max_queue_delay_microseconds = spec.triton.max_queue_delay_us
-    _io(c.input, INPUTS, REQUIRED)
-    _io(c.output, OUTPUTS, None)
+    _io(c.input, [(n, t, [-1, *d]) for n, t, d in INPUTS], REQUIRED)
+    _io(c.output, [(n, t, [-1, *d]) for n, t, d in OUTPUTS], None)
     g = c.instance_group.add()
     g.count = spec.triton.instance_count
     g.kind = mc.ModelInstanceGroup.KIND_CPU
     k = spec.speculation.num_draft_tokens
     params = {
+        "max_rows": str(spec.limits.max_batch_size),
         "engine_dir": str(Path(engine_dir).resolve()),
         "device": spec.device,
         "threads": str(spec.threads),

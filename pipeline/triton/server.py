@@ -248,8 +248,9 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
     while True:
         if proc.poll() is not None:
             pid_file(spec).unlink(missing_ok=True)
-            raise ServerError(f"tritonserver exited with code {proc.returncode} while loading the models. "
-                              f"Last lines of {logp}:\n{log_tail(logp)}\n"
+            bad = fatal_line(logp)  # the tail may be all status table when several models failed
+            raise ServerError(f"tritonserver exited with code {proc.returncode} while loading the models"
+                              + (f": {bad.strip()}" if bad else "") + f". Last lines of {logp}:\n{log_tail(logp)}\n"
                               "Fix the error above (often: engines not built -> `make engine`; "
                               "repository stale -> `make repo`) and run `make serve` again")
         if is_ready(spec):
