@@ -16,6 +16,10 @@ below it, newcomers of the same group join the running batch: its rows step asid
 continuous batch, the newcomers are prefilled next to them, and all speculate on together. Each row
 is answered as it finishes.
 
+Every scheduling round that decodes runs under the `gate` (pipeline/triton/gate.py: the step lock the
+served models share, so their kernels never run at once), and a speculative batch pauses on it between
+rounds, so the other model takes its step when it waits; without a gate (tests) nothing waits.
+
 Faults: a row whose sampling fails in the continuous batch is answered with an error and leaves;
 the others step on. A speculative batch that raises is not failed as a whole: its unanswered rows
 are re-admitted to the continuous batch one by one, continuing after the tokens they already
