@@ -2,7 +2,8 @@
 
 Every greedy answer must equal the reference answer for its prompt (taken first, one request at a
 time), every response must be complete, and the server's memory (tritonserver plus its stubs) is
-measured before and after. `--soak` mixes what clients do: every method the engines serve,
+measured before and after. `--soak` mixes what clients do: every served model in turn, every method the
+engines serve,
 greedy and sampled temperatures, streamed and unary requests, clients that cancel their stream
 after the first piece and clients that drop their connection (the provoked ones are counted as
 `cancelled` / `disconnected`, not as errors, and the server's own cancelled counter must move by
@@ -106,14 +107,16 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
              sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
              cancel_every: int = 0, disconnect_every: int = 0, unary_every: int = 0, write: bool = True,
-             reference: list[str] | None = None, window: bool = False, request_timeout: float = 120.0) -> dict:
+             reference: list[str] | None = None, window: bool = False, request_timeout: float = 120.0,
+             models: tuple[str, ...] = ()) -> dict:
     """Drive the running server; return (and write to reports/<name>/load.json) the summary.
 
     Request i of the run uses methods[i % len(methods)]; with `temperatures` it cycles through them (0 is
     greedy and checked against the reference), else every `sample_every`-th request samples at 0.8. Every
     `unary_every`-th request is unary (one response: ModelInfer on a `triton.decoupled: false` server, a
     stream=false request on a decoupled one), the others stream; every `cancel_every`-th cancels its stream
-    after the first piece and every `disconnect_every`-th drops its connection there instead.
+    after the first piece and every `disconnect_every`-th drops its connection there instead. With `models`,
+    request i goes to models[i % len(models)] (the soak sends to every served model); else to `model`.
 
     With `window`, streams still running at the deadline are cancelled there (not waited for) and
     `tokens_per_s` counts the requests completed between a warm-up (a quarter of the run) and the deadline:
@@ -168,7 +171,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         if window and not unary:
             stop_at = (lambda f=stop_at: time.monotonic() > deadline or bool(f and f()))
         try:
-            r = generate(url, model, prompts[p], max_tokens if not (cancel or drop) else long_budget,
+            r = generate(url, models[i % len(models)] if models else model, prompts[p],
+                         max_tokens if not (cancel or drop) else long_budget,
                          method=method, stream=not unary, unary=unary and not decoupled,
                          timeout=request_timeout, on_piece=pieces.append,
                          cancel=stop_at, disconnect=drop, **opts)
@@ -254,7 +258,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         "ttft_ms": {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95)},
         "rss_mb": {"before": rss_before, "after": rss_after},
         "concurrency": concurrency, "duration_s": wall, "max_tokens": max_tokens, "methods": list(methods),
-        "temperatures": list(temperatures), "model": model, "decoupled": decoupled, "problems": samples,
+        "temperatures": list(temperatures), "model": model, "models": list(models or (model,)),
+        "decoupled": decoupled, "problems": samples,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name,
     }
     if write:
@@ -308,6 +313,7 @@ def cmd_load(args) -> int:
     from pipeline.triton.repo import client_model
 
     s = specmod.load(args.spec)
+    every_model = not args.model  # the soak then sends to every served model
     args.model = args.model or client_model(s)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else ()
     if args.curve:
@@ -321,7 +327,8 @@ def cmd_load(args) -> int:
                        methods or tuple(served_methods(s)), model=args.model, num_prompts=args.prompts,
                        temperatures=SOAK["temperatures"], cancel_every=SOAK["cancel_every"],
                        disconnect_every=SOAK["disconnect_every"], unary_every=2,
-                       request_timeout=args.request_timeout)
+                       request_timeout=args.request_timeout,
+                       models=tuple(s.triton.models) if every_model else ())
         if out["server_cancelled"] < out["cancelled"]:
             missed = out["cancelled"] - out["server_cancelled"]
             print(f"note: {missed:.0f} of the {out['cancelled']} abandoned requests finished before the server saw "
@@ -342,7 +349,8 @@ def register(verb) -> None:
     sp.add_argument("--max-tokens", type=int, default=32)
     sp.add_argument("--methods", default="", help="comma-separated, e.g. baseline,prompt_lookup "
                                                   "(default baseline; --soak: every method the engines serve)")
-    sp.add_argument("--model", default="", help="ensemble (default, when served) or tensorrt_llm_bls")
+    sp.add_argument("--model", default="", help="ensemble (default, when served) or tensorrt_llm_bls "
+                                                "(--soak without it: every served model in turn)")
     sp.add_argument("--prompts", type=int, default=8, help="distinct prompts (each gets a greedy reference first)")
     sp.add_argument("--soak", action="store_true", help="mixed methods, temperatures 0/0.7/1.0, stream and unary, "
                                                         "cancels and disconnects (32 clients, 120 s unless given)")

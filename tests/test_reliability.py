@@ -187,6 +187,7 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert rc == 0, r
     assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
     assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
+    assert r["models"] == ["ensemble", "tensorrt_llm_bls"], "the soak sends to every served model"
     assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
     # the tiny model may finish an abandoned request before its cancel arrives; it never counts more
@@ -195,6 +196,22 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r
     assert set(r["latency_ms"]) == {"p50", "p95"} and set(r["rss_mb"]) == {"before", "after"}
+
+
+def test_load_curve_measures_each_level_and_says_whether_it_falls(served):
+    """`load --curve`: a steady-state tokens/s per concurrency level (queued beyond max_batch_size at the top),
+    greedy answers checked at every level, written to load_curve.json with the levels where it fell."""
+    from pipeline.cli import main
+
+    s, srv = served
+    spec_path = Path(s.root) / "build" / "rel.yaml"
+    main(["load", str(spec_path), "--curve", "1,4,16", "--duration", "4", "--max-tokens", "8"])
+    r = json.loads((s.report_dir / "load_curve.json").read_text())
+    assert [p["concurrency"] for p in r["points"]] == [1, 4, 16] and r["max_batch_size"] == 4
+    for p in r["points"]:
+        assert p["errors"] == p["incomplete"] == p["greedy_mismatches"] == 0, p
+        assert p["tokens_per_s"] > 0 and p["latency_ms"]["p50"] > 0
+    assert isinstance(r["falls"], list)
 
 
 def test_load_refuses_unbounded_or_remote_runs(served, tiny_root):
