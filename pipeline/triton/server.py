@@ -234,6 +234,8 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
     spec.report_dir.mkdir(parents=True, exist_ok=True)
     backends = backend_dir(spec.repo_dir.parent / ".backends")
     logp = log_file(spec)
+    if logp.is_file():  # keep the previous server's log (a server that died leaves its story there)
+        logp.replace(logp.with_name(logp.name + ".prev"))
     cmd = command(spec, backends)
     with open(logp, "w") as lf:
         lf.write("# " + " ".join(cmd) + "\n")
