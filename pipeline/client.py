@@ -1,8 +1,13 @@
 """gRPC client for the served models (tensorrtllm_backend's client contract), used by the CLI, validation and load.
 
-Every call opens its own gRPC stream (decoupled models only answer on streams), so calls are safe
+Every call opens its own gRPC stream (decoupled models only answer on streams) or, with
+`unary=True`, one ModelInfer call (models served with `triton.decoupled: false`), so calls are safe
 from many threads at once as long as each thread uses its own client (the default: one per call).
-`generate` returns the text, the perf outputs, the latency and the time to first token.
+`generate` returns the text, the perf outputs, the latency and the time to first token. Every wait is
+bounded (`timeout`: RequestTimeout when no final response came in time). To stop a
+request: cancel its stream (`cancel=`), let its deadline pass, or close the connection; both models
+stop decoding it at their next step. `stop(url, model, request_id)` does the same by request id
+(tensorrtllm_backend's `stop` input), for clients that cannot cancel their own call.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_t
 
 class RequestError(RuntimeError):
     """The server rejected or failed a request; the message is the server's."""
+
+
+class RequestTimeout(RequestError):
+    """No final response within the client's timeout (a slow server, or a response that never came)."""
 
 
 def _tensor(name: str, value, dtype) -> object:
@@ -67,34 +76,38 @@ def _first(result, name: str):
 
 def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
                  on_response: Callable[[object], bool] | None = None, cancel: Callable[[], bool] | None = None,
-                 client=None) -> tuple[list, bool]:
+                 client=None, request_id: str = "", disconnect: bool = False,
+                 stream_timeout: float | None = None) -> tuple[list, bool]:
     """Send one request on a gRPC stream and collect its responses until the final flag.
 
-    Returns (responses, complete). `on_response` sees each result; `cancel()` (polled every 50 ms)
-    returning True cancels the request: the stream is closed with cancel_requests=True.
+    Returns (responses, complete). `on_response` sees each result; `cancel()` (polled after each response
+    and every 200 ms) returning True cancels the request: the stream is closed with cancel_requests=True, or with
+    `disconnect` the connection is dropped without a word (as a client that dies would).
+    `stream_timeout` is the stream's gRPC deadline (the server sees it expire as a cancellation).
     """
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     c = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
-    c.start_stream(callback=lambda result, error: q.put((result, error)))
-    responses, complete, cancelled = [], False, False
+    c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=stream_timeout)
+    responses, complete, cancelled, answered = [], False, False, False
     deadline = time.monotonic() + timeout
     try:
-        c.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        c.async_stream_infer(model, inputs, enable_empty_final_response=True, request_id=request_id)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RequestError(f"no final response from {model} within {timeout:.0f}s")
-            try:
-                result, error = q.get(timeout=min(left, 0.05))
+                raise RequestTimeout(f"no final response from {model} within {timeout:.0f}s")
+            try:  # a waiting client wakes rarely: 128 clients polling every 50 ms took CPU from the server
+                result, error = q.get(timeout=min(left, 0.2 if cancel else 1.0))
             except queue.Empty:
                 if cancel and cancel():
                     cancelled = True
                     break
                 continue
             if error is not None:
+                answered = True  # the server's error ends the request
                 raise RequestError(error.message() if isinstance(error, InferenceServerException) else str(error))
             resp = result.get_response()
             final = resp.parameters.get("triton_final_response")
@@ -110,18 +123,51 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
                 cancelled = True
                 break
     finally:
-        try:
-            c.stop_stream(cancel_requests=cancelled)
-        finally:
-            if client is None:
-                c.close()
+        if cancelled and disconnect:
+            c._channel.close()  # no cancel, no goodbye: the server only sees the connection go
+        else:
+            try:
+                # Without a final response or an error from the server (cancelled, timed out), cancel:
+                # stop_stream(cancel_requests=False) waits for the server to end the stream, which a lost response
+                # would make wait forever.
+                c.stop_stream(cancel_requests=not (complete or answered))
+            finally:
+                if client is None:
+                    c.close()
     return responses, complete
+
+
+def infer_unary(url: str, model: str, inputs: list, timeout: float = 300.0, request_id: str = "") -> object:
+    """One ModelInfer call (models served with `triton.decoupled: false`); the result, or RequestError."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with grpcclient.InferenceServerClient(url) as c:
+        try:
+            return c.infer(model, inputs, request_id=request_id, client_timeout=timeout)
+        except InferenceServerException as e:
+            if str(e.status() or "").endswith("DEADLINE_EXCEEDED"):
+                raise RequestTimeout(f"no response from {model} within {timeout:.0f}s") from None
+            raise RequestError(e.message()) from None
+
+
+def stop(url: str, model: str, request_id: str, unary: bool = False) -> None:
+    """Stop the running request `request_id` on `model` (tensorrtllm_backend's `stop` input)."""
+    ins = [_tensor("stop", [[True]], bool)]
+    if unary:
+        infer_unary(url, model, ins, request_id=request_id)
+    else:
+        infer_stream(url, model, ins, timeout=60, request_id=request_id)
 
 
 def generate(url: str, model: str, prompt: str | bytes, max_tokens: int, method: str | None = None,
              stream: bool = False, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None,
-             client=None, **opts) -> dict:
-    """One request; returns text, pieces, perf outputs, latency_s, ttft_s. Raises RequestError on an error."""
+             client=None, unary: bool = False, request_id: str = "", cancel: Callable[[], bool] | None = None,
+             disconnect: bool = False, **opts) -> dict:
+    """One request; returns text, pieces, perf outputs, latency_s, ttft_s. Raises RequestError on an error.
+
+    `unary` sends one ModelInfer call (a model served with `triton.decoupled: false`); otherwise a gRPC stream,
+    which `cancel()` returning True cancels (or, with `disconnect`, abandons)."""
     t0 = time.perf_counter()
     pieces: list[str] = []
     first: list[float] = []
@@ -138,7 +184,13 @@ def generate(url: str, model: str, prompt: str | bytes, max_tokens: int, method:
             on_piece(piece)
 
     inputs = make_inputs(prompt, max_tokens, method=method, stream=stream, **opts)
-    responses, complete = infer_stream(url, model, inputs, timeout, on_response=seen, client=client)
+    if unary:
+        result = infer_unary(url, model, inputs, timeout, request_id=request_id)
+        seen(result)
+        responses, complete = [result], True
+    else:
+        responses, complete = infer_stream(url, model, inputs, timeout, on_response=seen, client=client,
+                                           request_id=request_id, cancel=cancel, disconnect=disconnect)
     latency = time.perf_counter() - t0
     out = {"text": "".join(pieces), "pieces": pieces, "complete": complete, "responses": len(responses),
            "latency_s": latency, "ttft_s": first[0] if first else latency, "method": method}
@@ -160,3 +212,4 @@ def chat_text(tokenizer, prompt: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              tokenize=False)
     return prompt
+

@@ -1,9 +1,15 @@
-"""`python -m pipeline load SPEC`: N concurrent streaming clients for S seconds against the local server.
+"""`python -m pipeline load SPEC`: N concurrent gRPC clients for S seconds against the local server.
 
 Every greedy answer must equal the reference answer for its prompt (taken first, one request at a
 time), every response must be complete, and the server's memory (tritonserver plus its stubs) is
-measured before and after. Bounded in clients and time, and loopback only: this is a soak test
-for the deployment on this machine, not a tool for loading other hosts.
+measured before and after. `--soak` mixes what clients do: every served model in turn, every method the
+engines serve,
+greedy and sampled temperatures, streamed and unary requests, clients that cancel their stream
+after the first piece and clients that drop their connection (the provoked ones are counted as
+`cancelled` / `disconnected`, not as errors, and the server's own cancelled counter must move by
+as many). `--curve 1,8,32,128` measures tokens/s at each concurrency (plain resubmitting clients)
+into reports/<name>/load_curve.json. Bounded in clients and time, and loopback only: this is a soak
+test for the deployment on this machine, not a tool for loading other hosts.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import ipaddress
 import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from pipeline import spec as specmod
@@ -19,6 +26,8 @@ from pipeline.sources import spec_prompts
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
+SOAK = {"concurrency": 32, "duration": 120.0, "temperatures": (0.0, 0.7, 1.0), "cancel_every": 10,
+        "disconnect_every": 15}
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -43,118 +52,308 @@ def _loopback_url(spec: specmod.Spec) -> str:
     return f"{host}:{spec.triton.grpc_port}"
 
 
-def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: int = 32,
-             methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
-             sample_every: int = 4, chat: bool = True, log=print) -> dict:
-    """Drive the running server; return (and write to reports/<name>/load.json) the summary."""
-    from pipeline.client import RequestError, chat_text, generate
-    from pipeline.triton.server import running_pid, server_rss_mb
+def served_methods(spec: specmod.Spec) -> list[str]:
+    """The methods the spec's built engines serve (what the served model lists at start-up)."""
+    out = ["baseline"]
+    bc = json.loads((spec.engine_dir / "target" / "config.json").read_text())["build_config"]
+    if (spec.engine_dir / "draft" / "config.json").is_file():
+        out.append("draft_target")
+    if int(bc.get("max_draft_len", 0)) > 0:
+        out.append("prompt_lookup")
+    if (spec.engine_dir / "medusa" / "config.json").is_file():
+        out.append("medusa")
+    return out
 
+
+def server_counter(spec: specmod.Spec, name: str) -> float:
+    """Sum of a served-model counter over its labels (0 when the metrics endpoint cannot be read)."""
+    from pipeline.triton.server import metrics_url
+
+    try:
+        text = urllib.request.urlopen(metrics_url(spec), timeout=10).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
+def _server_cancelled(spec: specmod.Spec) -> float:
+    """Requests the server stopped for their clients (every served model counts its own)."""
+    return server_counter(spec, "spec_decode_requests_cancelled_total")
+
+
+def _check(concurrency: int, duration: float, max_tokens: int) -> None:
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         raise ValueError(f"--concurrency: got {concurrency}; must be between 1 and {MAX_CONCURRENCY}")
     if not 0 < duration <= MAX_DURATION_S:
         raise ValueError(f"--duration: got {duration}; must be between 0 and {MAX_DURATION_S:.0f} seconds")
     if max_tokens < 1:
         raise ValueError(f"--max-tokens: got {max_tokens}; must be 1 or more")
-    url = _loopback_url(spec)
-    pid = running_pid(spec)
-    if pid is None:
-        raise RuntimeError(f"no server is running for {spec.name!r}; start it with `make serve SPEC=...`")
+
+
+def _prompts(spec: specmod.Spec, num_prompts: int, chat: bool) -> list[str]:
     prompts = spec_prompts(spec, num_prompts)
     if chat:
+        from pipeline.client import chat_text
         from pipeline.engine import load_tokenizer
 
         tok_dir = spec.engine_dir / "target"
         if (tok_dir / "tokenizer_config.json").is_file():
             tok = load_tokenizer(tok_dir)
             prompts = [chat_text(tok, p) for p in prompts]
-    log(f"reference answers for {len(prompts)} prompts (greedy, baseline, one at a time) ...")
-    reference = [generate(url, model, p, max_tokens, method="baseline")["text"] for p in prompts]
+    return prompts
+
+
+def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: int = 32,
+             methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
+             sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
+             cancel_every: int = 0, disconnect_every: int = 0, unary_every: int = 0, write: bool = True,
+             reference: list[str] | None = None, window: bool = False, request_timeout: float = 120.0,
+             models: tuple[str, ...] = ()) -> dict:
+    """Drive the running server; return (and write to reports/<name>/load.json) the summary.
+
+    Request i of the run uses methods[i % len(methods)]; with `temperatures` it cycles through them (0 is
+    greedy and checked against the reference), else every `sample_every`-th request samples at 0.8. Every
+    `unary_every`-th request is unary (one response: ModelInfer on a `triton.decoupled: false` server, a
+    stream=false request on a decoupled one), the others stream; every `cancel_every`-th cancels its stream
+    after the first piece and every `disconnect_every`-th drops its connection there instead. With `models`,
+    request i goes to models[i % len(models)] (the soak sends to every served model); else to `model`.
+
+    With `window`, streams still running at the deadline are cancelled there (not waited for) and
+    `tokens_per_s` counts the requests completed between a warm-up (a quarter of the run) and the deadline:
+    the steady state, without the ramp-up and the tail in which a draining queue leaves the batch part empty.
+
+    Every wait is bounded: a request without its final response after `request_timeout` seconds counts as
+    incomplete, and a client still waiting `request_timeout` + 15 s after the deadline is left behind (its request
+    counted incomplete), so a lost response never hangs the tool."""
+    from pipeline.client import RequestError, RequestTimeout, generate
+    from pipeline.triton.server import running_pid, server_rss_mb
+
+    _check(concurrency, duration, max_tokens)
+    url = _loopback_url(spec)
+    pid = running_pid(spec)
+    if pid is None:
+        raise RuntimeError(f"no server is running for {spec.name!r}; start it with `make serve SPEC=...`")
+    decoupled = spec.triton.decoupled
+    # A request its client abandons asks for far more than it will get, so it is still decoding when abandoned.
+    long_budget = max(4 * max_tokens, min(spec.limits.max_seq_len - spec.limits.max_input_len, 1024))
+    prompts = _prompts(spec, num_prompts, chat)
+    if reference is None:
+        log(f"reference answers for {len(prompts)} prompts (greedy, baseline, one at a time) ...")
+        reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled,
+                              timeout=request_timeout)["text"] for p in prompts]
     rss_before = server_rss_mb(pid)
+    cancelled_before = _server_cancelled(spec)
     lock = threading.Lock()
-    stats = {"requests": 0, "errors": 0, "incomplete": 0, "greedy_mismatches": 0, "tokens": 0, "greedy": 0}
+    keys = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
+            "streamed", "unary", "sampled")
+    stats = dict.fromkeys(keys, 0)
     latencies: list[float] = []
     ttfts: list[float] = []
+    done_at: list[tuple[float, int]] = []
     samples: list[str] = []
     deadline = time.monotonic() + duration
+
+    def one(i: int) -> None:
+        p = i % len(prompts)
+        method = methods[i % len(methods)]
+        if temperatures:
+            temp = temperatures[(i // len(methods)) % len(temperatures)]
+            opts = {"temperature": temp, "seed": i} if temp > 0 else {}
+        else:
+            sampled = sample_every > 0 and i % sample_every == sample_every - 1
+            temp = 0.8 if sampled else 0.0
+            opts = {"temperature": 0.8, "top_p": 0.95, "seed": i} if sampled else {}
+        drop = decoupled and disconnect_every > 0 and i % disconnect_every == disconnect_every - 1
+        cancel = decoupled and not drop and cancel_every > 0 and i % cancel_every == cancel_every - 1
+        unary = not (cancel or drop) and (not decoupled or unary_every > 0 and i % unary_every == unary_every - 1)
+        pieces: list = []
+        stop_at = (lambda: bool(pieces)) if cancel or drop else None
+        if window and not unary:
+            stop_at = (lambda f=stop_at: time.monotonic() > deadline or bool(f and f()))
+        try:
+            r = generate(url, models[i % len(models)] if models else model, prompts[p],
+                         max_tokens if not (cancel or drop) else long_budget,
+                         method=method, stream=not unary, unary=unary and not decoupled,
+                         timeout=request_timeout, on_piece=pieces.append,
+                         cancel=stop_at, disconnect=drop, **opts)
+        except RequestTimeout as e:  # a response that never came (or came too late): incomplete, not a hang
+            with lock:
+                stats["requests"] += 1
+                stats["incomplete"] += 1
+                if len(samples) < 5:
+                    samples.append(f"{method}: {e}")
+            return
+        except RequestError as e:
+            with lock:
+                stats["requests"] += 1
+                stats["errors"] += 1
+                if len(samples) < 5:
+                    samples.append(f"{method}: {e}")
+            return
+        with lock:
+            stats["requests"] += 1
+            if cancel or drop:
+                stats["disconnected" if drop else "cancelled"] += 1
+                return
+            stats["unary" if unary else "streamed"] += 1
+            if window and not r["complete"] and time.monotonic() > deadline:
+                stats["cut"] = stats.get("cut", 0) + 1  # cancelled at the deadline
+                return
+            if not r["complete"] or r.get("num_output_tokens") is None:
+                stats["incomplete"] += 1
+                return
+            stats["tokens"] += r["num_output_tokens"]
+            done_at.append((time.monotonic(), r["num_output_tokens"]))
+            latencies.append(r["latency_s"] * 1000)
+            ttfts.append(r["ttft_s"] * 1000)
+            if temp > 0:
+                stats["sampled"] += 1
+                return
+            stats["greedy"] += 1
+            if r["text"] != reference[p]:
+                stats["greedy_mismatches"] += 1
+                if len(samples) < 5:
+                    samples.append(f"{method} prompt {p}: got {r['text'][:60]!r}, expected {reference[p][:60]!r}")
 
     def worker(w: int) -> None:
         i = w
         while time.monotonic() < deadline:
-            p = i % len(prompts)
-            method = methods[i % len(methods)]
-            sampled = sample_every > 0 and i % sample_every == sample_every - 1
-            opts = {"temperature": 0.8, "top_p": 0.95, "seed": i} if sampled else {}
+            one(i)
             i += concurrency
-            try:
-                r = generate(url, model, prompts[p], max_tokens, method=method, stream=True,
-                             timeout=max(60.0, duration * 4), **opts)
-            except RequestError as e:
-                with lock:
-                    stats["requests"] += 1
-                    stats["errors"] += 1
-                    if len(samples) < 5:
-                        samples.append(f"{method}: {e}")
-                continue
-            with lock:
-                stats["requests"] += 1
-                if not r["complete"] or r.get("num_output_tokens") is None:
-                    stats["incomplete"] += 1
-                    continue
-                stats["tokens"] += r["num_output_tokens"]
-                latencies.append(r["latency_s"] * 1000)
-                ttfts.append(r["ttft_s"] * 1000)
-                if not sampled:
-                    stats["greedy"] += 1
-                    if r["text"] != reference[p]:
-                        stats["greedy_mismatches"] += 1
-                        if len(samples) < 5:
-                            samples.append(f"{method} prompt {p}: got {r['text'][:60]!r}, "
-                                           f"expected {reference[p][:60]!r}")
 
-    log(f"{concurrency} streaming clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
+    what = "mixed" if temperatures or cancel_every or disconnect_every or unary_every else "streaming"
+    log(f"{concurrency} {what} clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
     for t in threads:
         t.start()
+    give_up = deadline + request_timeout + 15.0
     for t in threads:
-        t.join()
+        t.join(timeout=max(0.0, give_up - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:  # each has one request in flight that never ended: incomplete (the daemon threads are left behind)
+        with lock:
+            stats["requests"] += stuck
+            stats["incomplete"] += stuck
+            samples.append(f"{stuck} clients still waiting {request_timeout + 15:.0f}s after the deadline")
     wall = time.monotonic() - t0
+    warm = t0 + duration / 4
+    steady = sum(n for t, n in done_at if warm <= t <= deadline) / (deadline - warm)
+    provoked = stats["cancelled"] + stats["disconnected"] + stats.get("cut", 0)
+    settle = time.monotonic() + 10  # let the server notice the last cancellations
+    while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
+        time.sleep(0.2)
     rss_after = server_rss_mb(pid)
     out = {
         "requests": stats["requests"], "errors": stats["errors"], "incomplete": stats["incomplete"],
         "greedy_requests": stats["greedy"], "greedy_mismatches": stats["greedy_mismatches"],
-        "output_tokens": stats["tokens"], "tokens_per_s": stats["tokens"] / wall if wall > 0 else 0.0,
+        "sampled_requests": stats["sampled"], "streamed": stats["streamed"], "unary": stats["unary"],
+        "cancelled": stats["cancelled"] + stats["disconnected"], "cancelled_by_client": stats["cancelled"],
+        "disconnected": stats["disconnected"],
+        "server_cancelled": _server_cancelled(spec) - cancelled_before,
+        "output_tokens": stats["tokens"],
+        "tokens_per_s": steady if window else (stats["tokens"] / wall if wall > 0 else 0.0),
+        "cut_at_deadline": stats.get("cut", 0),
         "latency_ms": {"p50": _percentile(latencies, 50), "p95": _percentile(latencies, 95)},
         "ttft_ms": {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95)},
         "rss_mb": {"before": rss_before, "after": rss_after},
         "concurrency": concurrency, "duration_s": wall, "max_tokens": max_tokens, "methods": list(methods),
-        "model": model, "problems": samples,
+        "temperatures": list(temperatures), "model": model, "models": list(models or (model,)),
+        "decoupled": decoupled, "problems": samples,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name,
     }
-    spec.report_dir.mkdir(parents=True, exist_ok=True)
-    path = Path(spec.report_dir) / "load.json"
-    path.write_text(json.dumps(out, indent=2))
+    if write:
+        spec.report_dir.mkdir(parents=True, exist_ok=True)
+        path = Path(spec.report_dir) / "load.json"
+        path.write_text(json.dumps(out, indent=2))
     log(f"{out['requests']} requests, {out['errors']} errors, {out['incomplete']} incomplete, "
-        f"{out['greedy_mismatches']} greedy mismatches; {out['tokens_per_s']:.1f} tokens/s; latency p50 "
+        f"{out['greedy_mismatches']} greedy mismatches, {out['cancelled']} cancelled by clients "
+        f"({out['server_cancelled']:.0f} counted by the server); {out['tokens_per_s']:.1f} tokens/s; latency p50 "
         f"{out['latency_ms']['p50']:.0f} ms, p95 {out['latency_ms']['p95']:.0f} ms; server RSS "
-        f"{rss_before:.0f} -> {rss_after:.0f} MB; wrote {path}")
+        f"{rss_before:.0f} -> {rss_after:.0f} MB" + (f"; wrote {spec.report_dir / 'load.json'}" if write else ""))
+    return out
+
+
+def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens: int = 32,
+              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", log=print,
+              request_timeout: float = 120.0) -> dict:
+    """tokens/s and latency at each concurrency level (greedy, streaming, resubmitting clients), one reference."""
+    from pipeline.client import generate
+
+    for c in levels:
+        _check(c, duration, max_tokens)
+    url = _loopback_url(spec)
+    prompts = _prompts(spec, 8, True)
+    reference = [generate(url, model, p, max_tokens, method="baseline", unary=not spec.triton.decoupled,
+                          timeout=request_timeout)["text"] for p in prompts]
+    points = []
+    for c in levels:
+        r = run_load(spec, c, duration, max_tokens, methods, model, sample_every=0, log=log, write=False,
+                     reference=reference, window=True, request_timeout=request_timeout)
+        points.append({k: r[k] for k in ("concurrency", "requests", "errors", "incomplete", "greedy_mismatches",
+                                         "tokens_per_s", "latency_ms", "ttft_ms", "rss_mb")})
+    falls = [f"{a['concurrency']} -> {b['concurrency']}: {a['tokens_per_s']:.1f} -> {b['tokens_per_s']:.1f}"
+             for a, b in zip(points, points[1:]) if b["tokens_per_s"] < 0.95 * a["tokens_per_s"]]
+    out = {"spec": spec.name, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "duration_s": duration,
+           "max_tokens": max_tokens, "methods": list(methods), "model": model,
+           "max_batch_size": spec.limits.max_batch_size, "points": points, "falls": falls}
+    spec.report_dir.mkdir(parents=True, exist_ok=True)
+    path = spec.report_dir / "load_curve.json"
+    path.write_text(json.dumps(out, indent=2))
+    log("concurrency  tokens/s  p50 ms  p95 ms  errors")
+    for p in points:
+        log(f"{p['concurrency']:>11}  {p['tokens_per_s']:8.1f}  {p['latency_ms']['p50']:6.0f}  "
+            f"{p['latency_ms']['p95']:6.0f}  {p['errors']:>6}")
+    verdict = f"falls by more than 5%: {'; '.join(falls)}" if falls else "never falls by more than 5%"
+    log(f"wrote {path}; {verdict}")
     return out
 
 
 def cmd_load(args) -> int:
+    from pipeline.triton.repo import client_model
+
     s = specmod.load(args.spec)
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    out = run_load(s, args.concurrency, args.duration, args.max_tokens, methods, model=args.model,
-                   num_prompts=args.prompts)
+    every_model = not args.model  # the soak then sends to every served model
+    args.model = args.model or client_model(s)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else ()
+    if args.curve:
+        levels = [int(x) for x in args.curve.split(",") if x.strip()]
+        out = run_curve(s, levels, args.duration or 20.0, args.max_tokens, methods or ("baseline",), args.model,
+                        request_timeout=args.request_timeout)
+        bad = sum(p["errors"] + p["incomplete"] + p["greedy_mismatches"] for p in out["points"])
+        return 1 if bad else 0
+    if args.soak:
+        out = run_load(s, args.concurrency or SOAK["concurrency"], args.duration or SOAK["duration"], args.max_tokens,
+                       methods or tuple(served_methods(s)), model=args.model, num_prompts=args.prompts,
+                       temperatures=SOAK["temperatures"], cancel_every=SOAK["cancel_every"],
+                       disconnect_every=SOAK["disconnect_every"], unary_every=2,
+                       request_timeout=args.request_timeout,
+                       models=tuple(s.triton.models) if every_model else ())
+        if out["server_cancelled"] < out["cancelled"]:
+            missed = out["cancelled"] - out["server_cancelled"]
+            print(f"note: {missed:.0f} of the {out['cancelled']} abandoned requests finished before the server saw "
+                  "their client go (a fast model), so they count as served")
+        return 1 if out["errors"] + out["incomplete"] + out["greedy_mismatches"] else 0
+    out = run_load(s, args.concurrency or 8, args.duration or 10.0, args.max_tokens, methods or ("baseline",),
+                   model=args.model, num_prompts=args.prompts, request_timeout=args.request_timeout)
     bad = out["errors"] + out["incomplete"] + out["greedy_mismatches"]
     return 1 if bad else 0
 
 
 def register(verb) -> None:
-    sp = verb("load", cmd_load, "N concurrent streaming gRPC clients for S seconds; writes reports/<name>/load.json")
-    sp.add_argument("--concurrency", type=int, default=8)
-    sp.add_argument("--duration", type=float, default=10.0, help="seconds")
+    sp = verb("load", cmd_load, "N concurrent gRPC clients for S seconds; writes reports/<name>/load.json "
+                                "(--curve: load_curve.json)")
+    sp.add_argument("--concurrency", type=int, default=0, help="clients (default 8; --soak: 32)")
+    sp.add_argument("--duration", type=float, default=0.0,
+                    help="seconds (default 10; --soak: 120; --curve: 20 a level)")
     sp.add_argument("--max-tokens", type=int, default=32)
-    sp.add_argument("--methods", default="baseline", help="comma-separated, e.g. baseline,prompt_lookup")
-    sp.add_argument("--model", default="ensemble")
+    sp.add_argument("--methods", default="", help="comma-separated, e.g. baseline,prompt_lookup "
+                                                  "(default baseline; --soak: every method the engines serve)")
+    sp.add_argument("--model", default="", help="ensemble (default, when served) or tensorrt_llm_bls "
+                                                "(--soak without it: every served model in turn)")
     sp.add_argument("--prompts", type=int, default=8, help="distinct prompts (each gets a greedy reference first)")
+    sp.add_argument("--soak", action="store_true", help="mixed methods, temperatures 0/0.7/1.0, stream and unary, "
+                                                        "cancels and disconnects (32 clients, 120 s unless given)")
+    sp.add_argument("--request-timeout", type=float, default=120.0,
+                    help="seconds a client waits for a request's final response before counting it incomplete")
+    sp.add_argument("--curve", default="", help="comma-separated concurrency levels, e.g. 1,2,4,8,16,32,64,128")

@@ -122,6 +122,12 @@ class TritonSpec:
     instance_count: int = 1
     max_queue_delay_us: int = 2000
     startup_timeout_s: float = 180.0
+    # torch backend: the served models stream (decoupled; gRPC streams and HTTP generate_stream), or answer
+    # one response per request (false; unary gRPC infer and HTTP infer/generate).
+    decoupled: bool = True
+    # torch backend: the models served, each its own process with its own copy of the weights (they take turns
+    # at decoding steps). Both by default: the names tensorrtllm_backend's clients use.
+    models: list[str] = field(default_factory=lambda: ["ensemble", "tensorrt_llm_bls"])
     # Container the tensorrt_llm backend's repository and launch target.
     image: str = "nvcr.io/nvidia/tritonserver:25.03-trtllm-python-py3"
 
@@ -446,6 +452,10 @@ def validate(spec: Spec) -> Spec:
     _check(tr.instance_count >= 1, "triton.instance_count", tr.instance_count, "must be 1 or more")
     _check(tr.max_queue_delay_us >= 0, "triton.max_queue_delay_us", tr.max_queue_delay_us, "must be 0 or more")
     _check(tr.startup_timeout_s > 0, "triton.startup_timeout_s", tr.startup_timeout_s, "must be positive")
+    _check(bool(tr.models) and len(set(tr.models)) == len(tr.models)
+           and set(tr.models) <= {"ensemble", "tensorrt_llm_bls"}, "triton.models", tr.models,
+           "must list ensemble, tensorrt_llm_bls or both, each once (every model listed loads its own copy of the "
+           "weights)")
     trt = spec.tensorrt_llm
     _check(trt.gpu_memory_gib > 0, "tensorrt_llm.gpu_memory_gib", trt.gpu_memory_gib, "must be positive")
     _check(trt.gpus >= 1, "tensorrt_llm.gpus", trt.gpus, "must be 1 or more")

@@ -79,6 +79,9 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     from pipeline.triton import server
 
     v = spec.validate
+    if "tensorrt_llm_bls" not in spec.triton.models:
+        raise ValueError(f"triton.models: {spec.triton.models}; validate measures tensorrt_llm_bls, serve it too "
+                         "(add it to triton.models)")
     started = None
     if server.running_pid(spec) is None or not server.is_ready(spec):
         log("starting the Triton server ...")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# No test may hang: one that runs past this (setup included, so a server that never starts is caught too) has
+# every thread's stack, py-spy dumps of the servers' python-backend stubs and the servers' log tails written to
+# reports/test_hang.txt and stderr; its servers are killed and the run exits with code 3.
+TEST_TIMEOUT_S = float(os.environ.get("PIPELINE_TEST_TIMEOUT", "420"))
+HANG_REPORT = ROOT / "reports" / "test_hang.txt"
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -149,3 +158,72 @@ def np_unpack_int4(packed: np.ndarray) -> np.ndarray:
                 out[:, col + nw * m + i] = (words[:, w + i] >> (4 * m)) & 15
         col, w = col + width, w + nw
     return out - 8
+
+
+def _hang_report(nodeid: str) -> str:
+    import psutil
+
+    HANG_REPORT.parent.mkdir(parents=True, exist_ok=True)
+    with open(HANG_REPORT, "w") as f:
+        f.write(f"{nodeid} ran past {TEST_TIMEOUT_S:.0f}s (PIPELINE_TEST_TIMEOUT); stacks, stub dumps and server "
+                "logs:\n")
+        f.flush()
+        faulthandler.dump_traceback(file=f, all_threads=True)
+    lines = [HANG_REPORT.read_text()]
+    procs = psutil.Process().children(recursive=True)
+    spy = Path(sys.executable).parent / "py-spy"
+    for p in procs:
+        try:
+            name, cmd = p.name(), p.cmdline()
+        except psutil.Error:
+            continue
+        if "triton_python_backend_stub" in name and spy.is_file():
+            try:
+                out = subprocess.run([str(spy), "dump", "--pid", str(p.pid)], capture_output=True, text=True,
+                                     timeout=60)
+                lines.append(f"--- py-spy dump of stub {p.pid} ({cmd[-2] if len(cmd) > 2 else ''}):\n"
+                             f"{out.stdout}{out.stderr}")
+            except (OSError, subprocess.SubprocessError) as e:
+                lines.append(f"--- py-spy dump of stub {p.pid} failed: {e}")
+    for p in procs:
+        try:
+            if p.name() != "tritonserver":
+                continue
+            log = os.readlink(f"/proc/{p.pid}/fd/1")
+            tail = Path(log).read_text(errors="replace").splitlines()[-80:]
+            lines.append(f"--- tail of {log} (tritonserver {p.pid}):\n" + "\n".join(tail))
+        except (OSError, psutil.Error) as e:
+            lines.append(f"--- no log for {p.pid}: {e}")
+    for p in procs:
+        try:
+            if p.name() == "tritonserver":
+                os.killpg(p.pid, 9)
+        except (OSError, psutil.Error):
+            pass
+    text = "\n".join(lines)
+    HANG_REPORT.write_text(text)
+    return text
+
+
+def _on_hang(config, nodeid: str) -> None:
+    text = _hang_report(nodeid)
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        try:
+            capman.suspend_global_capture(in_=True)
+        except Exception:  # noqa: BLE001 - the report is on disk anyway
+            pass
+    sys.stderr.write(text + f"\n(written to {HANG_REPORT})\n")
+    sys.stderr.flush()
+    os._exit(3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    timer = threading.Timer(TEST_TIMEOUT_S, _on_hang, args=(item.config, item.nodeid))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

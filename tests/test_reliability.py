@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def served(tiny_root, tiny_engine):
     from pipeline.engine import build_target
 
     ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
-    s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, triton={**ports, "startup_timeout_s": 240}))
+    s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, threads=1,
+                                triton={**ports, "startup_timeout_s": 240}))
     build_target(s, log=lambda *a: None)
     write_repo(s, log=lambda *a: None)
     srv = srvmod.start(s, log=lambda *a: None)
@@ -68,7 +70,7 @@ BAD_REQUESTS = {
     "megabyte prompt": (_replace(GOOD, "text_input", [[b"x" * 1_000_000]], object),
                         r"text_input: 1000000 characters, far above"),
     "wrong dtype": (_replace(GOOD, "max_tokens", [[4.0]], np.float32), r"max_tokens.*(TYPE_FP32|FP32).*INT32"),
-    "wrong shape": (_replace(GOOD, "max_tokens", [[4, 4]], np.int32), r"max_tokens.*shape"),
+    "wrong shape": (_replace(GOOD, "max_tokens", [[4, 4]], np.int32), r"max_tokens.*shape|shape.*max_tokens"),
     "invalid UTF-8": (_replace(GOOD, "text_input", [[b"caf\xe9 \xff"]], object), r"text_input: not valid UTF-8"),
     "top_p 0": (GOOD + [_tensor("top_p", [[0.0]], np.float32)], r"top_p: got 0.0; must be in \(0, 1\]"),
     "top_p above 1": (GOOD + [_tensor("top_p", [[1.5]], np.float32)], r"top_p: got 1.5"),
@@ -81,6 +83,12 @@ BAD_REQUESTS = {
     "bad_words": (GOOD + [_tensor("bad_words", [[b"moon"]], object)], r"bad_words: not supported"),
     "batch above max_batch_size": ([_tensor("text_input", [[b"hi"]] * 5, object),
                                     _tensor("max_tokens", [[4]] * 5, np.int32)], r"batch.size.*4"),
+    "batch size 0": ([_tensor("text_input", np.empty((0, 1), dtype=object), object),
+                      _tensor("max_tokens", np.empty((0, 1), dtype=np.int32), np.int32)],
+                     r"^text_input: batch size 0 \(shape \[0, 1\]\); this model accepts 1 to 4 rows"),
+    "max_tokens of batch 0 next to one prompt": (
+        [_tensor("text_input", [[b"hi"]], object), _tensor("max_tokens", np.empty((0, 1), dtype=np.int32), np.int32)],
+        r"^max_tokens: got shape \[0, 1\]; expected \[1, 1\]"),
     "streaming a batch": ([_tensor("text_input", [[b"hi"]] * 2, object), _tensor("max_tokens", [[4]] * 2, np.int32),
                            _tensor("stream", [[True]] * 2, bool)], r"stream: streaming needs one row"),
 }
@@ -91,7 +99,7 @@ def test_every_bad_request_gets_a_clear_error_and_the_next_good_one_succeeds(ser
     s, srv = served
     for what, (inputs, pattern) in BAD_REQUESTS.items():
         msg = _error(srv.grpc_url, model, inputs)
-        import re
+
 
         assert re.search(pattern, msg, re.S), f"{what}: {msg}"
         ok = generate(srv.grpc_url, model, "Tell me about the moon.", 3)
@@ -105,13 +113,15 @@ def test_unknown_model_name_is_named_in_the_error(served):
     assert generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 3)["complete"]
 
 
-def _metric(s, name: str) -> float:
+def _metric(s, name: str, model: str | None = None) -> float:
+    """A counter summed over its labels (only those of `model`, when given)."""
     text = urllib.request.urlopen(srvmod.metrics_url(s), timeout=10).read().decode()
-    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines()
+               if ln.startswith(name + "{") and (model is None or f'model="{model}"' in ln))
 
 
 def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
-    """Cancellation reaches the python model on tensorrt_llm_bls (Triton 2.51's ensemble does not forward it)."""
+    """Cancelled streams leave the batch at the next step; the rows batched with them finish as they would alone."""
     s, srv = served
     prompts = [f"Write a long story about ship number {i}." for i in range(5)]
     n = 240
@@ -121,22 +131,22 @@ def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
     results: dict = {}
 
     def normal(i: int) -> None:
-        results[i] = generate(srv.grpc_url, "ensemble", prompts[i], n, stream=True, end_id=UNUSED_END)
+        results[i] = generate(srv.grpc_url, "ensemble", prompts[i], n, stream=True, end_id=UNUSED_END, timeout=120)
 
     def cancelling(i: int) -> None:
         # As long as the model allows, and cancelled as soon as the first token arrives: on a fast, quiet
         # machine a time-based cancel can come after the tiny model has already finished.
         ins = make_inputs(prompts[i], 2 * n, stream=True, end_id=UNUSED_END)
         seen: list = []
-        results[i] = infer_stream(srv.grpc_url, "tensorrt_llm_bls", ins, on_response=seen.append,
-                                  cancel=lambda: bool(seen))
+        results[i] = infer_stream(srv.grpc_url, "ensemble", ins, on_response=seen.append,
+                                  cancel=lambda: bool(seen), timeout=120)
 
     threads = [threading.Thread(target=normal, args=(i,)) for i in range(2)]
     threads += [threading.Thread(target=cancelling, args=(i,)) for i in range(2, 5)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=180)
     for i in range(2):
         assert results[i]["complete"] and results[i]["text"] == want[i]
         assert results[i]["num_output_tokens"] == n
@@ -163,6 +173,45 @@ def test_load_run_is_complete_exact_and_reports_memory(served, capsys):
     assert report["greedy_requests"] > 0 and report["tokens_per_s"] > 0
     assert 0 < report["latency_ms"]["p50"] <= report["latency_ms"]["p95"]
     assert report["rss_mb"]["before"] > 0 and report["rss_mb"]["after"] < report["rss_mb"]["before"] * 1.5 + 100
+
+
+def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
+    """`load --soak`, short: every provoked cancel and disconnect is counted by the server, nothing else fails,
+    greedy answers equal the reference and the server's memory stays put."""
+    from pipeline.cli import main
+
+    s, srv = served
+    spec_path = Path(s.root) / "build" / "rel.yaml"
+    rc = main(["load", str(spec_path), "--soak", "--concurrency", "8", "--duration", "12", "--max-tokens", "12"])
+    r = json.loads((s.report_dir / "load.json").read_text())
+    assert rc == 0, r
+    assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
+    assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
+    assert r["models"] == ["ensemble", "tensorrt_llm_bls"], "the soak sends to every served model"
+    assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
+    assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
+    # the tiny model may finish an abandoned request before its cancel arrives; it never counts more
+    assert 0 < r["server_cancelled"] <= r["cancelled"]
+    assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
+    for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
+        assert key in r
+    assert set(r["latency_ms"]) == {"p50", "p95"} and set(r["rss_mb"]) == {"before", "after"}
+
+
+def test_load_curve_measures_each_level_and_says_whether_it_falls(served):
+    """`load --curve`: a steady-state tokens/s per concurrency level (queued beyond max_batch_size at the top),
+    greedy answers checked at every level, written to load_curve.json with the levels where it fell."""
+    from pipeline.cli import main
+
+    s, srv = served
+    spec_path = Path(s.root) / "build" / "rel.yaml"
+    main(["load", str(spec_path), "--curve", "1,4,16", "--duration", "4", "--max-tokens", "8"])
+    r = json.loads((s.report_dir / "load_curve.json").read_text())
+    assert [p["concurrency"] for p in r["points"]] == [1, 4, 16] and r["max_batch_size"] == 4
+    for p in r["points"]:
+        assert p["errors"] == p["incomplete"] == p["greedy_mismatches"] == 0, p
+        assert p["tokens_per_s"] > 0 and p["latency_ms"]["p50"] > 0
+    assert isinstance(r["falls"], list)
 
 
 def test_load_refuses_unbounded_or_remote_runs(served, tiny_root):
@@ -264,3 +313,266 @@ def test_a_server_on_a_damaged_engine_fails_fast_naming_the_file(tiny_root, tiny
         srvmod.start(s, log=lambda *a: None)
     assert time.monotonic() - t0 < 120
     assert srvmod.running_pid(s) is None and all(srvmod.port_free("127.0.0.1", p) for p in ports.values())
+
+
+# ---- issue 18: hostile sampling values, cancellation on every model, NVIDIA's clients, unary infer -------------
+
+EXTREME = {"temperature 1e-38": {"temperature": 1e-38}, "temperature 3e38": {"temperature": 3e38},
+           "top_k 2**31-1": {"temperature": 1.0, "top_k": 2**31 - 1, "seed": 1},
+           "top_p 1e-45": {"temperature": 1.0, "top_p": 1e-45, "seed": 2}}
+
+
+@pytest.mark.parametrize("method", ["baseline", "prompt_lookup"])
+def test_extreme_sampling_values_next_to_good_streams_fail_nobody(served, method):
+    """Issue 18's scenario: requests with legal but extreme sampling values sent while good streams run. Each is
+    defined (greedy below a tiny temperature, top-1 below a tiny top_p, no top-k above the vocabulary) and
+    completes; the good streams complete with their solo text, plain or speculative (disable_at_batch 0)."""
+    s, srv = served
+    opts = {"method": method, "disable_at_batch": 0, "end_id": UNUSED_END}
+    good = [f"Write a long story about ship number {i}." for i in range(3)]
+    solo = [generate(srv.grpc_url, "ensemble", p, 60, **opts)["text"] for p in good]
+    greedy_extreme = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 20, **opts)["text"]
+    errors_before = _metric(s, "spec_decode_request_errors_total")
+    got: dict = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, generate(
+        srv.grpc_url, "ensemble", good[i], 60, stream=True, timeout=120, **opts))) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for what, o in EXTREME.items():
+        got[what] = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 20, timeout=120, **opts, **o)
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i]["text"] for i in range(3)] == solo
+    assert all(got[w]["complete"] and 1 <= got[w]["num_output_tokens"] <= 20 for w in EXTREME)  # sampling may end
+    assert got["temperature 1e-38"]["text"] == greedy_extreme, "a temperature below 1e-3 is greedy"
+    assert _metric(s, "spec_decode_request_errors_total") == errors_before
+
+
+def _cancel_counters(s, model: str) -> tuple[float, float]:
+    return (_metric(s, "spec_decode_requests_cancelled_total", model),
+            _metric(s, "spec_decode_cancelled_tokens_total", model))
+
+
+STREAMY = "Explain how rain forms over the ocean."  # the random model's first tokens decode to text at once
+DIE_AFTER_FIRST_PIECE = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pipeline.client import infer_stream, make_inputs
+infer_stream({url!r}, {model!r}, make_inputs({prompt!r}, {n}, stream=True, end_id=0),
+             on_response=lambda r: os._exit(0))
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline", "process exit"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_an_abandoned_stream_stops_decoding_and_is_counted_on_every_model(served, model, how):
+    """A stream its client cancels, whose gRPC deadline passes, or whose client process exits stops decoding
+    within a step or two on both models (each sees its own clients), and is counted by that model."""
+    s, srv = served
+    n = 480  # 0.3 s or more of decoding alone; the client is gone after its first piece (or its 0.1 s deadline)
+    other = "tensorrt_llm_bls" if model == "ensemble" else "ensemble"
+    before, tokens_before = _cancel_counters(s, model)
+    other_before = _cancel_counters(s, other)[0]
+    t0 = time.monotonic()
+    if how == "process exit":
+        code = DIE_AFTER_FIRST_PIECE.format(root=str(ROOT), url=srv.grpc_url, model=model, n=n, prompt=STREAMY)
+        assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+    else:
+        ins = make_inputs(STREAMY, n, stream=True, end_id=UNUSED_END)
+        seen: list = []
+        try:
+            _, complete = infer_stream(srv.grpc_url, model, ins, on_response=seen.append, timeout=60,
+                                       cancel=(lambda: bool(seen)) if how == "cancel" else None,
+                                       stream_timeout=0.1 if how == "deadline" else None)
+        except RequestError as e:
+            assert how == "deadline" and "Deadline" in str(e), e
+            complete = False
+        assert not complete
+    deadline = time.monotonic() + 20
+    while _cancel_counters(s, model)[0] - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after, tokens_after = _cancel_counters(s, model)
+    assert after - before == 1, f"the {how} on {model} was not counted as a cancellation"
+    assert _cancel_counters(s, other)[0] == other_before, "counted by the model that served it, not the other"
+    # Counted as cancelled means it stopped before its end (a row that finishes first counts as served). The
+    # tiny model decodes about a token a millisecond: 25-35 tokens after a cancel or an exit on a quiet machine,
+    # 140-160 by a 0.1 s deadline, 270 once under heavy load; decoding to the end would be 480.
+    assert tokens_after - tokens_before < n - 48, f"the row decoded {tokens_after - tokens_before} of {n} tokens"
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_stop_request_by_id_cancels_a_request_on_the_ensemble(served):
+    """tensorrtllm_backend's `stop` input: a client that cannot cancel its own call names it by request id."""
+    from pipeline.client import stop
+
+    s, srv = served
+    before, _ = _cancel_counters(s, "ensemble")
+    got: dict = {}
+    ins = make_inputs(STREAMY, 480, stream=True, end_id=UNUSED_END)
+    started = threading.Event()
+    def run() -> None:
+        try:
+            got["r"] = infer_stream(srv.grpc_url, "ensemble", ins, request_id="story-7",
+                                    on_response=lambda r: started.set(), timeout=60)
+        except RequestError as e:
+            got["error"] = str(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    stop(srv.grpc_url, "ensemble", "story-7")
+    t.join(60)
+    assert not t.is_alive()
+    assert "r" not in got and "cancelled" in got["error"], got
+    assert _cancel_counters(s, "ensemble")[0] - before == 1
+    msg = _error(srv.grpc_url, "ensemble", [_tensor("stop", [[True]], bool)])
+    assert "stop: true needs the request_id" in msg
+
+
+def _trtllm_style_stream(url: str, model: str, prompt: str, output_len: int, **sampling) -> tuple[list[str], list]:
+    """A client the way tensorrtllm_backend's inflight_batcher_llm gRPC examples are written: every input as a
+    [1, 1] numpy array through InferInput, the stream started with a callback that queues results, the request
+    sent with a request id, stop_stream() waiting for the stream to end, then the queue read."""
+    import queue as queue_mod
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    def prepare_tensor(name, data):
+        t = grpcclient.InferInput(name, data.shape, np_to_triton_dtype(data.dtype))
+        t.set_data_from_numpy(data)
+        return t
+
+    arrays = {"text_input": np.array([[prompt]], dtype=object),
+              "max_tokens": np.array([[output_len]], dtype=np.int32),
+              "bad_words": np.array([[""]], dtype=object), "stop_words": np.array([[""]], dtype=object),
+              "end_id": np.array([[UNUSED_END]], dtype=np.int32), "pad_id": np.array([[UNUSED_END]], dtype=np.int32),
+              "stream": np.array([[True]], dtype=bool)}
+    types = {"beam_width": np.int32, "temperature": np.float32, "top_k": np.int32, "top_p": np.float32,
+             "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+             "length_penalty": np.float32, "random_seed": np.uint64, "min_length": np.int32,
+             "return_log_probs": bool}
+    for name, value in sampling.items():
+        arrays[name] = np.array([[value]], dtype=types[name])
+    results: queue_mod.Queue = queue_mod.Queue()
+    got: list = []
+    with grpcclient.InferenceServerClient(url) as client:
+        client.start_stream(callback=lambda result, error: results.put(error if error else result))
+        client.async_stream_infer(model, [prepare_tensor(k, v) for k, v in arrays.items()], request_id="1",
+                                  enable_empty_final_response=True)
+        # The examples call stop_stream() at once, which waits for the server to end the stream; here the wait
+        # for the final response is bounded first (a test must never hang), then the stream is stopped.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = results.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                client.stop_stream(cancel_requests=True)
+                raise AssertionError(f"no final response from {model} within 60 s") from None
+            got.append(r)
+            if isinstance(r, Exception):
+                break
+            final = r.get_response().parameters.get("triton_final_response")
+            if final and final.bool_param:
+                break
+        client.stop_stream(cancel_requests=True)
+    pieces, errors = [], []
+    for r in got:
+        if isinstance(r, Exception):
+            errors.append(str(r))
+        elif r.as_numpy("text_output") is not None:
+            pieces.append(r.as_numpy("text_output").reshape(-1)[0].decode())
+    return pieces, errors
+
+
+def test_a_client_written_like_tensorrtllm_backends_examples_is_served_or_told_why(served):
+    s, srv = served
+    want = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 24, end_id=UNUSED_END)["text"]
+    neutral = {"beam_width": 1, "temperature": 0.0, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "length_penalty": 1.0, "random_seed": 5,
+               "min_length": 1, "return_log_probs": False}
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        pieces, errors = _trtllm_style_stream(srv.grpc_url, model, "Tell me about the moon.", 24, **neutral)
+        assert not errors and "".join(pieces) == want, (model, errors)
+    for name, value, pattern in [("beam_width", 2, "beam_width: got 2; beam search is not implemented"),
+                                 ("repetition_penalty", 1.3, "repetition_penalty: got 1.3"),
+                                 ("return_log_probs", True, "return_log_probs: got True"),
+                                 ("min_length", 9, "min_length: got 9")]:
+        pieces, errors = _trtllm_style_stream(srv.grpc_url, "ensemble", "Tell me about the moon.", 8,
+                                              **{**neutral, name: value})
+        assert not pieces and len(errors) == 1 and re.search(pattern, errors[0]), (name, errors)
+    sampled = {**neutral, "temperature": 0.9, "top_k": 0, "random_seed": 11}
+    a, _ = _trtllm_style_stream(srv.grpc_url, "ensemble", "Tell me about the moon.", 16, **sampled)
+    b = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 16, end_id=UNUSED_END, temperature=0.9, seed=11)
+    assert "".join(a) == b["text"], "random_seed is seed"
+
+
+@pytest.fixture(scope="module")
+def unary_served(tiny_root, tiny_engine, served):
+    """The same engine served with triton.decoupled: false (one response per request: ModelInfer works)."""
+    import shutil
+
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    s = specmod.load(write_spec(tiny_root, name="unary", limits=LIMITS,
+                                triton={**ports, "startup_timeout_s": 240, "decoupled": False}))
+    shutil.copytree(served[0].engine_dir, s.engine_dir, dirs_exist_ok=True)
+    write_repo(s, log=lambda *a: None)
+    srv = srvmod.start(s, log=lambda *a: None)
+    yield s, srv
+    srvmod.stop(s)
+
+
+def test_unary_infer_works_on_both_models_of_a_non_decoupled_deployment(served, unary_served):
+    from pipeline.client import infer_unary, stop
+
+    s, srv = unary_served
+    want = generate(served[1].grpc_url, "ensemble", "Tell me about the moon.", 12, end_id=UNUSED_END)
+    for model in ("ensemble", "tensorrt_llm_bls"):
+        got = generate(srv.grpc_url, model, "Tell me about the moon.", 12, unary=True, end_id=UNUSED_END)
+        assert got["complete"] and got["text"] == want["text"] and got["num_output_tokens"] == 12, model
+    with pytest.raises(RequestError, match=r"stream: true, but this deployment is not decoupled"):
+        infer_unary(srv.grpc_url, "ensemble", make_inputs("Tell me about the moon.", 4, stream=True))
+    with pytest.raises(RequestError, match=r"max_tokens: got 0"):
+        generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 0, unary=True)
+    # a unary call is cancelled by a stop request naming it (a non-decoupled client cannot cancel a stream)
+    before = _metric(s, "spec_decode_requests_cancelled_total")
+    err: dict = {}
+
+    def long_call():
+        try:
+            generate(srv.grpc_url, "ensemble", "Write a long story.", 480, unary=True, request_id="u-1",
+                     end_id=UNUSED_END)
+        except RequestError as e:
+            err["e"] = str(e)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    time.sleep(0.02)  # a stop that arrives first is remembered, so no race with the request's arrival
+    stop(srv.grpc_url, "ensemble", "u-1", unary=True)
+    t.join(60)
+    assert "cancelled" in err.get("e", ""), err
+    assert _metric(s, "spec_decode_requests_cancelled_total") - before == 1
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_unary_call_whose_deadline_passes_stops_decoding_and_is_counted(unary_served, model):
+    """Non-decoupled models see a unary call's gRPC deadline (client_timeout) as a cancellation too."""
+    from pipeline.client import RequestTimeout
+
+    s, srv = unary_served
+    before = _metric(s, "spec_decode_requests_cancelled_total", model)
+    tokens_before = _metric(s, "spec_decode_cancelled_tokens_total", model)
+    with pytest.raises(RequestTimeout):
+        generate(srv.grpc_url, model, STREAMY, 480, unary=True, timeout=0.2, end_id=UNUSED_END)
+    deadline = time.monotonic() + 20
+    while _metric(s, "spec_decode_requests_cancelled_total", model) - before < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(s, "spec_decode_requests_cancelled_total", model) - before == 1
+    assert _metric(s, "spec_decode_cancelled_tokens_total", model) - tokens_before < 480
+
+
+def test_the_served_model_sets_torch_and_kernel_threads_from_the_spec(served):
+    s, _ = served
+    assert s.threads == 1
+    assert "threads: torch 1, kernels 1" in srvmod.log_file(s).read_text()

@@ -25,31 +25,53 @@ def test_every_config_parses_with_tritons_schema_and_names_match_tensorrtllm_bac
     assert set(cfgs) == {"ensemble", "tensorrt_llm_bls"}
     for name, c in cfgs.items():
         assert c.name == name
-    assert (path / "tensorrt_llm_bls" / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
+    for name in ("ensemble", "tensorrt_llm_bls"):  # one python model, served twice
+        assert (path / name / "1" / "model.py").read_text() == repomod.MODEL_SOURCE.read_text()
+    assert (path / ".step.lock").is_file(), "the file the served models take turns on"
 
 
-def test_bls_is_decoupled_batched_python_model_with_the_engine_limits(written):
+def test_bls_is_decoupled_python_model_with_the_engine_limits_and_an_explicit_batch_dimension(written):
     s, path = written
     c = _configs(path)["tensorrt_llm_bls"]
     assert c.backend == "python"
     assert c.model_transaction_policy.decoupled
-    assert c.max_batch_size == s.limits.max_batch_size
-    assert c.HasField("dynamic_batching")
-    assert c.dynamic_batching.max_queue_delay_microseconds == s.triton.max_queue_delay_us
+    # Triton does not batch (so a batch of 0 reaches the model, which names it); the model takes up to max_rows
+    assert c.max_batch_size == 0 and not c.HasField("dynamic_batching")
+    assert c.parameters["max_rows"].string_value == str(s.limits.max_batch_size)
+    assert all(list(i.dims)[0] == -1 for i in [*c.input, *c.output])
     assert sum(g.count for g in c.instance_group) == s.triton.instance_count
     assert c.parameters["engine_dir"].string_value == str((s.engine_dir).resolve())
     assert c.parameters["default_method"].string_value == "baseline"
 
 
-def test_ensemble_is_a_real_ensemble_forwarding_every_input_and_output(written):
-    _, path = written
-    c = _configs(path)["ensemble"]
-    assert c.platform == "ensemble"
-    (step,) = c.ensemble_scheduling.step
-    assert step.model_name == "tensorrt_llm_bls"
-    ins, outs = repomod.ensemble_io()
-    assert dict(step.input_map) == {n: n for n, _, _ in ins}
-    assert dict(step.output_map) == {n: n for n, _, _ in outs}
+def test_ensemble_and_bls_are_the_same_model_with_the_same_io_and_transaction_policy(written, tiny_root):
+    s, path = written
+    cfgs = _configs(path)
+    c, bls = cfgs["ensemble"], cfgs["tensorrt_llm_bls"]
+    assert c.backend == bls.backend == "python"
+    assert [(i.name, i.data_type, list(i.dims)) for i in c.input] == [(i.name, i.data_type, list(i.dims))
+                                                                      for i in bls.input]
+    assert [o.name for o in c.output] == [o.name for o in bls.output]
+    assert dict(c.parameters) == dict(bls.parameters) and c.parameters["step_lock"].string_value == "true"
+    assert c.max_batch_size == bls.max_batch_size == 0 and c.parameters["max_rows"].string_value == str(
+        s.limits.max_batch_size)
+    assert c.model_transaction_policy.decoupled and bls.model_transaction_policy.decoupled
+    unary = specmod.parse({"name": "x", "triton": {"decoupled": False}}, tiny_root)
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert not repomod.model_config(unary, tiny_root, name).model_transaction_policy.decoupled
+
+
+def test_triton_models_serves_only_the_models_it_lists(tiny_root, tiny_engine):
+    s = specmod.load(write_spec(tiny_root, name="only_bls", triton={"models": ["tensorrt_llm_bls"]}))
+    import shutil
+
+    shutil.copytree(tiny_engine, s.engine_dir / "target", dirs_exist_ok=True)
+    path = repomod.write_repo(s, log=lambda *a: None)
+    assert set(_configs(path)) == {"tensorrt_llm_bls"}
+    assert repomod.client_model(s) == "tensorrt_llm_bls" and repomod.client_model(s, "tensorrt_llm_bls") == \
+        "tensorrt_llm_bls"
+    both = specmod.load(tiny_root / "build" / "tiny.yaml")
+    assert both.triton.models == ["ensemble", "tensorrt_llm_bls"] and repomod.client_model(both) == "ensemble"
 
 
 def test_ensemble_io_matches_the_written_config_and_the_client_contract(written):
@@ -57,13 +79,17 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
 
     _, path = written
     c = _configs(path)["ensemble"]
-    ins, outs = repomod.ensemble_io()
+    ins, outs = repomod.INPUTS, repomod.OUTPUTS
+    contract_in, contract_out = repomod.ensemble_io()
+    assert set(n for n, _, _ in contract_in) < set(n for n, _, _ in ins), "the contract is served, and more"
+    assert outs == contract_out
     got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
-    assert got_in == ins and got_out == outs
+    batch = lambda table: [(n, t, [-1, *d]) for n, t, d in table]  # noqa: E731 - the explicit batch dimension
+    assert got_in == batch(ins) and got_out == batch(outs)
     bls = _configs(path)["tensorrt_llm_bls"]
-    assert {i.name for i in bls.input if not i.optional} == {"text_input", "max_tokens"}
-    assert all(i.optional for i in c.input), "a missing input must reach the BLS, which names it"
+    assert all(i.optional for i in bls.input) and all(i.optional for i in c.input), \
+        "a missing input (or a `stop` request, which has no other) must reach the model, which names it"
     types = {n: (t, d) for n, t, d in ins + outs}
     # tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) and the later perf outputs
     assert types["text_input"] == ("TYPE_STRING", [1])
@@ -76,6 +102,13 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     assert types["acceptance_rate"] == ("TYPE_FP32", [1])
     for n in ("total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens", "num_output_tokens"):
         assert types[n] == ("TYPE_INT32", [1])
+    # every input tensorrtllm_backend's ensemble declares is accepted by Triton (the model honours or refuses it)
+    for n, t in {"random_seed": "TYPE_UINT64", "min_length": "TYPE_INT32", "beam_width": "TYPE_INT32",
+                 "repetition_penalty": "TYPE_FP32", "presence_penalty": "TYPE_FP32", "frequency_penalty": "TYPE_FP32",
+                 "length_penalty": "TYPE_FP32", "return_log_probs": "TYPE_BOOL", "num_return_sequences": "TYPE_INT32",
+                 "return_context_logits": "TYPE_BOOL", "return_generation_logits": "TYPE_BOOL",
+                 "embedding_bias_words": "TYPE_STRING", "stop": "TYPE_BOOL"}.items():
+        assert types[n][0] == t, n
 
 
 def test_default_method_follows_the_spec(tiny_root):

@@ -28,6 +28,16 @@ RowEmit = Callable[[Any, list[int]], None]
 
 
 @dataclass
+class RowFailure:
+    """In place of a Result: this row could not continue (the error), its batch-mates were not affected."""
+
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+@dataclass
 class _Row:
     tag: Any
     seq: Sequence
@@ -85,42 +95,60 @@ class ContinuousBatch:
         stats["steps"] = stats.get("steps", 0) + len(r.seq.tokens) - r.base
         return stats
 
-    def _retire(self, done: list[int]) -> list[tuple[Any, Result]]:
+    def _retire(self, done: list[int], failed: dict[int, BaseException] | None = None) -> list[tuple[Any, Any]]:
+        """Take out the finished rows (their Results) and the failed ones (a RowFailure each)."""
+        failed = failed or {}
         out = []
-        for i in sorted(done, reverse=True):
+        for i in sorted(set(done) | set(failed), reverse=True):
             r = self._drop(i)
-            out.append((r.tag, finish([r.seq], r.start, [self._stats(r)])[0]))
+            out.append((r.tag, RowFailure(failed[i]) if i in failed else finish([r.seq], r.start, [self._stats(r)])[0]))
         return out[::-1]
 
-    def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[int]:
-        """Sample each row's next token from its logits; return the rows that finished."""
-        done = []
+    def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[tuple[Any, Any]]:
+        """Sample each row's next token from its logits; retire (and return) the rows that finished or failed."""
+        done, failed = [], {}
         for j, i in enumerate(rows):
             r = self.rows[i]
-            t = next_token(logits[j], r.seq.req.params, r.gen)
+            try:
+                t = next_token(logits[j], r.seq.req.params, r.gen)
+            except Exception as e:  # noqa: BLE001 - this row's distribution is broken; the others go on
+                failed[i] = e
+                continue
             emitted = r.seq.extend([t])
+            r.token = t
             if emitted and on_emit:
                 on_emit(r.tag, emitted)
-            r.token = t
             if r.seq.done:
                 done.append(i)
-        return done
+        return self._retire(done, failed)
 
     @torch.inference_mode()
-    def admit(self, reqs: list[Request], tags: list, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:
-        """Prefill `reqs` into free rows and sample their first tokens; returns rows already finished."""
+    def admit(self, reqs: list[Request], tags: list, on_emit: RowEmit | None = None,
+              prefixes: list[list[int]] | None = None) -> list[tuple[Any, Any]]:
+        """Prefill `reqs` into free rows and sample their first tokens; returns rows already finished (or failed).
+
+        With `prefixes`, row b continues after prefixes[b], tokens it already emitted (counted in its budget
+        and stop rules, not emitted again). A prefill that raises leaves the batch as it was."""
         if len(reqs) > self.free:
             raise ValueError(f"{len(reqs)} rows do not fit: {self.free} of {self.max_rows} are free")
         if not reqs:
             return []
+        prefixes = prefixes or [[] for _ in reqs]
         self._ensure(max(len(r.prompt) + r.max_new_tokens for r in reqs) + 2)
         n = len(self.rows)
         now = time.perf_counter()
-        for req, tag in zip(reqs, tags):
-            self.rows.append(_Row(tag, Sequence(req), req.params.generator(), len(req.prompt), 0, now))
-        h = prefill(self.model, self.cache.rows(n, n + len(reqs)), [r.prompt for r in reqs])
-        done = self._take(self.model.logits(h), list(range(n, n + len(reqs))), on_emit)
-        return self._retire(done)
+        for req, tag, pre in zip(reqs, tags, prefixes, strict=True):
+            seq = Sequence(req)
+            seq.tokens = list(pre)
+            self.rows.append(_Row(tag, seq, req.params.generator(), len(req.prompt) + len(pre), 0, now, base=len(pre)))
+        try:
+            h = prefill(self.model, self.cache.rows(n, n + len(reqs)), [r.prompt + list(p) for r, p in
+                                                                          zip(reqs, prefixes)])
+            logits = self.model.logits(h)
+        except BaseException:
+            del self.rows[n:]
+            raise
+        return self._take(logits, list(range(n, n + len(reqs))), on_emit)
 
     @torch.inference_mode()
     def adopt(self, handoffs: list[Handoff], tags: list) -> None:
@@ -162,9 +190,15 @@ class ContinuousBatch:
         h = self.model(toks, pos, self.cache.rows(0, n))
         for r in self.rows:
             r.cur += 1
-        return self._retire(self._take(self.model.logits(h[:, 0]), list(range(n)), on_emit))
+        return self._take(self.model.logits(h[:, 0]), list(range(n)), on_emit)
 
     @torch.inference_mode()
     def remove(self, drop: Callable[[Any], bool]) -> list[tuple[Any, Result]]:
         """Drop the rows whose tag `drop` selects (cancelled requests) between steps."""
         return self._retire([i for i, r in enumerate(self.rows) if drop(r.tag)])
+
+    def clear(self) -> list:
+        """Forget every row (after a failed step, whose cache contents can no longer be trusted); their tags."""
+        tags = self.tags()
+        self.rows = []
+        return tags

@@ -31,7 +31,7 @@ def cmd_serve(args) -> int:
     if args.dry_run:
         print(" ".join(server.command(s, s.repo_dir.parent / ".backends")))
         return 0
-    if not (s.repo_dir / "ensemble" / "config.pbtxt").is_file():
+    if not all((s.repo_dir / m / "config.pbtxt").is_file() for m in s.triton.models):
         from pipeline.triton.repo import write_repo
 
         write_repo(s)
@@ -90,6 +90,10 @@ def cmd_client(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    if not args.model:
+        from pipeline.triton.repo import client_model
+
+        args.model = client_model(s)
     r = generate(args.url or grpc_url(s), args.model, prompt, args.max_tokens, method=args.method,
                  stream=args.stream, on_piece=show if args.stream else None,
                  return_perf_metrics=not args.no_perf, exclude_input_in_output=True, timeout=args.timeout, **opts)
@@ -121,7 +125,7 @@ def register(verb) -> None:
     sp.add_argument("--stream", action="store_true", help="print the text as it streams")
     sp.add_argument("--method", default=None, help="baseline | draft_target | prompt_lookup | medusa "
                                                    "(default: the server's)")
-    sp.add_argument("--model", default="ensemble", help="ensemble (default) or tensorrt_llm_bls")
+    sp.add_argument("--model", default="", help="ensemble (default, when served) or tensorrt_llm_bls")
     sp.add_argument("--max-tokens", type=int, default=128)
     sp.add_argument("--temperature", type=float, default=None)
     sp.add_argument("--top-k", type=int, default=None)

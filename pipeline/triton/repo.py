@@ -1,9 +1,14 @@
 """Write triton_repo/<name>/ for the torch backend: tensorrtllm_backend's model names and client I/O.
 
-One python-backend model, `tensorrt_llm_bls`, holds the weights once and serves every decoding
-method the engines support (request input `method`, default from its config). `ensemble` is a real
-Triton ensemble over it, so clients written for tensorrtllm_backend's ensemble work unchanged.
-Every config.pbtxt is produced from Triton's own ModelConfig protobuf, so it parses by construction.
+`ensemble` and `tensorrt_llm_bls` are two instances of one python-backend model (`model.py`), with
+tensorrtllm_backend's ensemble interface: each loads the engines and serves every decoding method
+they support (request input `method`, default from its config). Not a platform "ensemble" over a
+BLS model: Triton 2.51's ensemble does not pass a client's cancellation, deadline or disconnect on
+to its steps, and a model that forwards requests by BLS calls lost final responses under load; each
+of the two sees its own clients. They take turns at decoding steps (`gate.py`, a file lock in the
+repository). `triton.models` serves only some of them; both are decoupled (streaming) or not as
+`triton.decoupled` says. Every config.pbtxt is produced from Triton's own ModelConfig protobuf, so
+it parses by construction.
 """
 
 from __future__ import annotations
@@ -20,13 +25,29 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
 BLS = "tensorrt_llm_bls"
 ENSEMBLE = "ensemble"
+MODELS = (ENSEMBLE, BLS)
+STEP_LOCK = ".step.lock"  # pipeline.triton.gate.LOCK_NAME (gate.py is not imported here: it is the served side's)
 
 # The client contract is written once, as tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) in
-# trtllm_repo; the torch backend serves these of its tensors, in this order (penalties, min_tokens and log
-# probabilities it does not implement, so its ensemble does not declare them).
-SERVED_INPUTS = ("text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "end_id", "pad_id",
-                 "stop_words", "bad_words", "stream", "exclude_input_in_output", "return_perf_metrics",
-                 "num_draft_tokens", "use_draft_logits", "disable_at_batch", "method")
+# trtllm_repo. The torch backend declares every one of its inputs, and the older era's names next to them, so
+# none is "unexpected" to Triton: the parser (pipeline/triton/parse.py) honours each or refuses it with an error
+# naming it. `stop` is tensorrt_llm's: stop the running request with this request id.
+EXTRA_INPUTS: list[tuple[str, str, list[int]]] = [
+    ("random_seed", "TYPE_UINT64", [1]),
+    ("min_length", "TYPE_INT32", [1]),
+    ("early_stopping", "TYPE_BOOL", [1]),
+    ("return_num_input_tokens", "TYPE_BOOL", [1]),
+    ("return_num_output_tokens", "TYPE_BOOL", [1]),
+    ("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
+    ("prompt_table_extra_id", "TYPE_UINT64", [1]),
+    ("prompt_vocab_size", "TYPE_INT32", [1]),
+    ("lora_task_id", "TYPE_UINT64", [1]),
+    ("lora_weights", "TYPE_FP16", [-1, -1]),
+    ("lora_config", "TYPE_INT32", [-1, 3]),
+    ("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    ("guided_decoding_guide", "TYPE_STRING", [1]),
+    ("stop", "TYPE_BOOL", [1]),
+]
 SERVED_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                   "num_input_tokens", "num_output_tokens")
 
@@ -36,14 +57,25 @@ def _served(table: list, names: tuple[str, ...]) -> list[tuple[str, str, list[in
     return [(n, by_name[n][1], list(by_name[n][2])) for n in names]
 
 
-INPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_INPUTS, SERVED_INPUTS)
-REQUIRED = ("text_input", "max_tokens")
+INPUTS: list[tuple[str, str, list[int]]] = [(t[0], t[1], list(t[2])) for t in ENSEMBLE_INPUTS] + [
+    e for e in EXTRA_INPUTS if e[0] not in {t[0] for t in ENSEMBLE_INPUTS}]
+# Every input is optional to Triton: a `stop` request carries only `stop`, and a missing text_input or
+# max_tokens is refused by the model with an error naming it.
+REQUIRED: tuple[str, ...] = ()
 OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
-    """(inputs, outputs) of the `ensemble` model as (name, data_type, dims) lists."""
-    return [(n, t, list(d)) for n, t, d in INPUTS], [(n, t, list(d)) for n, t, d in OUTPUTS]
+    """(inputs, outputs) of the client contract the `ensemble` model serves (trtllm_repo's table), as (name,
+    data_type, dims) lists. Its config declares INPUTS / OUTPUTS: these plus EXTRA_INPUTS."""
+    shared = {t[0] for t in ENSEMBLE_INPUTS} | {t[0] for t in ENSEMBLE_OUTPUTS}
+    return ([(n, t, list(d)) for n, t, d in INPUTS if n in shared],
+            [(n, t, list(d)) for n, t, d in OUTPUTS if n in shared])
+
+
+def client_model(spec: Spec, prefer: str = ENSEMBLE) -> str:
+    """The served model a client of this spec talks to: `prefer` when the spec serves it, else the one it serves."""
+    return prefer if prefer in spec.triton.models else spec.triton.models[0]
 
 
 def default_methods(spec: Spec) -> list[str]:
@@ -77,20 +109,25 @@ def _io(msg_list, entries, required=()):
             m.optional = True
 
 
-def bls_config(spec: Spec, engine_dir: Path):
-    """ModelConfig of the python model that runs every method."""
+def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
+    """ModelConfig of one served model (`ensemble` or `tensorrt_llm_bls`: the same python model)."""
     from tritonclient.grpc import model_config_pb2 as mc
 
-    c = mc.ModelConfig(name=BLS, backend="python", max_batch_size=spec.limits.max_batch_size)
-    c.model_transaction_policy.decoupled = True
-    c.dynamic_batching.max_queue_delay_microseconds = spec.triton.max_queue_delay_us
-    _io(c.input, INPUTS, REQUIRED)
-    _io(c.output, OUTPUTS, None)
+    # The batch dimension is explicit (max_batch_size 0, dims [-1, ...]): with Triton's own batching (max_batch_size
+    # > 0) a request of batch size 0 got Triton core's "input byte size mismatch" and never reached the model; this
+    # way the parser answers it in its own words and refuses batches above limits.max_batch_size (`max_rows`).
+    # Triton then hands over requests one at a time, which costs nothing: execute only parses and queues, and the
+    # scheduler batches rows itself.
+    c = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
+    c.model_transaction_policy.decoupled = spec.triton.decoupled
+    _io(c.input, [(n, t, [-1, *d]) for n, t, d in INPUTS], REQUIRED)
+    _io(c.output, [(n, t, [-1, *d]) for n, t, d in OUTPUTS], None)
     g = c.instance_group.add()
     g.count = spec.triton.instance_count
     g.kind = mc.ModelInstanceGroup.KIND_CPU
     k = spec.speculation.num_draft_tokens
     params = {
+        "max_rows": str(spec.limits.max_batch_size),
         "engine_dir": str(Path(engine_dir).resolve()),
         "device": spec.device,
         "threads": str(spec.threads),
@@ -104,6 +141,7 @@ def bls_config(spec: Spec, engine_dir: Path):
         "draft_confidence": str(spec.speculation.draft_confidence),
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
+        "step_lock": "true",
         "python_path": ":".join(python_path()),
     }
     for key, value in params.items():
@@ -111,23 +149,8 @@ def bls_config(spec: Spec, engine_dir: Path):
     return c
 
 
-def ensemble_config(spec: Spec):
-    """A platform "ensemble" that forwards every input and output to the BLS model."""
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    c = mc.ModelConfig(name=ENSEMBLE, platform="ensemble", max_batch_size=spec.limits.max_batch_size)
-    # Every ensemble input is optional: Triton 2.51 answers an ensemble request that lacks a required
-    # input with an empty success, while the BLS model rejects it with an error naming the input.
-    _io(c.input, INPUTS, ())
-    _io(c.output, OUTPUTS, None)
-    step = c.ensemble_scheduling.step.add()
-    step.model_name = BLS
-    step.model_version = -1
-    for name, _, _ in INPUTS:
-        step.input_map[name] = name
-    for name, _, _ in OUTPUTS:
-        step.output_map[name] = name
-    return c
+def bls_config(spec: Spec, engine_dir: Path):
+    return model_config(spec, engine_dir, BLS)
 
 
 def to_pbtxt(config) -> str:
@@ -155,14 +178,14 @@ def write_repo(spec: Spec, log=print) -> Path:
     repo = spec.repo_dir
     tmp = repo.parent / f".{repo.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / BLS / "1").mkdir(parents=True)
-    (tmp / ENSEMBLE / "1").mkdir(parents=True)
-    shutil.copyfile(MODEL_SOURCE, tmp / BLS / "1" / "model.py")
-    (tmp / BLS / "config.pbtxt").write_text(to_pbtxt(bls_config(spec, engine_dir)))
-    (tmp / ENSEMBLE / "config.pbtxt").write_text(to_pbtxt(ensemble_config(spec)))
+    for name in spec.triton.models:
+        (tmp / name / "1").mkdir(parents=True)
+        shutil.copyfile(MODEL_SOURCE, tmp / name / "1" / "model.py")
+        (tmp / name / "config.pbtxt").write_text(to_pbtxt(model_config(spec, engine_dir, name)))
+    (tmp / STEP_LOCK).touch()
     if repo.exists():
         shutil.rmtree(repo)
     tmp.rename(repo)
-    log(f"wrote {repo} (models {ENSEMBLE}, {BLS}; default method, first built of: {', '.join(default_methods(spec))}; "
-        f"python {sys.version.split()[0]})")
+    log(f"wrote {repo} (models {', '.join(spec.triton.models)}; default method, first built of: "
+        f"{', '.join(default_methods(spec))}; python {sys.version.split()[0]})")
     return repo

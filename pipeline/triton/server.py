@@ -175,7 +175,10 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
-def is_ready(spec: Spec, models: tuple[str, ...] = (ENSEMBLE,)) -> bool:
+def is_ready(spec: Spec, models: tuple[str, ...] | None = None) -> bool:
+    """The server is live and every model it serves (spec triton.models, unless `models`) is ready."""
+    if models is None:
+        models = tuple(spec.triton.models) if spec.backend == "torch" else (ENSEMBLE,)
     base = http_url(spec)
     if _get(f"{base}/v2/health/ready")[0] != 200:
         return False
@@ -216,7 +219,7 @@ def command(spec: Spec, backends: Path) -> list[str]:
 
 
 def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
-    """Start tritonserver on triton_repo/<name>/ and wait until `ensemble` is ready."""
+    """Start tritonserver on triton_repo/<name>/ and wait until every model it serves is ready."""
     pid = running_pid(spec)
     if pid:
         raise ServerError(f"a server for {spec.name!r} is already running (pid {pid}, gRPC {grpc_url(spec)}); "
@@ -225,12 +228,14 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
         if not port_free(spec.triton.host, port):
             raise ServerError(f"{key}: port {port} on {spec.triton.host} is already in use; stop whatever holds it "
                               f"(another server: `make stop`, or `ss -ltnp | grep {port}`) or set {key} in the spec")
-    if not (spec.repo_dir / ENSEMBLE / "config.pbtxt").is_file():
+    if not any((spec.repo_dir / m / "config.pbtxt").is_file() for m in spec.triton.models):
         raise ServerError(f"{spec.repo_dir} has no model repository; write it first with `make repo` "
                           "(python -m pipeline repo SPEC)")
     spec.report_dir.mkdir(parents=True, exist_ok=True)
     backends = backend_dir(spec.repo_dir.parent / ".backends")
     logp = log_file(spec)
+    if logp.is_file():  # keep the previous server's log (a server that died leaves its story there)
+        logp.replace(logp.with_name(logp.name + ".prev"))
     cmd = command(spec, backends)
     with open(logp, "w") as lf:
         lf.write("# " + " ".join(cmd) + "\n")
@@ -245,8 +250,9 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
     while True:
         if proc.poll() is not None:
             pid_file(spec).unlink(missing_ok=True)
-            raise ServerError(f"tritonserver exited with code {proc.returncode} while loading the models. "
-                              f"Last lines of {logp}:\n{log_tail(logp)}\n"
+            bad = fatal_line(logp)  # the tail may be all status table when several models failed
+            raise ServerError(f"tritonserver exited with code {proc.returncode} while loading the models"
+                              + (f": {bad.strip()}" if bad else "") + f". Last lines of {logp}:\n{log_tail(logp)}\n"
                               "Fix the error above (often: engines not built -> `make engine`; "
                               "repository stale -> `make repo`) and run `make serve` again")
         if is_ready(spec):

@@ -1,0 +1,289 @@
+"""The served model's parser and scheduler in-process, with a fake response sender (no Triton).
+
+Faults are injected where the server cannot be made to produce them: a row whose sampling raises, a
+speculative batch that raises, a continuous-batch step that raises. Each must answer the rows it
+hits with an error and leave every other row's answer equal to its solo run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.triton.parse import MIN_TEMPERATURE, BadRequest, Limits, RequestParser
+from pipeline.triton.scheduler import QUEUED_CHECK_S, Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+UNUSED_END = 0
+PROMPTS = [f"Tell me a story about the number {i}." for i in range(6)]
+
+
+class Fake:
+    """A Responder that records what the scheduler sent; `cancel_after` pieces, it says the client is gone."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.pieces: list[str] = []
+        self.final: list[str] | None = None
+        self.results = None
+        self.err: str | None = None
+        self.was_cancelled = False
+        self.cancel_after = cancel_after
+        self.polls = 0
+
+    def send(self, texts, results, final):
+        assert self.final is None and self.err is None, "a response after the final one"
+        if final:
+            self.final, self.results = list(texts), results
+        else:
+            self.pieces += texts
+
+    def error(self, message, cancelled=False):
+        assert self.final is None and self.err is None, "an error after the final response"
+        self.err, self.was_cancelled = message, cancelled
+
+    def cancelled(self):
+        self.polls += 1
+        return self.cancel_after is not None and len(self.pieces) >= self.cancel_after
+
+    @property
+    def answered(self) -> bool:
+        return self.final is not None or self.err is not None
+
+
+class BrokenParams(SamplingParams):
+    """Sampling past the parser's checks: torch.multinomial raises on the NaN probabilities, as in issue 18."""
+
+    @property
+    def greedy(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_engine):
+    from pipeline.runtime.decode import load_bundle
+
+    b = load_bundle(tiny_engine.parent, "cpu")
+    b.options["disable_at_batch"] = 0
+    return b
+
+
+@pytest.fixture(scope="module")
+def parser(bundle):
+    from pipeline.runtime.decode import default_k
+
+    bc = bundle.config["build_config"]
+    lim = Limits(max_batch_size=4, max_input_len=int(bc["max_input_len"]), max_seq_len=int(bc["max_seq_len"]),
+                 max_draft_len=bundle.max_draft_len, vocab=int(bundle.target.cfg.vocab_size),
+                 end_ids=tuple(bundle.end_ids), methods=bundle.methods(), default_method="baseline",
+                 default_k=lambda m: default_k(bundle, m))
+    return RequestParser(bundle.tokenizer, lim)
+
+
+def _inputs(prompt: str, n: int, **opts) -> dict:
+    d = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[n]], np.int32),
+         "end_id": np.array([[UNUSED_END]], np.int32)}
+    for k, v in opts.items():
+        d[k] = np.array([[v.encode() if isinstance(v, str) else v]], dtype=object if isinstance(v, str) else None)
+    return d
+
+
+def _parse(parser, prompt: str, n: int, request_id: str = "", **opts):
+    d = _inputs(prompt, n, **opts)
+    return parser.parse(d.get, request_id)
+
+
+def _drain(sched: Scheduler, fakes: list[Fake], limit: int = 5000) -> None:
+    for _ in range(limit):
+        if all(f.answered for f in fakes):
+            return
+        sched.tick()
+    raise AssertionError("the scheduler did not answer every request")
+
+
+def _solo(bundle, parser, prompt: str, n: int, **opts) -> str:
+    sched, f = Scheduler(bundle, 4), Fake()
+    sched.submit(_parse(parser, prompt, n, **opts), f)
+    _drain(sched, [f])
+    assert f.err is None, f.err
+    return f.final[0]
+
+
+# ---- parsing ----------------------------------------------------------------------------------------
+
+
+def test_sampling_values_without_a_distribution_are_defined_or_refused(parser):
+    p = lambda **o: _parse(parser, "hello", 4, **o).reqs[0].params  # noqa: E731
+    assert p(temperature=np.float32(1e-38)).temperature == 0.0, "a tiny temperature is greedy"
+    assert p(temperature=np.float32(MIN_TEMPERATURE * 2)).temperature > 0
+    assert p(temperature=np.float32(3e38)).temperature == pytest.approx(3e38, rel=1e-6)
+    assert p(top_k=np.int32(2**31 - 1)).top_k == 0, "top_k at or above the vocabulary means off"
+    tiny = p(top_p=np.float32(1e-45), temperature=np.float32(1.0))
+    assert tiny.top_k == 1 and tiny.top_p == 1.0, "a tiny top_p keeps the most likely token"
+    for name, value, pattern in [("temperature", np.float32("nan"), "temperature: got nan"),
+                                 ("temperature", np.float32("inf"), "temperature: got inf"),
+                                 ("temperature", np.float32(-1), "temperature: got -1"),
+                                 ("top_p", np.float32("nan"), "top_p: got nan"),
+                                 ("top_k", np.int32(-3), "top_k: got -3")]:
+        with pytest.raises(BadRequest, match=pattern):
+            p(**{name: value})
+
+
+def test_extreme_sampling_values_decode_a_proper_distribution(bundle, parser):
+    from pipeline.runtime.sampling import warp
+
+    logits = bundle.target.logits(torch.randn(1, bundle.target.cfg.hidden_size))[0] * 50
+    for opts in ({"temperature": np.float32(1e-38)}, {"temperature": np.float32(3e38)},
+                 {"temperature": np.float32(1.0), "top_k": np.int32(2**31 - 1)},
+                 {"temperature": np.float32(1.0), "top_p": np.float32(1e-45)}):
+        probs = warp(logits, _parse(parser, "hello", 4, **opts).reqs[0].params)
+        assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-4, opts
+
+
+@pytest.mark.parametrize("name, value, pattern", [
+    ("beam_width", np.int32(4), r"beam_width: got 4; beam search is not implemented.*send 1"),
+    ("repetition_penalty", np.float32(1.2), r"repetition_penalty: got 1.2.*send 1.0"),
+    ("presence_penalty", np.float32(0.5), r"presence_penalty: got 0.5.*send 0.0"),
+    ("frequency_penalty", np.float32(0.5), r"frequency_penalty: got 0.5.*send 0.0"),
+    ("return_log_probs", True, r"return_log_probs: got True.*send false"),
+    ("return_generation_logits", True, r"return_generation_logits: got True"),
+    ("num_return_sequences", np.int32(2), r"num_return_sequences: got 2"),
+    ("min_length", np.int32(8), r"min_length: got 8; a minimum length is not implemented.*send 0 or 1"),
+    ("length_penalty", np.float32("inf"), r"length_penalty: got inf; must be finite"),
+])
+def test_nvidia_inputs_that_cannot_be_honoured_are_refused_by_name(parser, name, value, pattern):
+    with pytest.raises(BadRequest, match=pattern):
+        _parse(parser, "hello", 4, **{name: value})
+
+
+def test_nvidia_inputs_at_their_neutral_values_are_served(parser):
+    job = _parse(parser, "hello", 4, beam_width=np.int32(1), repetition_penalty=np.float32(1.0),
+                 presence_penalty=np.float32(0.0), frequency_penalty=np.float32(0.0),
+                 length_penalty=np.float32(1.3), return_log_probs=False, min_length=np.int32(1),
+                 random_seed=np.uint64(7), return_num_output_tokens=True)
+    assert job.reqs[0].params.seed == 7 and job.perf
+    with pytest.raises(BadRequest, match="random_seed: got 7 next to seed 8"):
+        _parse(parser, "hello", 4, random_seed=np.uint64(7), seed=np.uint64(8))
+
+
+def test_batch_size_zero_and_a_stop_without_id_are_refused_in_our_words(parser):
+    d = {"text_input": np.zeros((0, 1), dtype=object), "max_tokens": np.zeros((0, 1), np.int32)}
+    with pytest.raises(BadRequest, match=r"text_input: batch size 0 .*accepts 1 to 4 rows"):
+        parser.parse(d.get)
+    with pytest.raises(BadRequest, match="stop: true needs the request_id"):
+        parser.parse({"stop": np.array([[True]])}.get, "")
+    assert parser.parse({"stop": np.array([[True]])}.get, "abc").stop
+
+
+# ---- scheduling and faults ------------------------------------------------------------------------------
+
+
+def test_plain_and_streamed_answers_equal_their_solo_runs(bundle, parser):
+    prompts = [PROMPTS[0], "Explain how rain forms over the ocean.", PROMPTS[2]]  # the middle one streams text
+    solo = [_solo(bundle, parser, p, 16) for p in prompts]
+    sched = Scheduler(bundle, 4)
+    fakes = [Fake() for _ in range(3)]
+    for i, f in enumerate(fakes):
+        sched.submit(_parse(parser, prompts[i], 16, stream=i == 1), f)
+    _drain(sched, fakes)
+    assert [f.final[0] if i != 1 else "".join(f.pieces) + f.final[0] for i, f in enumerate(fakes)] == solo
+    assert len(fakes[1].pieces) > 1
+
+
+def _with_broken_row(job, row: int = 0):
+    job.reqs[row].params = BrokenParams(temperature=float("nan"))  # logits / nan: no distribution
+    return job
+
+
+@pytest.mark.parametrize("method", ["baseline", "prompt_lookup"])
+def test_a_failing_row_answers_itself_with_an_error_and_its_batch_mates_go_on(bundle, parser, method):
+    """The issue-18 scenario in-process: one row whose distribution is broken (logits / 1e-38) in a batch of
+    good streams, plain (continuous batch) or speculative (the batch fails, its rows continue one by one)."""
+    solo = [_solo(bundle, parser, p, 12, method=method) for p in PROMPTS[:3]]
+    counts: dict = {}
+    sched = Scheduler(bundle, 4, count=lambda w, m, v: counts.__setitem__((w, m), counts.get((w, m), 0) + v),
+                      log=lambda *a: None)
+    fakes = [Fake() for _ in range(4)]
+    for i in range(3):
+        sched.submit(_parse(parser, PROMPTS[i], 12, method=method, stream=i == 0), fakes[i])
+    sched.submit(_with_broken_row(_parse(parser, PROMPTS[3], 12, method=method)), fakes[3])
+    _drain(sched, fakes)
+    assert fakes[3].err and "decoding failed" in fakes[3].err and not fakes[3].was_cancelled
+    got = ["".join(fakes[0].pieces) + fakes[0].final[0]] + [f.final[0] for f in fakes[1:3]]
+    assert got == solo
+    assert counts.get(("errors", method)) == 1 and counts.get(("requests", method)) == 3
+    # and the scheduler keeps serving
+    f = Fake()
+    sched.submit(_parse(parser, PROMPTS[0], 12, method=method), f)
+    _drain(sched, [f])
+    assert f.final == [solo[0]]
+
+
+def test_a_failed_step_answers_its_rows_with_an_error_and_serving_continues(bundle, parser, monkeypatch):
+    """_abort_pool: a forward step of the continuous batch raises; every row in it gets the error (none is left
+    waiting), queued requests are untouched, and the next request decodes as before."""
+    want = _solo(bundle, parser, PROMPTS[0], 6)
+    sched = Scheduler(bundle, 4, log=lambda *a: None)
+    fakes = [Fake() for _ in range(3)]
+    for i in range(2):
+        sched.submit(_parse(parser, PROMPTS[i], 30), fakes[i])
+    sched.tick()  # admitted, first tokens
+    monkeypatch.setattr(sched.pool, "step", lambda emit=None: (_ for _ in ()).throw(RuntimeError("injected")))
+    sched.submit(_parse(parser, PROMPTS[2], 30), fakes[2])
+    sched.tick()  # admits the third, then the step fails
+    assert all(f.err and "decoding failed: RuntimeError: injected" in f.err for f in fakes)
+    assert not sched.pool.rows, "the failed batch was replaced by an empty one"
+    f = Fake()
+    sched.submit(_parse(parser, PROMPTS[0], 6), f)
+    _drain(sched, [f])
+    assert f.final == [want]
+
+
+@pytest.mark.parametrize("method", ["baseline", "prompt_lookup"])
+def test_a_cancelled_row_stops_within_two_steps_and_is_counted(bundle, parser, method):
+    counts: dict = {}
+    sched = Scheduler(bundle, 4, count=lambda w, m, v: counts.__setitem__((w, m), counts.get((w, m), 0) + v))
+    keep, gone = Fake(), Fake(cancel_after=3)
+    want = _solo(bundle, parser, PROMPTS[0], 40, method=method)
+    sched.submit(_parse(parser, PROMPTS[0], 40, method=method), keep)
+    sched.submit(_parse(parser, PROMPTS[1], 200, method=method, stream=True), gone)
+    sched.cancel_check_s = 0.0  # ask at every step: the tiny model's steps take about a millisecond
+    _drain(sched, [keep, gone])
+    assert gone.was_cancelled and counts.get(("cancelled", method)) == 1
+    assert len(gone.pieces) <= 3 + 2 * (bundle.max_draft_len + 1), "the cancelled row ran on"
+    assert keep.final == [want]
+
+
+def test_a_stop_request_cancels_the_request_it_names(bundle, parser):
+    sched = Scheduler(bundle, 4)
+    sched.cancel_check_s = 0.0
+    running, stopper = Fake(), Fake()
+    sched.submit(_parse(parser, PROMPTS[0], 200, request_id="r-1", stream=True), running)
+    for _ in range(3):
+        sched.tick()
+    sched.submit(parser.parse({"stop": np.array([[True]])}.get, "r-1"), stopper)
+    sched.tick()
+    assert stopper.final == [] and stopper.err is None, "a stop request is answered at the next round"
+    _drain(sched, [running], limit=20)
+    assert running.was_cancelled and len(running.pieces) < 20
+
+
+def test_queued_requests_are_polled_for_cancellation_rarely(bundle, parser):
+    """Every poll is a round trip to Triton: queued requests (beyond max_batch_size) are asked every
+    QUEUED_CHECK_S, not at every step, so a long queue does not slow the running batch down."""
+    import time
+
+    sched = Scheduler(bundle, 2)
+    fakes = [Fake() for _ in range(10)]
+    for i, f in enumerate(fakes):
+        sched.submit(_parse(parser, PROMPTS[i % len(PROMPTS)], 40), f)
+    t0 = time.monotonic()
+    steps = 0
+    while not fakes[0].answered:
+        sched.tick()
+        steps += 1
+    elapsed = time.monotonic() - t0
+    queued_polls = sum(f.polls for f in fakes[2:])
+    assert queued_polls <= 8 * (elapsed / QUEUED_CHECK_S + 2), (queued_polls, steps, elapsed)
+    _drain(sched, fakes)
