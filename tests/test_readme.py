@@ -98,7 +98,9 @@ def test_missing_markers_are_an_error_that_says_what_to_add(demo):
 
 
 # Settings the README states (a polling period, a kill timeout, a training budget), not measurements.
-SETTINGS = ("checked every 20 ms", "SIGKILL after 30 s", "4x the drafter training budget")
+SETTINGS = ("checked every 20 ms", "SIGKILL after 30 s", "4x the drafter training budget", "at most 250 ms",
+            "every step (20 ms)", "more than 5% below", "32 mixed clients for 120 s", "`--request-timeout`,\n  120 s",
+            "15 s past that")
 
 
 def test_the_readme_types_no_measured_figure_outside_the_rendered_block():
