@@ -297,7 +297,9 @@ def bench_markdown(r: dict) -> str:
         lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
                      f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} |")
     for name, e in r["peers"].items():
-        lines.append(f"| transformers {name} | {e['tokens_per_s']:.1f} | | | | |")
+        who = f"llama.cpp {e.get('version', '')} ({name})" if name.startswith("llama_cpp") else f"transformers {name}"
+        speed = "not installed (make peers)" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:.1f}"
+        lines.append(f"| {who} | {speed} | | | | |")
     rf = r["roofline"]
     n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
     if n:
