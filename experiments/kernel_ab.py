@@ -45,15 +45,7 @@ OLD_LO = torch.tensor([4 * (b % 4) + b // 4 for b in range(16)])  # the qlinear/
 def compile_lib(src: Path, flags: list[str]) -> ctypes.CDLL:
     so = Path(tempfile.mkdtemp()) / "skinny.so"
     subprocess.run(["gcc", "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
-    lib = ctypes.CDLL(str(so))
-    P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.skinny_matmul.argtypes = [P, P, P, P] + [Int] * 6
-    lib.fused_linear.argtypes = [P, P, F32, P, P, P] + [Int] * 8
-    lib.rope_write.argtypes = [P] * 9 + [Int] * 6
-    lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
-    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
-        f.restype = None
-    return lib
+    return kernels.bind(so)
 
 
 def use(lib) -> None:

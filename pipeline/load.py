@@ -176,17 +176,10 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
                          method=method, stream=not unary, unary=unary and not decoupled,
                          timeout=request_timeout, on_piece=pieces.append,
                          cancel=stop_at, disconnect=drop, **opts)
-        except RequestTimeout as e:  # a response that never came (or came too late): incomplete, not a hang
+        except RequestError as e:  # a RequestTimeout (no response, or too late) is incomplete, not a hang
             with lock:
                 stats["requests"] += 1
-                stats["incomplete"] += 1
-                if len(samples) < 5:
-                    samples.append(f"{method}: {e}")
-            return
-        except RequestError as e:
-            with lock:
-                stats["requests"] += 1
-                stats["errors"] += 1
+                stats["incomplete" if isinstance(e, RequestTimeout) else "errors"] += 1
                 if len(samples) < 5:
                     samples.append(f"{method}: {e}")
             return

@@ -61,6 +61,23 @@ def _shape(kind: str) -> tuple[int, int]:
     return (77, 256) if kind == "int4" else (77, 203)
 
 
+def _both_builds(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.linear(x, w) by the AVX-512 build and by the AVX2 build."""
+    prev = kernels.set_path("avx512")
+    try:
+        a = kernels.linear(x, w)
+        kernels.set_path("avx2")
+        return a, kernels.linear(x, w)
+    finally:
+        kernels.set_path(prev)
+
+
+def _bf16_reference(x: torch.Tensor, ref_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 product of bf16-rounded x with the weights, and the fp32 error bound (k + 2) u sum |x||w|."""
+    k = x.shape[-1]
+    return np_bf16(x.numpy()) @ ref_w.T, (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+
+
 @pytest.fixture
 def threads():
     n, kn = torch.get_num_threads(), kernels.threads()
@@ -121,13 +138,7 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):
     n, k = _shape(kind)
     w, _ = weights(kind, n, k, seed=5)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
-    prev = kernels.set_path("avx512")
-    try:
-        a = kernels.linear(x, w)
-        kernels.set_path("avx2")
-        b = kernels.linear(x, w)
-    finally:
-        kernels.set_path(prev)
+    a, b = _both_builds(x, w)
     assert torch.equal(a, b)
 
 
@@ -157,8 +168,7 @@ def test_bf16_dot_products_agree_between_builds_on_random_shapes_rows_and_thread
     for key, ys in out.items():
         for s, y in enumerate(ys, start=1):
             assert torch.equal(y, base[:s]), (kind, k, n, key, s)
-    ref = np_bf16(x.numpy()) @ ref_w.T
-    bound = (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+    ref, bound = _bf16_reference(x, ref_w)
     assert (np.abs(base.double().numpy() - ref) <= bound).all()
 
 
@@ -168,16 +178,9 @@ def test_int4_superblocks_and_block_tails_agree_and_match_the_reference(k, gs):
     # Columns below K - K % 128 are stored in 128-column superblocks, the rest in 32-column blocks.
     w, ref_w = weights("int4", 37, k, seed=k, group_size=gs)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
-    prev = kernels.set_path("avx512")
-    try:
-        a = kernels.linear(x, w)
-        kernels.set_path("avx2")
-        b = kernels.linear(x, w)
-    finally:
-        kernels.set_path(prev)
+    a, b = _both_builds(x, w)
     assert torch.equal(a, b)
-    ref = np_bf16(x.numpy()) @ ref_w.T
-    bound = (k + 2) * U * (np.abs(x.double().numpy()) @ np.abs(ref_w).T) * 1.01
+    ref, bound = _bf16_reference(x, ref_w)
     assert (np.abs(a.double().numpy() - ref) <= bound).all()
 
 
@@ -192,13 +195,7 @@ def test_builds_agree_on_adversarial_bf16_inputs(threads):
     w[:, 0::2] = -w[:, 1::2]  # pairs that cancel
     x = torch.randn(12, k, generator=g) * torch.pow(2.0, torch.randint(-140, 40, (12, k), generator=g).float())
     x[3] = 1e-39  # denormal fp32 activations: rounded to zero
-    prev = kernels.set_path("avx512")
-    try:
-        a = kernels.linear(x, w)
-        kernels.set_path("avx2")
-        b = kernels.linear(x, w)
-    finally:
-        kernels.set_path(prev)
+    a, b = _both_builds(x, w)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
     assert (a[3] == 0).all()
 

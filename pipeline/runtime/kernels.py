@@ -98,6 +98,12 @@ def _compile(isa: str) -> ctypes.CDLL | None:
                         res.stderr.strip()[-2000:])
             return None
         os.replace(tmp, so)
+    _libs[isa] = lib = bind(so)
+    return lib
+
+
+def bind(so: Path) -> ctypes.CDLL:
+    """Load a compiled skinny.c and declare its functions' signatures."""
     lib = ctypes.CDLL(str(so))
     P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.skinny_matmul.argtypes = [P, P, P, P] + [Int] * 6
@@ -107,7 +113,6 @@ def _compile(isa: str) -> ctypes.CDLL | None:
     for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
-    _libs[isa] = lib
     return lib
 
 

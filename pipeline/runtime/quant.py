@@ -278,9 +278,10 @@ def to_hugepages(model: nn.Module, min_bytes: int = 1 << 20) -> int:
 def hugepage_bytes() -> int:
     """Bytes of this process's anonymous memory on transparent huge pages (0 where Linux does not say)."""
     try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
@@ -289,7 +290,8 @@ def hugepage_bytes() -> int:
 def thp_mode() -> str:
     """The kernel's transparent-huge-page mode for anonymous memory ("always", "madvise", "never" or "")."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return ""
     return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
