@@ -319,3 +319,38 @@ def test_speculation_switches_off_at_disable_at_batch():
     assert not any(r.speculation_off for r in forced)
     assert [r.tokens for r in forced] == [r.tokens for r in base]
     assert not speculation_off(b, "baseline", 99) and speculation_off(b, "medusa", 3)
+
+
+def test_accepted_drafts_are_not_fed_to_the_draft_twice(target, drafts):
+    """The draft K/V written while drafting stays valid for the drafts the target accepts: each round's
+    catch-up feeds one token (two when all k were accepted), and the cache still equals a fresh prefill."""
+    from pipeline.runtime.generate import prefill
+    from pipeline.runtime.speculative import _ModelDrafter
+
+    draft = drafts["noisy"]
+    fed: list = []
+    hook = draft.register_forward_hook(lambda m, args, out: fed.append(tuple(args[0].shape)))
+    try:
+        reqs = _reqs(prompts(3, 48, seed=80, lo=6, hi=12), new=(40,), end=False)
+        out = draft_target(target, draft, reqs, 4)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in out] == [r.tokens for r in generate(target, reqs)]
+    assert fed[0][1] >= 6 and all(s <= 2 for _, s in fed[1:])  # the prefill, then 1 or 2 tokens per forward
+    assert any(s == 2 for _, s in fed[1:])  # some round had all drafts accepted
+
+    ps = [[5, 6, 7, 8], [9, 4, 3]]
+    d = _ModelDrafter(target, [Request(p, 20) for p in ps], 3, 48)
+    d.prefill(ps)
+    gens = [torch.Generator() for _ in ps]
+    ctx = [ps[0] + [10], ps[1] + [11]]
+    drafts_, _, _ = d.propose(ctx, torch.tensor([4, 3]), gens)
+    ctx[0] += drafts_[0, :3].tolist() + [12]  # all 3 accepted (d3 was never fed), then a bonus token
+    ctx[1] += drafts_[1, :1].tolist() + [13]  # 1 accepted, then the target's own token
+    d.propose(ctx, torch.tensor([8, 5]), gens)
+    ref = target.new_cache(2, d.cache.length)
+    prefill(target, ref, ctx)
+    for b, n in enumerate([9, 6]):
+        assert d.fed[b] == n
+        assert torch.allclose(d.cache.k[:, b, :, :n], ref.k[:, b, :, :n], atol=1e-5)
+        assert torch.allclose(d.cache.v[:, b, :, :n], ref.v[:, b, :, :n], atol=1e-5)

@@ -146,10 +146,11 @@ class _ModelDrafter:
 
     `fed[b]` counts the context tokens the draft's cache holds for row b. A round first feeds the
     ones it lacks (usually the token the target just committed, two when all drafts were accepted)
-    in one padded forward, then drafts. With `lookup`, a row whose context ends in an n-gram of at
-    least `lookup.min_ngram` tokens seen earlier takes the prompt-lookup continuation instead (q is
-    one-hot, so acceptance is by matching), and the draft model does not run at all when every row
-    found one; its cache catches up on the next model round.
+    in one padded forward, then drafts. The drafts it fed on the way (`sent[b]`) count as held once
+    the target commits them, so accepted drafts are never fed twice. With `lookup`, a row whose
+    context ends in an n-gram of at least `lookup.min_ngram` tokens seen earlier takes the
+    prompt-lookup continuation instead (q is one-hot, so acceptance is by matching), and the draft
+    model does not run at all when every row found one; its cache catches up on the next model round.
     """
 
     def __init__(self, draft: Transformer, reqs: list[Request], k: int, vocab: int,
@@ -163,15 +164,18 @@ class _ModelDrafter:
         self.sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
         self.params = [r.params for r in reqs]
         self.fed = [0] * len(reqs)
+        self.sent: list[list[int]] = [[] for _ in reqs]
 
     def prefill(self, prompts: list[list[int]]) -> None:
         prefill(self.model, self.cache, prompts)
         self.fed = [len(p) for p in prompts]
+        self.sent = [[] for _ in prompts]
 
     def resume(self, handoffs: list[Handoff]) -> None:
         """Take back the draft K/V rows handed off with the target's; prefill rows that bring none (requests
         that joined through the continuous batch) on their own, so the first round's catch-up stays short
         for every row instead of padding all of them to the longest context."""
+        self.sent = [[] for _ in handoffs]
         for b, h in enumerate(handoffs):
             if h.draft is not None:
                 cache, row, fed = h.draft
@@ -196,6 +200,13 @@ class _ModelDrafter:
         each row's hidden state at its newest token."""
         m, dev = self.model, self.dev
         P = pos.tolist()
+        for b, sent in enumerate(self.sent):
+            f = self.fed[b]
+            for t in sent:
+                if f >= P[b] or ctx[b][f] != t:  # the newest token is always fed: its hidden state drafts
+                    break
+                f += 1
+            self.fed[b], self.sent[b] = f, []
         G = max(p + 1 - f for p, f in zip(P, self.fed))
         toks, at, where = [], [], []
         for b, p in enumerate(P):
@@ -221,6 +232,7 @@ class _ModelDrafter:
         qs = {b: [] for b in self.sampled if not found[b]}
         limit = [len(f) or k for f in found]
         going = [not f for f in found]
+        fed = 0
         for i in range(k):
             logits = m.logits(h)
             d = logits.argmax(-1)
@@ -241,6 +253,8 @@ class _ModelDrafter:
                     break
             if i + 1 < k:
                 h = m(d[:, None], (pos + 1 + i)[:, None], self.cache)[:, 0]
+                fed += 1
+        self.sent = drafts[:, :fed].tolist()
         if any(found):
             looked = torch.tensor([bool(f) for f in found], device=dev)[:, None]
             drafts = torch.where(looked, _padded(found, dev, w), drafts)
