@@ -287,3 +287,38 @@ def test_queued_requests_are_polled_for_cancellation_rarely(bundle, parser):
     queued_polls = sum(f.polls for f in fakes[2:])
     assert queued_polls <= 8 * (elapsed / QUEUED_CHECK_S + 2), (queued_polls, steps, elapsed)
     _drain(sched, fakes)
+
+
+def test_the_models_load_and_decode_on_one_thread_that_is_not_the_callers(bundle, parser):
+    """Scheduler.on_own_thread: setup and every decoding step run on the decode thread (one thread owns all
+    OpenMP teams: libgomp stops spinning between regions once two threads own teams on a small CPU), and a
+    setup that fails raises on the caller's thread."""
+    import threading
+    import time
+
+    seen: dict = {"decode": set()}
+
+    def setup() -> Scheduler:
+        seen["setup"] = threading.get_ident()
+        return Scheduler(bundle, 4)
+
+    hook = bundle.target.register_forward_hook(lambda *a: seen["decode"].add(threading.get_ident()))
+    try:
+        sched = Scheduler.on_own_thread(setup)
+        f = Fake()
+        sched.submit(_parse(parser, PROMPTS[0], 8), f)
+        until = time.monotonic() + 60
+        while not f.answered and time.monotonic() < until:
+            time.sleep(0.01)
+        sched.close()
+    finally:
+        hook.remove()
+    assert f.err is None and f.final is not None
+    assert seen["decode"] == {seen["setup"]} and seen["setup"] != threading.get_ident()
+    assert sched.worker is not None and sched.worker.ident == seen["setup"] and not sched.worker.is_alive()
+
+    def broken() -> Scheduler:
+        raise ValueError("engine_dir does not exist")
+
+    with pytest.raises(ValueError, match="engine_dir"):
+        Scheduler.on_own_thread(broken)

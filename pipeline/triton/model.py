@@ -98,12 +98,24 @@ class TritonPythonModel:
         from pipeline.triton.parse import Limits, RequestParser
         from pipeline.triton.scheduler import Scheduler
 
-        kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # torch and the C kernels: spec `threads`
-        import torch
-
-        threads = f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}"
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
-        bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
+        # Both served models decode in their own stub process: they take turns at steps (pipeline/triton/gate.py).
+        instance = args.get("model_instance_name") or self.model_name
+        self.gate = StepGate(Path(args["model_repository"]).parent, instance) if _param(
+            cfg, "step_lock", "true") == "true" and args.get("model_repository") else NoGate()
+        loaded: dict = {}
+
+        def setup() -> Scheduler:  # on the decode thread: it alone runs torch's and the kernels' OpenMP teams
+            kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # spec `threads`
+            import torch
+
+            loaded["threads"] = f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}"
+            loaded["bundle"] = b = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
+            return Scheduler(b, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
+
+        self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
+        self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
+        bundle, threads = loaded["bundle"], loaded["threads"]
         opts = bundle.options
         opts["prompt_lookup_max_ngram"] = int(_param(cfg, "prompt_lookup_max_ngram", "3"))
         k = _param(cfg, "num_draft_tokens", "auto")
@@ -114,11 +126,11 @@ class TritonPythonModel:
         opts["draft_lookup_min_ngram"] = int(_param(cfg, "draft_lookup_min_ngram", "0") or 0)
         opts["draft_confidence"] = float(_param(cfg, "draft_confidence", "0") or 0)
         self.methods = bundle.methods()
+        self._metrics()
         if "medusa" in self.methods:
             self.methods.append("medusa_typical")  # Medusa's own (lossy) typical acceptance, for comparison
         prefer = _param(cfg, "default_method", "baseline").split(",")
         default_method = next((m for m in prefer if m in self.methods), "baseline")
-        self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         bc = bundle.config["build_config"]
         limits = Limits(
             max_batch_size=self.max_batch_size, max_input_len=int(bc["max_input_len"]),
@@ -130,13 +142,6 @@ class TritonPythonModel:
             add_special_tokens=_param(cfg, "add_special_tokens", "true") == "true",
             decoupled=pb_utils.using_decoupled_model_transaction_policy(cfg))
         self.parser = RequestParser(bundle.tokenizer, limits)
-        self._metrics()
-        # Both served models decode in their own stub process: they take turns at steps (pipeline/triton/gate.py).
-        instance = args.get("model_instance_name") or self.model_name
-        self.gate = StepGate(Path(args["model_repository"]).parent, instance) if _param(
-            cfg, "step_lock", "true") == "true" and args.get("model_repository") else NoGate()
-        self.scheduler = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log,
-                                   gate=self.gate).start()
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {default_method}; "
                                  f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads}; "
                                  f"kernel path {kernels.path()})")

@@ -138,6 +138,35 @@ class Scheduler:
         self.worker.start()
         return self
 
+    @classmethod
+    def on_own_thread(cls, setup: Callable[[], Scheduler]) -> Scheduler:
+        """Run `setup` (load the models, build the scheduler) on a new thread, then serve on that same thread.
+
+        One thread must run every OpenMP region of the process. libgomp keeps a worker team per thread that
+        starts parallel regions, and once the process holds more OpenMP threads than cores it stops spinning
+        between regions and sleeps instead; a model loaded on one thread (torch's parallel copies) and decoded
+        on another ran the int4 draft step ~40% slower on 2 cores (experiments/serving_log.md)."""
+        box: dict = {}
+        ready = threading.Event()
+
+        def main() -> None:
+            try:
+                box["scheduler"] = sched = setup()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = e
+                ready.set()
+                return
+            ready.set()
+            sched._serve()
+
+        worker = threading.Thread(target=main, name="decode", daemon=True)
+        worker.start()
+        ready.wait()
+        if "error" in box:
+            raise box["error"]
+        box["scheduler"].worker = worker
+        return box["scheduler"]
+
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True
         if self.worker is not None:
