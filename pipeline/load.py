@@ -122,6 +122,10 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     `tokens_per_s` counts the requests completed between a warm-up (a quarter of the run) and the deadline:
     the steady state, without the ramp-up and the tail in which a draining queue leaves the batch part empty.
 
+    `rss_mb`: the server's resident memory at the start, once the warm-up quarter has passed (`before`: the
+    first requests of each kind grow caches and allocator arenas once) and at the end (`after`); growth from
+    `before` to `after` is what a leak would show.
+
     Every wait is bounded: a request without its final response after `request_timeout` seconds counts as
     incomplete, and a client still waiting `request_timeout` + 15 s after the deadline is left behind (its request
     counted incomplete), so a lost response never hangs the tool."""
@@ -141,7 +145,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         log(f"reference answers for {len(prompts)} prompts (greedy, baseline, one at a time) ...")
         reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled,
                               timeout=request_timeout)["text"] for p in prompts]
-    rss_before = server_rss_mb(pid)
+    rss_start = server_rss_mb(pid)
     cancelled_before = _server_cancelled(spec)
     lock = threading.Lock()
     keys = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
@@ -217,6 +221,10 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     what = "mixed" if temperatures or cancel_every or disconnect_every or unary_every else "streaming"
     log(f"{concurrency} {what} clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
     t0 = time.monotonic()
+    warmed: dict = {}  # the server's RSS once the warm-up quarter has passed (caches and arenas grown)
+    probe = threading.Timer(duration / 4, lambda: warmed.setdefault("rss", server_rss_mb(pid)))
+    probe.daemon = True
+    probe.start()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
     for t in threads:
         t.start()
@@ -237,6 +245,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
         time.sleep(0.2)
     rss_after = server_rss_mb(pid)
+    probe.cancel()
+    rss_before = warmed.get("rss", rss_start)
     out = {
         "requests": stats["requests"], "errors": stats["errors"], "incomplete": stats["incomplete"],
         "greedy_requests": stats["greedy"], "greedy_mismatches": stats["greedy_mismatches"],
@@ -249,7 +259,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         "cut_at_deadline": stats.get("cut", 0),
         "latency_ms": {"p50": _percentile(latencies, 50), "p95": _percentile(latencies, 95)},
         "ttft_ms": {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95)},
-        "rss_mb": {"before": rss_before, "after": rss_after},
+        "rss_mb": {"start": rss_start, "before": rss_before, "after": rss_after},
         "concurrency": concurrency, "duration_s": wall, "max_tokens": max_tokens, "methods": list(methods),
         "temperatures": list(temperatures), "model": model, "models": list(models or (model,)),
         "decoupled": decoupled, "problems": samples,
@@ -263,7 +273,8 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         f"{out['greedy_mismatches']} greedy mismatches, {out['cancelled']} cancelled by clients "
         f"({out['server_cancelled']:.0f} counted by the server); {out['tokens_per_s']:.1f} tokens/s; latency p50 "
         f"{out['latency_ms']['p50']:.0f} ms, p95 {out['latency_ms']['p95']:.0f} ms; server RSS "
-        f"{rss_before:.0f} -> {rss_after:.0f} MB" + (f"; wrote {spec.report_dir / 'load.json'}" if write else ""))
+        f"{rss_start:.0f} MB at the start, {rss_before:.0f} after the warm-up quarter -> {rss_after:.0f} MB"
+        + (f"; wrote {spec.report_dir / 'load.json'}" if write else ""))
     return out
 
 

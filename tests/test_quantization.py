@@ -369,6 +369,19 @@ def test_weights_moved_to_huge_pages_are_on_huge_pages():
     assert quant.hugepage_bytes() - before >= 16 << 20
 
 
+def test_many_weights_smaller_than_a_few_huge_pages_share_huge_pages():
+    """Packed into one 2 MB-aligned mapping: one mapping per 2.5 MB tensor held at most one huge page each."""
+    if quant.thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {quant.thp_mode() or 'unknown'} on this kernel")
+    m = nn.ModuleList(nn.Linear(640, 1024, bias=False) for _ in range(16)).requires_grad_(False)  # 16 x 2.5 MB
+    want = [layer.weight.clone() for layer in m]
+    before = quant.hugepage_bytes()
+    assert quant.to_hugepages(m) == 16 * 640 * 1024 * 4
+    assert all(torch.equal(layer.weight, w) for layer, w in zip(m, want))
+    assert len({layer.weight.untyped_storage().data_ptr() for layer in m}) == 16  # a storage each
+    assert quant.hugepage_bytes() - before >= 36 << 20  # of 40 MB
+
+
 @pytest.mark.parametrize("algo", ["int8", "int4"])
 def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
     import math

@@ -195,7 +195,8 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r
-    assert set(r["latency_ms"]) == {"p50", "p95"} and set(r["rss_mb"]) == {"before", "after"}
+    assert set(r["latency_ms"]) == {"p50", "p95"} and set(r["rss_mb"]) == {"start", "before", "after"}
+    assert 0 < r["rss_mb"]["start"] <= r["rss_mb"]["before"] * 1.2 + 50  # sampled after the warm-up quarter
 
 
 def test_load_curve_measures_each_level_and_says_whether_it_falls(served):
