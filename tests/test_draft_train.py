@@ -42,7 +42,11 @@ def test_trained_draft_engine_has_target_schema_and_stats(trained):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["build_config"]["speculative_decoding_mode"] == "none"
     assert cfg["pretrained_config"]["num_hidden_layers"] == 1
-    assert cfg["speculation"] == {"num_draft_tokens": 3, "chosen_by": "spec"}
+    sp = cfg["speculation"]
+    assert (sp["num_draft_tokens"], sp["chosen_by"]) == (3, "spec")
+    # a given k is still timed, for the reports' draft step fraction
+    assert 0 < sp["draft_step_fraction"] == sp["costs_s"]["c_draft"] / sp["costs_s"]["c_verify"][0]
+    assert len(sp["costs_s"]["c_verify"]) == 4
     st = cfg["draft"]["training"]
     assert st["steps"] == BUDGET["steps"] and st["loss_last"] < st["loss_first"]
     assert any("greedy agreement" in m for m in logs)

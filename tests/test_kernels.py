@@ -292,3 +292,46 @@ def test_forced_path_is_reported():
     assert "PATH=avx2" in res.stdout, res.stderr
     res = _kernel_path_in_subprocess({"PIPELINE_KERNEL": "torch"})
     assert "PATH=torch" in res.stdout
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4"])
+def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
+    """Block.fast runs a layer as one C call (decoder_layer); the five calls it replaced give the same bits, in x
+    and in the K/V written, for a decode step and a multi-token (verification) step; a moved weight rebuilds
+    the cached plan."""
+    from pipeline.runtime.model import ModelConfig, Transformer, build_model, wt
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=32, qkv_bias=True, model_type="qwen2", rope_theta=1e6)
+    g = torch.Generator().manual_seed(4)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    st = {k: torch.rand(s, generator=g) + 0.5 if "norm" in k else torch.randn(s, generator=g) * 0.2
+          for k, s in shapes.items()}
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    model = build_model(cfg, st, dtype, "cpu")
+    if kind == "int4":
+        model = quant.quantize_model(model, "int4", 32)
+    layer = model.layers[0]
+    cos, sin = model._rope(64, "cpu")
+    for S, start in ((1, 9), (5, 10)):
+        x = torch.randn(2, S, 128, generator=g)
+        pos = (start + torch.arange(S))[None].repeat(2, 1).contiguous()
+        kv = start + S
+        mask = (torch.arange(kv)[None, None, :] <= pos[:, :, None]).to(torch.uint8).contiguous()
+        cache = [torch.randn(2, 2, 32, 32, generator=g) for _ in range(2)]
+        kc, vc = (c.clone() for c in cache)
+        got = layer.fast(x.clone(), pos, pos, (cos, sin), kc, vc, mask, kv)
+        xr, kr, vr = x.clone(), cache[0].clone(), cache[1].clone()
+        qkv = kernels.fused_linear(xr, wt(layer.wqkv), norm=layer.attn_norm.weight, eps=cfg.rms_norm_eps)
+        q = kernels.rope_write(qkv.view(2, S, -1, 32), pos, pos, cos, sin, kr, vr, 4, 2, bias=layer.wqkv.bias)
+        o = kernels.attention(q, kr, vr, mask, kv)
+        kernels.fused_linear(o.view(2, S, -1), wt(layer.wo), out=xr)
+        h = kernels.fused_linear(xr, wt(layer.w13), norm=layer.ffn_norm.weight, eps=cfg.rms_norm_eps)
+        kernels.fused_linear(h, wt(layer.w2), swiglu=True, out=xr)
+        assert torch.equal(got, xr) and torch.equal(kc, kr) and torch.equal(vc, vr)
+    key = layer.__dict__["_plan"][0]
+    layer.ffn_norm.weight.data = layer.ffn_norm.weight.data * 2
+    layer.fast(torch.randn(1, 1, 128), torch.tensor([[0]]), torch.tensor([[0]]), (cos, sin),
+               torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), torch.ones(1, 1, 1, dtype=torch.uint8), 1)
+    assert layer.__dict__["_plan"][0] != key

@@ -110,7 +110,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.fused_linear.argtypes = [P, P, F32, P, P, P] + [Int] * 8
     lib.rope_write.argtypes = [P] * 9 + [Int] * 6
     lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
-    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention):
+    lib.decoder_layer.argtypes = [P, P, Int, Int] + [P] * 6 + [Int, P, Int, Int]
+    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.decoder_layer):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
     return lib
@@ -272,3 +273,42 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.T
     _lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), mask.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1],
                    D, kc.shape[2], kv_len, D ** -0.5, _threads)
     return out
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("sc", ctypes.c_void_p), ("wt", ctypes.c_int), ("gs", ctypes.c_int),
+                ("N", ctypes.c_int), ("K", ctypes.c_int)]
+
+
+class LayerPlan(ctypes.Structure):
+    """skinny.c's layer_t: one decoder layer's weight pointers and shapes, built once per layer (`layer_plan`)."""
+
+    _fields_ = [("qkv", _Lin), ("o", _Lin), ("up", _Lin), ("down", _Lin), ("bias", ctypes.c_void_p),
+                ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("hq", ctypes.c_int), ("hkv", ctypes.c_int), ("d", ctypes.c_int)]
+
+
+def layer_key(*tensors) -> tuple[int, ...]:
+    """The addresses a LayerPlan holds (weights or QLinears, bias, norms): when they change, rebuild the plan."""
+    return tuple(0 if t is None else (t.qweight.data_ptr(), t.scales.data_ptr()) if _quantized(t) else t.data_ptr()
+                 for t in tensors)
+
+
+def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+               eps: float, hq: int, hkv: int, head_dim: int) -> LayerPlan:
+    """skinny.c's layer_t for `decoder_layer`: pointers, shapes and weight types of one decoder layer."""
+    lins = []
+    for w in (wqkv, wo, w13, w2):
+        wp, sp, wt, gs, N, K = _weight_args(w)
+        lins.append(_Lin(wp, sp or 0, wt, gs, N, K))
+    ptr = [0 if t is None else t.data_ptr() for t in (bias, attn_norm, ffn_norm)]
+    return LayerPlan(*lins, *ptr, eps, head_dim ** -0.5, hq, hkv, head_dim)
+
+
+def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, kv_len: int) -> None:
+    """One decoder layer on x [B, S, H] (fp32, updated in place) in one C call: RMSNorm + QKV (+ bias), RoPE and
+    the cache write, attention, the output projection, RMSNorm + gate/up, SwiGLU + down, both residuals."""
+    B, S, _ = x.shape
+    _lib.decoder_layer(ctypes.byref(plan), x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
+                       sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2], mask.data_ptr(), kv_len, _threads)

@@ -159,16 +159,18 @@ class Block(nn.Module):
 
     def fast(self, x: Tensor, pos: Tensor, slots: Tensor, tables: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor,
              mask: Tensor, kv_len: int) -> Tensor:
-        """The same layer as `forward` in five C calls, for fp32 CPU inference steps (x is updated in place)."""
+        """The same layer as `forward` in one C call, for fp32 CPU inference steps (x is updated in place).
+
+        The call's plan (weight pointers and shapes) is built once and rebuilt when a weight moves."""
         cfg = self.cfg
-        B, S, _ = x.shape
-        qkv = kernels.fused_linear(x, wt(self.wqkv), norm=self.attn_norm.weight, eps=cfg.rms_norm_eps)
-        q = kernels.rope_write(qkv.view(B, S, -1, cfg.head_dim), pos, slots, *tables, kc, vc, cfg.num_heads,
-                               cfg.num_kv_heads, bias=self.wqkv.bias)
-        o = kernels.attention(q, kc, vc, mask, kv_len)
-        kernels.fused_linear(o.view(B, S, -1), wt(self.wo), out=x)
-        h = kernels.fused_linear(x, wt(self.w13), norm=self.ffn_norm.weight, eps=cfg.rms_norm_eps)
-        kernels.fused_linear(h, wt(self.w2), swiglu=True, out=x)
+        parts = (wt(self.wqkv), wt(self.wo), wt(self.w13), wt(self.w2), self.wqkv.bias, self.attn_norm.weight,
+                 self.ffn_norm.weight)
+        key = kernels.layer_key(*parts)
+        cached = self.__dict__.get("_plan")
+        if cached is None or cached[0] != key:
+            cached = key, kernels.layer_plan(*parts, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            self.__dict__["_plan"] = cached
+        kernels.decoder_layer(cached[1], x, pos, slots, *tables, kc, vc, mask, kv_len)
         return x
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, rows: Tensor,
