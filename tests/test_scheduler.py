@@ -289,6 +289,32 @@ def test_queued_requests_are_polled_for_cancellation_rarely(bundle, parser):
     _drain(sched, fakes)
 
 
+def test_a_long_queue_is_polled_at_a_bounded_rate_in_all(bundle, parser):
+    """128 queued requests are not 128 round trips a second: the queue's polls are spread to at most
+    QUEUED_POLLS_PER_S in all (each request still asked at least every len(queue) / QUEUED_POLLS_PER_S s)."""
+    import time
+
+    from pipeline.triton.scheduler import QUEUED_POLLS_PER_S
+
+    sched = Scheduler(bundle, 1)
+    fakes = [Fake() for _ in range(129)]
+    for i, f in enumerate(fakes):
+        sched.submit(_parse(parser, PROMPTS[i % len(PROMPTS)], 200), f)
+    sched.queued_check_s = 0.05  # so that the rate bound, not the per-request interval, decides here
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        sched.tick()
+    elapsed = time.monotonic() - t0
+    queued_polls = sum(f.polls for f in fakes[1:])
+    running = elapsed / sched.cancel_check_s + 8  # the rows that got the one decoding slot are polled per step
+    assert 0 < queued_polls <= QUEUED_POLLS_PER_S * elapsed + 128 + running, (queued_polls, elapsed)
+    done = [f.final is not None for f in fakes]
+    for f in fakes:
+        f.cancel_after = 0  # every client leaves: each one still waiting is answered as cancelled
+    _drain(sched, fakes)
+    assert all(d or f.was_cancelled for d, f in zip(done, fakes)) and not all(done)
+
+
 def test_the_models_load_and_decode_on_one_thread_that_is_not_the_callers(bundle, parser):
     """Scheduler.on_own_thread: setup and every decoding step run on the decode thread (one thread owns all
     OpenMP teams: libgomp stops spinning between regions once two threads own teams on a small CPU), and a

@@ -46,6 +46,7 @@ from pipeline.triton.parse import Parsed
 
 CANCEL_CHECK_S = 0.02
 QUEUED_CHECK_S = 1.0
+QUEUED_POLLS_PER_S = 32.0  # a long queue is polled no more often than this in all (each poll is a round trip)
 STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
 
 
@@ -257,7 +258,8 @@ class Scheduler:
         from pipeline.runtime.decode import speculation_off
 
         pending = self.waiting
-        for job in [j for j in pending if self._is_cancelled(j, self.queued_check_s)]:
+        every = max(self.queued_check_s, len(pending) / QUEUED_POLLS_PER_S)
+        for job in [j for j in pending if self._is_cancelled(j, every)]:
             pending.remove(job)
             self._cancel(job)
         gone = {id(t.job) for t in self.pool.tags() if self._is_cancelled(t.job)}
