@@ -79,20 +79,27 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
                  "prompts": len(ids), "kernel_path": kernels.path()}
     if gs4 is None:
         out["int4_skipped"] = f"no int4 group size in {quant.GROUP_SIZES} divides the layer widths {widths}"
-    ref_cont: list[list[int]] = []
+    # Every precision is built first and the prompts run round-robin over them: this machine's memory bandwidth
+    # drifts by tens of percent within a minute, and timing one precision after the other put that drift into
+    # the ratios (bf16 steps of 70 and 102 ms a minute apart in one process).
+    models = {prec: variant(cfg, state, prec, gs4 if prec == "int4" else group_size) for prec in order}
+    tps: dict = {prec: [] for prec in order}
+    e2e: dict = {prec: [] for prec in order}
+    conts: dict = {prec: [] for prec in order}
     for prec in order:
-        model = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
-        generate(model, [Request(ids[0][:8], 2)])  # warm-up
-        tps, e2e, conts = [], [], []
-        for p in ids:
+        generate(models[prec], [Request(ids[0][:8], 2)])  # warm-up
+    for p in ids:
+        for prec in order:
             t = time.perf_counter()
-            (res,) = generate(model, [Request(p, new_tokens, end_ids=end_ids)])
-            e2e.append(len(res.tokens) / (time.perf_counter() - t))
+            (res,) = generate(models[prec], [Request(p, new_tokens, end_ids=end_ids)])
+            e2e[prec].append(len(res.tokens) / (time.perf_counter() - t))
             decode_s = res.elapsed_s - res.first_token_s
-            tps.append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0 else e2e[-1])
-            conts.append(res.tokens)
-        if prec == reference:
-            ref_cont = conts
+            tps[prec].append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0
+                             else e2e[prec][-1])
+            conts[prec].append(res.tokens)
+    ref_cont = conts[reference]
+    for prec in order:
+        model = models.pop(prec)
         agree = total = 0
         logp = 0.0
         for p, c in zip(ids, ref_cont):
@@ -101,8 +108,10 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             a, lp = teacher_forced(model, p, c)
             agree, total, logp = agree + a, total + len(c), logp + lp
         b = read_bytes(model)
-        speed = statistics.median(tps)
-        out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e),
+        speed = statistics.median(tps[prec])
+        ratio = statistics.median(a / r for a, r in zip(tps[prec], tps[reference]))
+        out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e[prec]),
+                     "speedup_vs_reference": ratio,
                      "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
                      "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}

@@ -126,16 +126,23 @@ def format_table(rows: list[dict], costs: dict) -> str:
 
 
 def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
-                     log=print) -> dict:
-    """Measure, print the table, return the `speculation` block stored in the draft engine's config."""
+                     log=print, fixed: int | None = None) -> dict:
+    """Measure, print the table, return the `speculation` block stored in the draft engine's config.
+
+    `fixed`: the spec's own k (1..max_k), kept whatever the table says; it is still measured and reported."""
     costs = measure_costs(target, draft, max_k)
     emitted: list[int] = []
     rates = measure_acceptance(target, draft, prompts, max_k, emitted=emitted)
     rows = speed_table(costs, rates)
-    best = max(rows, key=lambda r: r["speedup"])
+    best = rows[fixed - 1] if fixed else max(rows, key=lambda r: r["speedup"])
     log(format_table(rows, costs))
-    log(f"num_draft_tokens: auto -> k = {best['k']} (expected speedup {best['speedup']:.2f}x on this machine)")
-    out = {"num_draft_tokens": best["k"], "chosen_by": "measured", "expected_speedup": best["speedup"],
+    if fixed:
+        log(f"num_draft_tokens: {fixed} (from the spec; expected speedup {best['speedup']:.2f}x without "
+            f"draft_confidence, best of the table k = {max(rows, key=lambda r: r['speedup'])['k']})")
+    else:
+        log(f"num_draft_tokens: auto -> k = {best['k']} (expected speedup {best['speedup']:.2f}x on this machine)")
+    out = {"num_draft_tokens": best["k"], "chosen_by": "spec" if fixed else "measured",
+           "expected_speedup": best["speedup"],
            "table": rows, "costs_s": costs, "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
     cov = vocab_coverage(draft, emitted)
     if cov is not None:

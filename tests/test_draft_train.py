@@ -44,9 +44,9 @@ def test_trained_draft_engine_has_target_schema_and_stats(trained):
     assert cfg["pretrained_config"]["num_hidden_layers"] == 1
     sp = cfg["speculation"]
     assert (sp["num_draft_tokens"], sp["chosen_by"]) == (3, "spec")
-    # a given k is still timed, for the reports' draft step fraction
+    # a given k is still measured, for the reports' draft step fraction and the table
     assert 0 < sp["draft_step_fraction"] == sp["costs_s"]["c_draft"] / sp["costs_s"]["c_verify"][0]
-    assert len(sp["costs_s"]["c_verify"]) == 4
+    assert sp["expected_speedup"] == sp["table"][2]["speedup"] and len(sp["table"]) >= 3
     st = cfg["draft"]["training"]
     assert st["steps"] == BUDGET["steps"] and st["loss_last"] < st["loss_first"]
     assert any("greedy agreement" in m for m in logs)

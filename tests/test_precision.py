@@ -100,3 +100,10 @@ def test_int4_falls_back_to_a_group_size_that_divides_the_widths():
     t = precision_table(cfg, st, [[1, 2, 3]], 4, bandwidth_gbs=10.0, group_size=128, precisions=("float32", "int4"),
                         log=lambda *a: None)
     assert t["int4"]["group_size"] == 32 and "int4_skipped" not in t
+
+
+def test_precisions_are_timed_round_robin_and_their_ratio_is_a_median_of_paired_prompts(table):
+    """Each prompt runs at every precision in turn, so drift hits all alike; the ratio pairs them up."""
+    assert table["float32"]["speedup_vs_reference"] == 1.0
+    for prec in ("bfloat16", "int8", "int4"):
+        assert table[prec]["speedup_vs_reference"] > 0

@@ -386,20 +386,18 @@ def pretrained_vocab(tok, texts: list[list[int]], n: int, V: int) -> Tensor:
 def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[list[int]], dtype: str,
              log=print) -> dict:
     """The speculation block stored in the draft config: the spec's k, or the measured best when 'auto'. Either
-    way the draft step is timed against the target's, for the reports' `step_fraction_of_target`."""
-    from pipeline.speedpick import measure_and_pick, measure_costs
+    way the table is measured (draft and verify costs, acceptance per position on the tuning prompts), for the
+    reports' `step_fraction_of_target` and the reduced head's coverage."""
+    from pipeline.speedpick import measure_and_pick
 
     k = spec.speculation.num_draft_tokens
     d = draft
     if dtype != "float32" or spec.draft.quantization != "none":
         d = quant.quantize_model(cast_draft(draft, DTYPES[dtype]), spec.draft.quantization, spec.draft.group_size)
+    max_k = max(1, spec.limits.max_draft_len and min(spec.limits.max_draft_len, 8))
     if k != "auto":
-        costs = measure_costs(target, d, k)
-        frac = costs["c_draft"] / costs["c_verify"][0]
-        log(f"num_draft_tokens: {k} (from the spec); draft step = {frac:.3f} of a target step")
-        return {"num_draft_tokens": k, "chosen_by": "spec", "costs_s": costs, "draft_step_fraction": frac}
-    return measure_and_pick(target, d, prompts, max(1, spec.limits.max_draft_len and min(spec.limits.max_draft_len, 8)),
-                            log=log)
+        return measure_and_pick(target, d, prompts, max(k, max_k), log=log, fixed=k)
+    return measure_and_pick(target, d, prompts, max_k, log=log)
 
 
 def cast_draft(draft: Transformer, dtype: torch.dtype) -> Transformer:
