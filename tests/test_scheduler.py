@@ -312,7 +312,10 @@ def test_a_long_queue_is_polled_at_a_bounded_rate_in_all(bundle, parser):
     for f in fakes:
         f.cancel_after = 0  # every client leaves: each one still waiting is answered as cancelled
     _drain(sched, fakes)
-    assert all(d or f.was_cancelled for d, f in zip(done, fakes)) and not all(done)
+    waiting = [f for d, f in zip(done, fakes) if not d]
+    # all but the one running row (which may end before its next check) are answered as cancelled
+    assert waiting and sum(f.was_cancelled for f in waiting) >= len(waiting) - 1
+    assert all(f.answered for f in fakes)
 
 
 def test_the_models_load_and_decode_on_one_thread_that_is_not_the_callers(bundle, parser):
