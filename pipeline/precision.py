@@ -109,7 +109,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             agree, total, logp = agree + a, total + len(c), logp + lp
         b = read_bytes(model)
         speed = statistics.median(tps[prec])
-        ratio = statistics.median(a / r for a, r in zip(tps[prec], tps[reference]))
+        ratio = statistics.median(x / r for x, r in zip(tps[prec], tps[reference]))
         out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e[prec]),
                      "speedup_vs_reference": ratio,
                      "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),

@@ -102,8 +102,23 @@ def test_int4_falls_back_to_a_group_size_that_divides_the_widths():
     assert t["int4"]["group_size"] == 32 and "int4_skipped" not in t
 
 
-def test_precisions_are_timed_round_robin_and_their_ratio_is_a_median_of_paired_prompts(table):
+def test_precisions_are_timed_round_robin_and_their_ratio_is_a_median_of_paired_prompts(table, monkeypatch):
     """Each prompt runs at every precision in turn, so drift hits all alike; the ratio pairs them up."""
+    from pipeline import precision
+
     assert table["float32"]["speedup_vs_reference"] == 1.0
     for prec in ("bfloat16", "int8", "int4"):
         assert table[prec]["speedup_vs_reference"] > 0
+    timed: list = []
+    real = precision.generate
+
+    def spy(model, reqs, **kw):
+        if reqs[0].max_new_tokens == 4:  # the timed runs (warm-ups ask for 2 tokens)
+            timed.append((id(model), tuple(reqs[0].prompt)))
+        return real(model, reqs, **kw)
+
+    monkeypatch.setattr(precision, "generate", spy)
+    precision_table(CFG, _state(), [[1, 2, 3], [4, 5, 6, 7]], 4, bandwidth_gbs=10.0, group_size=32,
+                    precisions=("float32", "int8"), log=lambda *a: None)
+    assert [p for _, p in timed] == [(1, 2, 3), (1, 2, 3), (4, 5, 6, 7), (4, 5, 6, 7)]
+    assert timed[0][0] == timed[2][0] != timed[1][0] == timed[3][0]  # model A, B, A, B

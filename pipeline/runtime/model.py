@@ -161,15 +161,16 @@ class Block(nn.Module):
              mask: Tensor, kv_len: int) -> Tensor:
         """The same layer as `forward` in one C call, for fp32 CPU inference steps (x is updated in place).
 
-        The call's plan (weight pointers and shapes) is built once and rebuilt when a weight moves."""
+        The call's plan (weight pointers and shapes) is built once and rebuilt when a weight moves; the cache
+        holds the tensors it points into, so a replaced weight's memory cannot come back at the same address."""
         cfg = self.cfg
         parts = (wt(self.wqkv), wt(self.wo), wt(self.w13), wt(self.w2), self.wqkv.bias, self.attn_norm.weight,
                  self.ffn_norm.weight)
         key = kernels.layer_key(*parts)
         cached = self.__dict__.get("_plan")
         if cached is None or cached[0] != key:
-            cached = key, kernels.layer_plan(*parts, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            self.__dict__["_plan"] = cached
+            plan = kernels.layer_plan(*parts, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            cached = self.__dict__["_plan"] = key, plan, parts
         kernels.decoder_layer(cached[1], x, pos, slots, *tables, kc, vc, mask, kv_len)
         return x
 

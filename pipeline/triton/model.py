@@ -103,19 +103,19 @@ class TritonPythonModel:
         instance = args.get("model_instance_name") or self.model_name
         self.gate = StepGate(Path(args["model_repository"]).parent, instance) if _param(
             cfg, "step_lock", "true") == "true" and args.get("model_repository") else NoGate()
-        loaded: dict = {}
+        threads: list[str] = []  # as the decode thread sees them (OpenMP thread counts are per thread)
 
         def setup() -> Scheduler:  # on the decode thread: it alone runs torch's and the kernels' OpenMP teams
             kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # spec `threads`
             import torch
 
-            loaded["threads"] = f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}"
-            loaded["bundle"] = b = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
-            return Scheduler(b, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
+            threads.append(f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}")
+            bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
+            return Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
 
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
-        bundle, threads = loaded["bundle"], loaded["threads"]
+        bundle = self.scheduler.bundle
         opts = bundle.options
         opts["prompt_lookup_max_ngram"] = int(_param(cfg, "prompt_lookup_max_ngram", "3"))
         k = _param(cfg, "num_draft_tokens", "auto")
@@ -143,7 +143,7 @@ class TritonPythonModel:
             decoupled=pb_utils.using_decoupled_model_transaction_policy(cfg))
         self.parser = RequestParser(bundle.tokenizer, limits)
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {default_method}; "
-                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads}; "
+                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads[0]}; "
                                  f"kernel path {kernels.path()})")
 
     @staticmethod
