@@ -38,6 +38,8 @@ def _np_int4(w: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
     g = w.reshape(n, k // gs, gs)
     s = np.abs(g).max(axis=2) / np.float32(7)
     s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    u = s.view(np.uint32)  # to bf16, round to nearest even: int4 scales are stored as bf16
+    s = (((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
     return np.clip(np.round(g / s[..., None]), -7, 7).reshape(n, k), s
 
 
@@ -61,6 +63,7 @@ def test_int4_round_trip_is_within_half_a_step_per_group_and_packs_two_nibbles(g
     w = torch.randn(19, k, generator=torch.Generator().manual_seed(gs))
     packed, s = quant.quantize_int4(w, gs)
     assert packed.dtype == torch.uint8 and packed.shape == (19, k // 2) and s.shape == (19, k // gs)
+    assert s.dtype == torch.bfloat16  # int4 scales are stored as bf16, int8 ones as fp32
     nq, ns = _np_int4(w.numpy(), gs)
     assert np.array_equal(np_unpack_int4(packed.numpy()), nq)
     deq = quant.dequantize(packed, s).numpy()
@@ -162,7 +165,7 @@ def test_greedy_speculative_equals_baseline_past_32_rows_on_a_near_tie_model(alg
     draft = near_tie_model(algo, seed=5)
     b = Bundle(target, None, {"build_config": {"max_draft_len": 8}}, draft=draft,
                options={"num_draft_tokens": 4, "prompt_lookup_num_tokens": 7})
-    reqs = [Request(p, 30) for p in _prompts(8, seed=1)]
+    reqs = [Request(p, 30) for p in _prompts(8, seed=3)]
     base = decode(b, "baseline", reqs)
     # The model has the near-ties (top-2 logit margins of a few 1e-6) that a path difference would flip.
     assert _margins(target, reqs, base).min() < 2e-5
@@ -194,8 +197,9 @@ def test_quantized_model_stays_close_to_the_float_model():
         for algo in quant.ALGOS:
             m = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu")
             errs[algo] = float((m.logits(m(toks, pos, m.new_cache(1, 16))) - lr).abs().max() / lr.abs().max())
-    # A random 2-layer model amplifies weight noise; a wrong scale or layout gives errors of order 1.
-    assert errs["int8"] < 0.06 and errs["int4"] < 0.4 and errs["int8"] < errs["int4"], errs
+    # A random 2-layer model amplifies weight noise (int4 0.39 with fp32 scales, 0.43 with bf16 ones); a wrong
+    # scale or layout gives errors of order 1.
+    assert errs["int8"] < 0.06 and errs["int4"] < 0.5 and errs["int8"] < errs["int4"], errs
 
 
 # ---- engines ----

@@ -319,7 +319,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
     quantized = sorted(k[: -len(".qweight")] for k in state if k.endswith(".qweight"))
     for prefix in quantized:
         parent, _, leaf = prefix.rpartition(".")
-        q, sc = state[prefix + ".qweight"].to(device), state[prefix + ".scales"].to(device, torch.float32)
+        q, sc = state[prefix + ".qweight"].to(device), state[prefix + ".scales"].to(device)
         bias = state.get(prefix + ".bias")
         layer = QLinear(q, sc, None if bias is None else bias.to(device, torch.float32))
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)

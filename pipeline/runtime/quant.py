@@ -1,8 +1,10 @@
 """Weight-only quantization for the torch runtime (TensorRT-LLM's W8A16 and W4A16).
 
 Decoding reads every weight once per token, so bytes per weight set the speed. `int8` keeps one fp32
-scale per output row (symmetric, q in [-127, 127]); `int4` keeps one fp32 scale per `group_size`
-input columns of each row (symmetric, q in [-7, 7], stored as q + 8 in a nibble). Activations stay
+scale per output row (symmetric, q in [-127, 127]); `int4` keeps one bf16 scale per `group_size`
+input columns of each row (symmetric, q in [-7, 7] against the bf16-rounded scale, stored as q + 8 in a
+nibble). bf16, as TensorRT-LLM keeps W4A16 scales in the activation dtype: an fp32 scale per 64 weights
+was 11% of an int4 g64 layer's bytes, and decoding reads every byte once per step. Activations stay
 fp32 between layers: the skinny kernel decodes the weights in registers (`kernels.py`, `skinny.c`); for
 int4 (as for bf16 weights) it rounds each activation row to bf16 at the matmul, for vdpbf16ps.
 
@@ -14,7 +16,7 @@ low nibble up in a table of bf16(u - 8) (vpermw): 32 bf16 weights of columns 32m
 takes them; a 32-column block is broadcast to the four 128-bit lanes, lane m shifted by 4m.
 
 In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
-plus `P.scales` (fp32 [N] or [N, K / group_size]) instead of `P.weight`; the format is read back from
+plus `P.scales` (fp32 [N], or bf16 [N, K / group_size]) instead of `P.weight`; the format is read back from
 the shapes, so loading needs no extra configuration.
 """
 
@@ -29,10 +31,10 @@ import re
 import torch
 from torch import Tensor, nn
 
-# Version of the stored int4 layout (3: the word-nibble orders above, for the bf16 dot-product kernel; 2 was
+# Version of the stored int4 layout (4: bf16 scales; 3: the word-nibble orders above with fp32 scales; 2 was
 # a byte order for fp32 lanes; int8 never changed). Engines record it and int4 engines join it to their
 # input hash, so one in an older layout is rebuilt, never misread.
-FORMAT = "qlinear/3"
+FORMAT = "qlinear/4"
 
 
 def layout_tag(algo: str) -> tuple[str, ...]:
@@ -82,15 +84,16 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """w [N, K] -> (packed uint8 [N, K / 2], scale fp32 [N, K / group_size]) with w ~= (u - 8) * scale."""
+    """w [N, K] -> (packed uint8 [N, K / 2], scale bf16 [N, K / group_size]) with w ~= (u - 8) * scale."""
     N, K = w.shape
     if group_size not in GROUP_SIZES or K % group_size:
         raise ValueError(f"group_size {group_size}: int4 needs one of {GROUP_SIZES} dividing the input width {K} "
                          "of every linear layer; pick a group_size that divides it or use quantization: int8")
     wf = w.detach().float().view(N, K // group_size, group_size)
     amax = wf.abs().amax(dim=2)
-    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
-    u = (torch.round(wf / scale[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8).to(torch.uint8)
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).bfloat16()
+    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # a scale below bf16's range
+    u = (torch.round(wf / scale.float()[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8).to(torch.uint8)
     lo, hi = nibble_columns(K)
     packed = u[:, lo.to(u.device)] | (u[:, hi.to(u.device)] << 4)
     return packed.contiguous(), scale.contiguous()
@@ -101,7 +104,7 @@ def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     if qweight.dtype == torch.int8:
         return qweight.float() * scales[:, None]
     K = qweight.shape[1] * 2
-    return (unpack_int4(qweight).float() - 8.0) * scales.repeat_interleave(K // scales.shape[1], dim=1)
+    return (unpack_int4(qweight).float() - 8.0) * scales.float().repeat_interleave(K // scales.shape[1], dim=1)
 
 
 def algo_of(qweight: Tensor) -> str:
@@ -116,7 +119,9 @@ class QLinear(nn.Module):
         if qweight.dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8) or uint8 (packed int4)")
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.float().contiguous())
+        # int4 scales are bf16 (the kernel reads them so), int8 ones fp32.
+        self.register_buffer("scales", (scales.float() if qweight.dtype == torch.int8 else
+                                        scales.bfloat16()).contiguous())
         # Qwen2's q/k/v bias stays fp32 and is added outside the matmul (by rope_write on the fast path).
         if bias is not None:
             self.register_buffer("bias", bias.float().contiguous())

@@ -5,7 +5,7 @@
 // a GEMV; here each weight row is read once and applied to every token row while it sits in L1,
 // so verifying k+1 tokens costs about what decoding one does.
 //
-// Weights are fp32, bf16, int8 (per output row scale) or int4 (scale per group of input columns, two
+// Weights are fp32, bf16, int8 (per output row scale) or int4 (bf16 scale per group of input columns, two
 // nibbles per byte). Each output element is computed by one fixed instruction sequence whatever the
 // number of rows in the call, the tile it falls in or the thread count, so speculative verification,
 // trees, batches and prefill see bit-identical logits to plain decoding.
@@ -240,8 +240,21 @@ const char *skinny_isa(void) { return ISA_NAME; }
 // The next tile is prefetched into L2, not L1: with T0 the 8 rows in flight plus x overflowed the 32 KB
 // L1 and a one-token bf16 / int8 step ran at 13 / 10 GB/s on one core instead of 20 / 19 (measured).
 #define PF_HINT _MM_HINT_T1
+// The window it prefetches starts at least PF_BYTES past the tile being read: a tile of 8 rows of a 0.5B draft's
+// int4 weights is 3.5 KB, which the cores read in about the time one DRAM access takes, so prefetching only the
+// next tile came too late (measured, int4 draft-shaped layers from DRAM: 8 KB ahead streamed 6-8% faster;
+// bf16 tiles and the 1.5B's int4 tiles, 6 KB and more, did not change).
+#define PF_BYTES 8192
+static inline int64_t pf_shift(int64_t tile) { return tile >= PF_BYTES ? 0 : (PF_BYTES - tile + 63) & ~63; }
 #define MAXR 8
 #define MAXG 6
+
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 static inline int64_t row_bytes(int K, int wt) {
     return wt == WT_F32 ? 4 * (int64_t)K : wt == WT_BF16 ? 2 * (int64_t)K : wt == WT_I8 ? (int64_t)K : (int64_t)K / 2;
@@ -264,7 +277,7 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
     v16 acc[MAXR][MAXG];
     const int64_t rb = row_bytes(K, wt);
     const char *wb = (const char *)w;
-    const char *next = wb + (int64_t)(n + R) * rb;
+    const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     const int esize = wt == WT_F32 ? 4 : 1;
@@ -302,13 +315,17 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
     v16 acc[MAXR][MAXG];
     const int64_t rb = row_bytes(K, wt);
     const char *wb = (const char *)w;
-    const char *next = wb + (int64_t)(n + R) * rb;
+    const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     if (wt == WT_I4) {
         // Columns below K & ~127 come in 128-column superblocks, the rest in 32-column blocks (see
         // skinny_matmul); either way lane sums go chunk by chunk into a group's partial sums.
         const int ng = K / gs, K128 = K & ~127;
+        const uint16_t *s16 = (const uint16_t *)sc;
+        // The scales of a tile 4 tiles on (a few cache lines): they are a second stream the prefetcher must see.
+        const char *snext = (const char *)(s16 + (int64_t)(n + 4 * R) * ng);
+        for (int off = 0; off < R * ng * 2; off += 64) _mm_prefetch(snext + off, PF_HINT);
         v16 part[MAXR][MAXG];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) part[r][i] = v_zero();
@@ -322,7 +339,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         }                                                                                                      \
         if (((KC) + 32) % gs == 0) {                                                                           \
             for (int r = 0; r < R; r++) {                                                                      \
-                v16 vs = v_set1(sc[(int64_t)(n + r) * ng + (KC) / gs]);                                        \
+                v16 vs = v_set1(bf16_f32(s16[(int64_t)(n + r) * ng + (KC) / gs]));                             \
                 for (int i = 0; i < G; i++) acc[r][i] = v_fma(vs, part[r][i], acc[r][i]), part[r][i] = v_zero(); \
             }                                                                                                  \
         }                                                                                                      \
@@ -414,7 +431,7 @@ static void rows(const void *x, const void *w, const float *sc, float *y, int S,
 // superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
 // (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
 // column 8m + i in nibble m);
-// sc: int8 [N] or int4 [N, K / gs] fp32 scales (NULL otherwise); y: [S, N] fp32. Any S.
+// sc: int8 [N] fp32 or int4 [N, K / gs] bf16 scales (NULL otherwise); y: [S, N] fp32. Any S.
 void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                    int wt, int gs) {
     if (threads < 1) threads = 1;
