@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,13 +31,14 @@ def _time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: int = 5,
-                 tree: bool = False) -> list[float]:
+                 tree: bool = False, between: Callable[[], None] | None = None) -> list[float]:
     """Seconds for one target forward plus its logits over n = 1..max_tokens new tokens after `context` tokens.
 
     The one timer behind pick-k, the Medusa tree growth and the benchmark's verify-cost curve. Sizes are timed
     in interleaved rounds after a warm-up round and the minimum kept, so load from other processes hits every
     size alike; the curve is then made non-decreasing (more tokens never cost less). `tree`: with an explicit
-    attention mask, as Medusa's tree verification runs."""
+    attention mask, as Medusa's tree verification runs. `between` runs after each timed round (another
+    timer that must see the same load, such as the draft step's)."""
     cache = model.new_cache(1, context + max_tokens + 2)
     model(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], cache)
     best = [float("inf")] * max_tokens
@@ -49,6 +51,8 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
             model.logits(model(tok, context + torch.arange(n)[None], cache, **mask))
             if r:
                 best[n - 1] = min(best[n - 1], time.perf_counter() - t)
+        if r and between is not None:
+            between()
     for i in range(1, len(best)):
         best[i] = max(best[i], best[i - 1])
     return best
@@ -66,8 +70,16 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
     def draft_step():
         draft.logits(draft(ctx[:, :1], one, dc)[:, 0]).argmax(-1)
 
+    # Draft steps are timed between the verify rounds: this machine's memory bandwidth drifts by tens of percent
+    # within a minute, and a draft timed before the target put that drift into the step fraction.
     draft_step()
-    return {"c_draft": _time(draft_step, 2 * reps), "c_verify": verify_costs(target, max_k + 1, context, reps)}
+    best = [float("inf")]
+
+    def draft_round():
+        best[0] = min(best[0], _time(draft_step, 2))
+
+    c_verify = verify_costs(target, max_k + 1, context, reps, between=draft_round)
+    return {"c_draft": best[0], "c_verify": c_verify}
 
 
 def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,

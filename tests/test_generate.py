@@ -1,5 +1,6 @@
 """Baseline decoding: equals transformers' generate; sampling, stopping and batching behave."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -90,6 +91,26 @@ def test_warp_applies_temperature_top_k_and_top_p():
     assert torch.allclose(p, torch.where(keep, full, 0) / full[keep].sum())
     g = warp(logits, SamplingParams(temperature=0.0))
     assert g.tolist() == [1.0, 0, 0, 0, 0]
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sp, idx = probs.sort(dim=-1, descending=True)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, idx, sp)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spread", [6.0, 0.01])  # peaked: the nucleus is within the top 256; flat: it is not
+def test_top_p_over_a_large_vocabulary_keeps_the_nucleus_a_full_sort_keeps(spread):
+    from pipeline.runtime import sampling
+
+    logits = torch.randn(5, 50_000, generator=torch.Generator().manual_seed(3)) * spread
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    got = warp(logits, params)
+    want = _nucleus_by_full_sort(torch.softmax(logits, -1), 0.9)
+    kept = (got > 0).sum(-1)
+    assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-6, atol=0)
+    assert ((kept <= sampling.TOP_P_CANDIDATES) if spread > 1 else (kept > sampling.TOP_P_CANDIDATES)).all(), kept
 
 
 def test_bad_sampling_params_name_the_field():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.speedpick import expected_tokens, expected_tokens_iid, measure_acceptance, speed_table, verify_costs
+from pipeline.speedpick import (expected_tokens, expected_tokens_iid, measure_acceptance, measure_costs, speed_table,
+                                verify_costs)
 from tests.test_speculative import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -15,6 +16,20 @@ def test_verify_costs_cover_every_size_and_never_fall(tree):
     costs = verify_costs(tiny(seed=0), 6, context=32, reps=2, tree=tree)
     assert len(costs) == 6 and min(costs) > 0
     assert costs == sorted(costs)
+
+
+def test_draft_steps_are_timed_between_the_verify_rounds():
+    target, draft = tiny(seed=0), tiny(seed=1)
+    calls = []
+    for name, m in (("target", target), ("draft", draft)):
+        fwd = m.forward
+        m.forward = lambda *a, _f=fwd, _n=name, **k: calls.append(_n) or _f(*a, **k)
+    costs = measure_costs(target, draft, max_k=2, context=16, reps=3)
+    assert costs["c_draft"] > 0 and len(costs["c_verify"]) == 3
+    timed = calls[calls.index("target"):]  # after the draft's prefill and warm-up, and the target's prefill
+    runs = [n for i, n in enumerate(timed) if i == 0 or timed[i - 1] != n]
+    # target prefill + warm-up round + timed round, then draft steps after every timed round
+    assert runs.count("draft") == 3 and runs[-1] == "draft", runs
 
 
 def test_expected_tokens_per_step():

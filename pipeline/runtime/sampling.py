@@ -55,12 +55,24 @@ def warp(logits: Tensor, p: SamplingParams) -> Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(before >= p.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, p.top_p)
     return probs
+
+
+# Top-p looks at the most likely tokens first: when these hold top_p of the mass, the nucleus is among them and
+# the full sort (152k entries per row per step for Qwen, ~20% of a mixed serving load's decode thread) is not needed.
+TOP_P_CANDIDATES = 256
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Keep the most likely tokens while the mass before each is below top_p, renormalized."""
+    vals, idx = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)
+    before = vals.cumsum(-1) - vals
+    if vals.shape[-1] < probs.shape[-1] and bool((before[..., -1] + vals[..., -1] < top_p).any()):
+        vals, idx = probs.sort(dim=-1, descending=True)  # the nucleus reaches past the candidates
+        before = vals.cumsum(-1) - vals
+    kept = torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(before >= top_p, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: Tensor, g: torch.Generator) -> Tensor:

@@ -394,6 +394,7 @@ def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[
     d = draft
     if dtype != "float32" or spec.draft.quantization != "none":
         d = quant.quantize_model(cast_draft(draft, DTYPES[dtype]), spec.draft.quantization, spec.draft.group_size)
+        quant.to_hugepages(d)  # as the served draft's weights are (build_model): quantizing made new tensors
     max_k = max(1, spec.limits.max_draft_len and min(spec.limits.max_draft_len, 8))
     if k != "auto":
         return measure_and_pick(target, d, prompts, max(k, max_k), log=log, fixed=k)
