@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.speedpick import (expected_tokens, expected_tokens_iid, measure_acceptance, measure_costs, speed_table,
-                                verify_costs)
+from pipeline.speedpick import (
+    expected_tokens,
+    expected_tokens_iid,
+    measure_acceptance,
+    measure_costs,
+    speed_table,
+    verify_costs,
+)
 from tests.test_speculative import tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
