@@ -132,6 +132,16 @@ def test_thread_count_does_not_change_the_bits(kind, threads):
     assert torch.equal(kernels.linear(x, w), one)
 
 
+def test_the_swiglu_before_a_down_projection_does_not_depend_on_the_thread_count(threads):
+    w, _ = weights("int4", 48, 2048, seed=5)
+    gu = torch.randn(3, 4096, generator=torch.Generator().manual_seed(6)) * 4  # 3 x 2048 elements: split over threads
+    kernels.configure_threads(1)
+    one = kernels.fused_linear(gu, w, swiglu=True)
+    kernels.configure_threads(2)
+    assert torch.equal(kernels.fused_linear(gu, w, swiglu=True), one)
+    assert torch.equal(kernels.fused_linear(gu[:1].contiguous(), w, swiglu=True), one[:1])  # 2048: split too
+
+
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
 @pytest.mark.parametrize("kind", KINDS)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):
