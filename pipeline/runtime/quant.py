@@ -92,7 +92,7 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     wf = w.detach().float().view(N, K // group_size, group_size)
     amax = wf.abs().amax(dim=2)
     scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).bfloat16()
-    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # a scale below bf16's range
+    scale = torch.where(scale.float() > 0, scale, torch.ones_like(scale))  # a tiny fp32 subnormal rounds to 0
     u = (torch.round(wf / scale.float()[..., None]).clamp_(-7, 7).to(torch.int16).view(N, K) + 8).to(torch.uint8)
     lo, hi = nibble_columns(K)
     packed = u[:, lo.to(u.device)] | (u[:, hi.to(u.device)] << 4)

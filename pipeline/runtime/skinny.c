@@ -323,7 +323,8 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         // skinny_matmul); either way lane sums go chunk by chunk into a group's partial sums.
         const int ng = K / gs, K128 = K & ~127;
         const uint16_t *s16 = (const uint16_t *)sc;
-        // The scales of a tile 4 tiles on (a few cache lines): they are a second stream the prefetcher must see.
+        // The scales of the tile 4 tiles on (a few cache lines), a second stream: without this prefetch the
+        // 0.5B draft's int4 layers streamed 7-8% slower from DRAM (40 paired rounds, twice), the 1.5B's 1.6%.
         const char *snext = (const char *)(s16 + (int64_t)(n + 4 * R) * ng);
         for (int off = 0; off < R * ng * 2; off += 64) _mm_prefetch(snext + off, PF_HINT);
         v16 part[MAXR][MAXG];
