@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.runtime import kernels, quant
 from tests.conftest import np_unpack_int4
@@ -132,6 +133,25 @@ def test_thread_count_does_not_change_the_bits(kind, threads):
     assert torch.equal(kernels.linear(x, w), one)
 
 
+@pytest.mark.parametrize("kind", ["float32", "int4"])
+def test_rows_a_thread_takes_from_another_threads_share_have_the_same_bits(kind, threads):
+    """With more threads than cores some are descheduled mid-call and the others take the rest of their shares."""
+    import ctypes
+
+    w, _ = weights(kind, 4096, 256, seed=7)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    kernels.configure_threads(1)
+    one = kernels.linear(x, w)
+    stolen = ctypes.c_longlong.in_dll(kernels._load(), "skinny_stolen_rows")
+    before = stolen.value
+    kernels.configure_threads(6)
+    for _ in range(200):
+        assert torch.equal(kernels.linear(x, w), one)
+        if stolen.value > before:
+            break
+    assert stolen.value > before, "no rows were taken from another thread's share in 200 calls"
+
+
 def test_the_swiglu_before_a_down_projection_does_not_depend_on_the_thread_count(threads):
     w, _ = weights("int4", 48, 2048, seed=5)
     gu = torch.randn(3, 4096, generator=torch.Generator().manual_seed(6)) * 4  # 3 x 2048 elements: split over threads
@@ -140,6 +160,39 @@ def test_the_swiglu_before_a_down_projection_does_not_depend_on_the_thread_count
     kernels.configure_threads(2)
     assert torch.equal(kernels.fused_linear(gu, w, swiglu=True), one)
     assert torch.equal(kernels.fused_linear(gu[:1].contiguous(), w, swiglu=True), one[:1])  # 2048: split too
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 14, 2, 64, 65), (2, 5, 4, 2, 36, 37), (1, 3, 6, 3, 128, 300)])
+def test_attention_matches_sdpa_and_ignores_threads_padding_and_build(threads, shape):
+    """The C attention (vectorised exp, split over threads) is within fp32 rounding of torch's; a query's result is
+    the same on 1 and 2 threads, with masked slots padded past kv_len, and from the AVX2 build; without a mask it
+    attends to the slots up to its own."""
+    B, S, Hq, Hkv, D, kv = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(B, S, Hq, D, generator=g) * 2
+    kc, vc = (torch.randn(B, Hkv, kv + 12, D, generator=g) for _ in range(2))
+    pos = kv - S + torch.arange(S)
+    mask = (torch.arange(kv)[None, None, :] <= pos[None, :, None]).repeat(B, 1, 1)
+    mask[-1, 0, 3] = False  # a hole before the query's own slot (a tree branch)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=mask[:, None],
+                                         enable_gqa=True).transpose(1, 2)
+    m8 = mask.to(torch.uint8).contiguous()
+    kernels.configure_threads(1)
+    one = kernels.attention(q, kc, vc, m8, kv)
+    assert (one - ref).abs().max() < 1e-5
+    kernels.configure_threads(2)
+    assert torch.equal(kernels.attention(q, kc, vc, m8, kv), one)
+    padded = torch.cat([m8, torch.zeros(B, S, 9, dtype=torch.uint8)], -1).contiguous()
+    assert torch.equal(kernels.attention(q, kc, vc, padded, kv + 9), one)
+    if "avx2" in kernels.supported_isas():
+        prev = kernels.set_path("avx2")
+        try:
+            assert torch.equal(kernels.attention(q, kc, vc, m8, kv), one)
+        finally:
+            kernels.set_path(prev)
+    causal = (torch.arange(kv)[None, None, :] <= pos[None, :, None]).repeat(B, 1, 1).to(torch.uint8).contiguous()
+    slots = pos[None].repeat(B, 1).contiguous()
+    assert torch.equal(kernels.attention(q, kc, vc, None, kv, slots=slots), kernels.attention(q, kc, vc, causal, kv))
 
 
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
@@ -340,8 +393,43 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
         h = kernels.fused_linear(xr, wt(layer.w13), norm=layer.ffn_norm.weight, eps=cfg.rms_norm_eps)
         kernels.fused_linear(h, wt(layer.w2), swiglu=True, out=xr)
         assert torch.equal(got, xr) and torch.equal(kc, kr) and torch.equal(vc, vr)
-    key = layer.__dict__["_plan"][0]
+    key = layer.__dict__["_plan"][1]
     layer.ffn_norm.weight.data = layer.ffn_norm.weight.data * 2
+    kernels.weights_moved()
     layer.fast(torch.randn(1, 1, 128), torch.tensor([[0]]), torch.tensor([[0]]), (cos, sin),
                torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), torch.ones(1, 1, 1, dtype=torch.uint8), 1)
-    assert layer.__dict__["_plan"][0] != key
+    assert layer.__dict__["_plan"][1] != key
+
+
+def test_layer_plans_follow_the_weights_through_quantization_huge_pages_and_dtype_moves():
+    """Plans are cached per layer and checked only when weights are said to have moved: every way the pipeline
+    moves weights says so, and a step afterwards equals a step of a model built that way from the start."""
+    from pipeline.runtime.model import ModelConfig, Transformer, build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, qkv_bias=True, model_type="qwen2", rope_theta=1e6)
+    g = torch.Generator().manual_seed(5)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    st = {k: torch.rand(s, generator=g) + 0.5 if "norm" in k else torch.randn(s, generator=g) * 0.2
+          for k, s in shapes.items()}
+    tokens, pos = torch.tensor([[3, 9, 27, 5]]), torch.arange(4)[None]
+
+    def step(m):
+        with torch.inference_mode():
+            out = m(tokens, pos, m.new_cache(1, 8))
+        assert all(layer.__dict__["_plan"][1] == layer._weight_key() for layer in m.layers)  # points at the weights
+        return out
+
+    model = build_model(cfg, dict(st), torch.float32, "cpu")
+    step(model)
+    quant.quantize_model(model, "int4", 32)
+    fresh = quant.quantize_model(build_model(cfg, dict(st), torch.float32, "cpu"), "int4", 32)
+    assert torch.equal(step(model), step(fresh))
+    assert quant.to_hugepages(model, min_bytes=0) > 0
+    assert torch.equal(step(model), step(fresh))
+    rounded = {k: v.bfloat16().float() for k, v in st.items()}
+    widened = build_model(cfg, dict(rounded), torch.bfloat16, "cpu")
+    step(widened)
+    widened.float()
+    assert torch.equal(step(widened), step(build_model(cfg, dict(rounded), torch.float32, "cpu")))

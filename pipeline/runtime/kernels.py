@@ -109,9 +109,10 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.skinny_matmul.argtypes = [P, P, P, P] + [Int] * 6
     lib.fused_linear.argtypes = [P, P, F32, P, P, P] + [Int] * 8
     lib.rope_write.argtypes = [P] * 9 + [Int] * 6
-    lib.attention.argtypes = [P] * 5 + [Int] * 7 + [F32, Int]
+    lib.attention.argtypes = [P] * 6 + [Int] * 7 + [F32, Int]
+    lib.rmsnorm.argtypes = [P, P, F32, P, Int, Int]
     lib.decoder_layer.argtypes = [P, P, Int, Int] + [P] * 6 + [Int, P, Int, Int]
-    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.decoder_layer):
+    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.rmsnorm, lib.decoder_layer):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
     return lib
@@ -266,13 +267,41 @@ def rope_write(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: t
     return q
 
 
-def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Masked grouped-query attention of q [B, S, Hq, D] over cache slots [0, kv_len)."""
+def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None, kv_len: int,
+              slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped-query attention of q [B, S, Hq, D] over cache slots [0, kv_len): under `mask` [B, S, kv_len] (uint8),
+    or without one each query sees the slots up to its own (`slots` [B, S], int64)."""
     B, S, Hq, D = q.shape
     out = torch.empty_like(q)
-    _lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), mask.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1],
-                   D, kc.shape[2], kv_len, D ** -0.5, _threads)
+    _lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if mask is None else mask.data_ptr(),
+                   None if slots is None else slots.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1], D, kc.shape[2],
+                   kv_len, D ** -0.5, _threads)
     return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows x [..., K] by an fp32 weight [K], in one C call (five torch ops cost ~0.2 ms a step
+    once the weight stream has evicted torch's code)."""
+    out = torch.empty_like(x)
+    K = x.shape[-1]
+    _lib.rmsnorm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // K, K)
+    return out
+
+
+_epoch = 0
+
+
+def weights_moved() -> None:
+    """Say that weight tensors were moved or replaced (`.data =`, a module's table entry, `.to()`): each cached
+    layer plan (`Block.fast`) checks its addresses at its next step. In-place updates need no call: plans point
+    at the memory. Checking the addresses every step had cost ~0.5 ms of the 0.5B draft's 9 ms step (cold: the
+    weights stream evicts the Python objects the check reads)."""
+    global _epoch
+    _epoch += 1
+
+
+def weights_epoch() -> int:
+    return _epoch
 
 
 class _Lin(ctypes.Structure):
@@ -288,12 +317,6 @@ class LayerPlan(ctypes.Structure):
                 ("scale", ctypes.c_float), ("hq", ctypes.c_int), ("hkv", ctypes.c_int), ("d", ctypes.c_int)]
 
 
-def layer_key(*tensors) -> tuple[int, ...]:
-    """The addresses a LayerPlan holds (weights or QLinears, bias, norms): when they change, rebuild the plan."""
-    return tuple(0 if t is None else (t.qweight.data_ptr(), t.scales.data_ptr()) if _quantized(t) else t.data_ptr()
-                 for t in tensors)
-
-
 def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
                eps: float, hq: int, hkv: int, head_dim: int) -> LayerPlan:
     """skinny.c's layer_t for `decoder_layer`: pointers, shapes and weight types of one decoder layer."""
@@ -306,9 +329,12 @@ def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Te
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor, kv_len: int) -> None:
+                  sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None,
+                  kv_len: int) -> None:
     """One decoder layer on x [B, S, H] (fp32, updated in place) in one C call: RMSNorm + QKV (+ bias), RoPE and
-    the cache write, attention, the output projection, RMSNorm + gate/up, SwiGLU + down, both residuals."""
+    the cache write, attention (mask None: each query sees the slots up to its own), the output projection,
+    RMSNorm + gate/up, SwiGLU + down, both residuals."""
     B, S, _ = x.shape
     _lib.decoder_layer(ctypes.byref(plan), x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
-                       sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2], mask.data_ptr(), kv_len, _threads)
+                       sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2],
+                       None if mask is None else mask.data_ptr(), kv_len, _threads)

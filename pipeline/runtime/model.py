@@ -140,6 +140,13 @@ class KVCache:
             buf[:, r, :, dst] = picked
 
 
+def _tensor(mod: nn.Module, name: str) -> Tensor | None:
+    """A module's parameter or buffer `name` (None when it has neither), without nn.Module.__getattr__."""
+    d = mod.__dict__
+    t = d["_parameters"].get(name)
+    return t if t is not None else d["_buffers"].get(name)
+
+
 def wt(layer: nn.Module):
     """What the kernels multiply by: a QLinear itself (decoded in registers) or a plain layer's weight."""
     return layer if isinstance(layer, QLinear) else layer.weight
@@ -161,18 +168,46 @@ class Block(nn.Module):
              mask: Tensor, kv_len: int) -> Tensor:
         """The same layer as `forward` in one C call, for fp32 CPU inference steps (x is updated in place).
 
-        The call's plan (weight pointers and shapes) is built once and rebuilt when a weight moves; the cache
-        holds the tensors it points into, so a replaced weight's memory cannot come back at the same address."""
+        The call's plan (weight pointers and shapes) is built once; its addresses are checked again only after
+        `kernels.weights_moved()` (or a replaced submodule), and it is rebuilt when they changed."""
+        cached = self.__dict__.get("_plan")
+        if cached is None or cached[0] != kernels.weights_epoch():
+            cached = self.__dict__["_plan"] = self._build_plan(cached)
+        kernels.decoder_layer(cached[2], x, pos, slots, *tables, kc, vc, mask, kv_len)
+        return x
+
+    def _build_plan(self, cached: tuple | None) -> tuple:
+        """(epoch, weight key, plan, what keeps the plan's memory alive), rebuilt when the weight addresses changed.
+
+        The plan holds the tensors it points into (a Parameter's storage by an alias, which outlives `.data =`),
+        so even a move nobody reported (`kernels.weights_moved`) can never make it read freed memory."""
+        key = self._weight_key()
+        if cached is not None and cached[1] == key:
+            return (kernels.weights_epoch(), *cached[1:])
         cfg = self.cfg
         parts = (wt(self.wqkv), wt(self.wo), wt(self.w13), wt(self.w2), self.wqkv.bias, self.attn_norm.weight,
                  self.ffn_norm.weight)
-        key = kernels.layer_key(*parts)
-        cached = self.__dict__.get("_plan")
-        if cached is None or cached[0] != key:
-            plan = kernels.layer_plan(*parts, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            cached = self.__dict__["_plan"] = key, plan, parts
-        kernels.decoder_layer(cached[1], x, pos, slots, *tables, kc, vc, mask, kv_len)
-        return x
+        plan = kernels.layer_plan(*parts, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        keep = tuple(t for p in parts if p is not None
+                     for t in ((p.qweight, p.scales) if isinstance(p, QLinear) else (p.detach(),)))
+        return kernels.weights_epoch(), key, plan, keep
+
+    def __setattr__(self, name: str, value) -> None:
+        self.__dict__.pop("_plan", None)  # a replaced submodule or weight: the plan is rebuilt at the next step
+        super().__setattr__(name, value)
+
+    def _weight_key(self) -> tuple[int, ...]:
+        """The addresses of the tensors a plan points into, read straight from the modules' tables (through nn.Module
+        attribute lookups this had cost 1 ms of the 0.5B draft's 10 ms step when it ran every step)."""
+        mods, key = self._modules, []
+        for name in ("wqkv", "wo", "w13", "w2"):
+            lin = mods[name]
+            names = ("qweight", "scales") if isinstance(lin, QLinear) else ("weight",)
+            key += (_tensor(lin, n).data_ptr() for n in names)
+        for mod, name in ((mods["wqkv"], "bias"), (mods["attn_norm"], "weight"), (mods["ffn_norm"], "weight")):
+            t = _tensor(mod, name)
+            key.append(0 if t is None else t.data_ptr())
+        return tuple(key)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, rows: Tensor,
                 slots: Tensor, mask: Tensor, kv_len: int) -> Tensor:
@@ -207,6 +242,14 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self._rope_len = 0
 
+    def _apply(self, fn, recurse: bool = True):
+        kernels.weights_moved()  # .to(), .float(), .bfloat16() give the weights new memory
+        return super()._apply(fn, recurse)
+
+    def load_state_dict(self, *args, **kwargs):
+        kernels.weights_moved()  # assign=True replaces the tensors
+        return super().load_state_dict(*args, **kwargs)
+
     def _rope(self, length: int, device) -> tuple[Tensor, Tensor]:
         if length > self._rope_len:
             n = 1 << max(10, math.ceil(math.log2(length)))
@@ -232,19 +275,22 @@ class Transformer(nn.Module):
         `mask` [B, S, kv_len] (True = attend) overrides that for trees. `kv_len` bounds the slots
         read; it defaults to one past the largest slot written.
         """
-        slots = pos if slots is None else slots
-        if kv_len is None:
+        top = int(pos.max()) + 1
+        if slots is None:
+            slots, kv_len = pos, top if kv_len is None else kv_len
+        elif kv_len is None:
             kv_len = int(slots.max()) + 1
-        if mask is None:
-            mask = torch.arange(kv_len, device=tokens.device)[None, None, :] <= slots[:, :, None]
-        cos, sin = self._rope(int(pos.max()) + 1, tokens.device)
+        cos, sin = self._rope(top, tokens.device)
         if kernels.fast_path(tokens) and self.norm.weight.dtype == torch.float32:
+            # As few torch ops as possible: after a step's weights have streamed by, each costs tens of us.
             x = self.embed(tokens).float().contiguous()
             pos64, slots64 = pos.contiguous().long(), slots.contiguous().long()
-            m8 = mask.contiguous().to(torch.uint8)
+            m8 = None if mask is None else mask.contiguous().to(torch.uint8)
             for i, layer in enumerate(self.layers):
                 layer.fast(x, pos64, slots64, (cos, sin), cache.k[i], cache.v[i], m8, kv_len)
-            return self.norm(x)
+            return kernels.rmsnorm(x, self.norm.weight, self.norm.eps)
+        if mask is None:
+            mask = torch.arange(kv_len, device=tokens.device)[None, None, :] <= slots[:, :, None]
         mask = mask[:, None]
         cos, sin = cos[pos][:, :, None, :], sin[pos][:, :, None, :]
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]

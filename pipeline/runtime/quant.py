@@ -31,6 +31,8 @@ import re
 import torch
 from torch import Tensor, nn
 
+from pipeline.runtime import kernels
+
 # Version of the stored int4 layout (4: bf16 scales; 3: the word-nibble orders above with fp32 scales; 2 was
 # a byte order for fp32 lanes; int8 never changed). Engines record it and int4 engines join it to their
 # input hash, so one in an older layout is rebuilt, never misread.
@@ -288,6 +290,7 @@ def to_hugepages(model: nn.Module, min_bytes: int = 64 << 10) -> int:
                 old.data = view  # every module holding this Parameter (a tied head) sees the move
             else:
                 table[name] = view
+    kernels.weights_moved()
     return sum(sizes.values())
 
 

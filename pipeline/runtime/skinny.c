@@ -33,6 +33,7 @@
 #include <math.h>
 #include <immintrin.h>
 #include <stdlib.h>
+#include <stdatomic.h>
 
 enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3 };
 
@@ -51,6 +52,12 @@ static inline float hsum256(__m256 v) {
 typedef __m512 v16;
 static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v16 v_set1(float f) { return _mm512_set1_ps(f); }
+// A bf16 value from memory in every fp32 lane: vpbroadcastw + vpslld, two instructions where the scalar route took
+// four. An int4 row takes one per group, and the 0.5B draft's int4 layers are compute-bound once L3 holds them:
+// one layer hot on one thread, g64 357 -> 324 us, g128 309 -> 291 us.
+static inline v16 v_bf16_set1(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi16((short)*p), 16));
+}
 static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline v16 v_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -128,6 +135,8 @@ static const int RQ_FOR_G[7] = {0, 8, 5, 3, 3, 2, 2};
 typedef struct { __m256 a, b; } v16;
 static inline v16 v_zero(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 static inline v16 v_set1(float f) { v16 r = {_mm256_set1_ps(f), _mm256_set1_ps(f)}; return r; }
+static inline float bf16_f32(uint16_t h);
+static inline v16 v_bf16_set1(const uint16_t *p) { return v_set1(bf16_f32(*p)); }
 static inline v16 v_fma(v16 a, v16 b, v16 c) {
     v16 r = {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
     return r;
@@ -340,7 +349,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         }                                                                                                      \
         if (((KC) + 32) % gs == 0) {                                                                           \
             for (int r = 0; r < R; r++) {                                                                      \
-                v16 vs = v_set1(bf16_f32(s16[(int64_t)(n + r) * ng + (KC) / gs]));                             \
+                v16 vs = v_bf16_set1(s16 + (int64_t)(n + r) * ng + (KC) / gs);                                 \
                 for (int i = 0; i < G; i++) acc[r][i] = v_fma(vs, part[r][i], acc[r][i]), part[r][i] = v_zero(); \
             }                                                                                                  \
         }                                                                                                      \
@@ -402,11 +411,17 @@ TILE_FN(tile_i4, tile_dp, TILE_CASES_Q, I4)
 
 typedef void (*tile_fn)(const void *, const void *, const float *, float *, int, int, int, int, int, int, int);
 
+// Weight rows per tile for S token rows (split into groups of at most MAXG).
+static int tile_rows(int S, int wt) {
+    int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
+    return (wt == WT_I4 ? RQ_FOR_G : wt == WT_BF16 ? RB_FOR_G : R_FOR_G)[base + (extra > 0)];
+}
+
 static void rows(const void *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
                  int n1, int wt) {
     tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : tile_i4;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
-    int R = (wt == WT_I4 ? RQ_FOR_G : wt == WT_BF16 ? RB_FOR_G : R_FOR_G)[base + (extra > 0)];
+    int R = tile_rows(S, wt);
     // bf16 dot products flush denormals (vdpbf16ps does, whatever MXCSR says): the AVX2 FMAs must as well,
     // and the rest of both builds' arithmetic (lane sums, int4 group scales) runs under the same mode.
     const int dp = wt == WT_BF16 || wt == WT_I4;
@@ -428,6 +443,30 @@ static void rows(const void *x, const void *w, const float *sc, float *y, int S,
 // by once, so a 512-token prefill reads the weights 512 / ROW_CHUNK times (it is compute-bound anyway).
 #define ROW_CHUNK 48
 
+// Work sharing. Each thread owns a contiguous share of the weight rows and takes it front to back, CLAIM_BYTES
+// of weights at a time; a thread done with its share takes claims from the back of the others'. A static split
+// made every call wait for the slower core, and on this machine one core streams up to 10% slower than the
+// other (per-thread times of the 0.5B draft's matmuls). The draft's 97 int4 matmuls of a step, 2 threads, 100
+// rounds paired against the static split, three runs: 1.043x, 1.036x, 1.009x (8 KB claims: 1.011x, 1.031x,
+// 1.007x). Which thread computes a row never changes its bits.
+#define CLAIM_BYTES 32768
+_Atomic long long skinny_stolen_rows;  // rows computed outside their owner's share, for tests and profiling
+typedef struct { _Atomic uint64_t v; char pad[56]; } share_t;  // rows [lo, hi) left: lo in bits 0-31, hi above
+static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
+    uint64_t v = atomic_load_explicit(&s->v, memory_order_relaxed);
+    for (;;) {
+        const uint32_t lo = (uint32_t)v, hi = (uint32_t)(v >> 32);
+        if (lo >= hi) return 0;
+        const uint32_t n = hi - lo > (uint32_t)blk ? (uint32_t)blk : hi - lo;
+        const uint64_t nv = back ? (uint64_t)(hi - n) << 32 | lo : (uint64_t)hi << 32 | (lo + n);
+        if (atomic_compare_exchange_weak_explicit(&s->v, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *n0 = back ? (int)(hi - n) : (int)lo;
+            *n1 = back ? (int)hi : (int)(lo + n);
+            return 1;
+        }
+    }
+}
+
 // x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
 // superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
 // (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
@@ -441,6 +480,7 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
     const int dp = wt == WT_BF16 || wt == WT_I4;
     const int Kp = (K + 31) & ~31;
     xq_t *xq = dp ? (xq_t *)malloc(sizeof(xq_t) * (size_t)(S < ROW_CHUNK ? S : ROW_CHUNK) * Kp) : NULL;
+    share_t *share = threads > 1 ? (share_t *)aligned_alloc(64, sizeof(share_t) * (size_t)threads) : NULL;
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
         const void *xc = x + (int64_t)c0 * K;
@@ -449,16 +489,45 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
             for (int s = 0; s < cs; s++) x_round(x + (int64_t)(c0 + s) * K, xq + (int64_t)s * Kp, K, Kp);
             xc = xq;
         }
+        if (!share) {
+            rows(xc, w, sc, yc, cs, K, N, gs, 0, N, wt);
+            continue;
+        }
+        const int R = tile_rows(cs, wt);
+        const int64_t per = CLAIM_BYTES / row_bytes(K, wt);
+        const int blk = per <= R ? R : (int)((per + R - 1) / R * R);
+        for (int t = 0; t < threads; t++) {
+            const uint32_t n0 = t * chunk < N ? t * chunk : N, n1 = n0 + chunk < (uint32_t)N ? n0 + chunk : N;
+            atomic_init(&share[t].v, (uint64_t)n1 << 32 | n0);
+        }
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
         for (int t = 0; t < threads; t++) {
-            int n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-            if (n0 < n1) rows(xc, w, sc, yc, cs, K, N, gs, n0, n1, wt);
+            int a, b;
+            while (take(&share[t], blk, 0, &a, &b)) rows(xc, w, sc, yc, cs, K, N, gs, a, b, wt);
+            for (int j = 1; j < threads; j++)
+                while (take(&share[(t + j) % threads], blk, 1, &a, &b)) {
+                    rows(xc, w, sc, yc, cs, K, N, gs, a, b, wt);
+                    atomic_fetch_add_explicit(&skinny_stolen_rows, b - a, memory_order_relaxed);
+                }
         }
     }
+    free(share);
     free(xq);
 }
 
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
+
+// out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * g, row by row (the sum of squares in order, by fmaf).
+void rmsnorm(const float *x, const float *g, float eps, float *out, int S, int K) {
+    for (int s = 0; s < S; s++) {
+        float *o = out + (int64_t)s * K;
+        const float *r = x + (int64_t)s * K;
+        float ss = 0.f;
+        for (int k = 0; k < K; k++) ss = fmaf(r[k], r[k], ss);
+        float inv = 1.0f / sqrtf(ss / K + eps);
+        for (int k = 0; k < K; k++) o[k] = (r[k] * inv) * g[k];
+    }
+}
 
 // y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
 // x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
@@ -469,14 +538,7 @@ void fused_linear(const float *x, const float *g, float eps, const void *w, cons
     if (mode != 0) {
         buf = (float *)malloc(sizeof(float) * (size_t)S * K);
         if (mode == 1) {
-            for (int s = 0; s < S; s++) {
-                float *o = buf + (int64_t)s * K;
-                const float *r = x + (int64_t)s * K;
-                float ss = 0.f;
-                for (int k = 0; k < K; k++) ss = fmaf(r[k], r[k], ss);
-                float inv = 1.0f / sqrtf(ss / K + eps);
-                for (int k = 0; k < K; k++) o[k] = (r[k] * inv) * g[k];
-            }
+            rmsnorm(x, g, eps, buf, S, K);
         } else {
             // Split over the threads: one scalar expf per element (~9 ns here) made SwiGLU 44 us of the 0.5B draft's
             // 102 us down projection on one core while the other waited. Each element is computed as before.
@@ -533,53 +595,114 @@ void rope_write(const float *qkv, const float *bias, const int64_t *pos, const i
         }
 }
 
+// exp(x) for x <= 0 (x = -inf gives 0): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor polynomial to
+// r^7 / 7! (relative error below 2e-7), times 2^n built in the exponent bits. glibc's scalar expf, one call per
+// score, had been most of a decode step's attention (kv_len 300: 3 ms of the 0.5B draft's 12.7 ms step).
+static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// q . k over D columns: 8 lanes k = l, l + 8, ... by FMA, a fixed lane sum, the D % 8 tail in order.
+static inline float dot_d(const float *q, const float *k, int D) {
+    __m256 acc = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    float v = hsum256(acc);
+    for (; d < D; d++) v = fmaf(q[d], k[d], v);
+    return v;
+}
+
 // out[b, s, h] = softmax(q . K[:kv_len] * scale, masked) @ V, grouped-query (head h reads kv head h / (Hq/Hkv)).
-// mask [B, S, kv_len] (nonzero = attend). One query's result never depends on the other queries.
-void attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, float *out, int B, int S,
-               int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
+// mask [B, S, kv_len] (nonzero = attend), or NULL: a query attends to the slots up to its own (slots [B, S]).
+// One query's result never depends on the other queries, on the thread
+// that computes it, nor on masked slots past its own (kv_len padding): the exponentials are summed in 8 lanes by
+// slot index (l % 8) and a masked slot adds an exact 0, and V rows of masked slots are never read.
+// Written with 8-lane AVX2 only, so both builds run the same instructions.
+void attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
+               int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
     int group = Hq / Hkv;
     int items = B * S * Hq;
-#pragma omp parallel for num_threads(threads) schedule(static) if (items * kv_len > 16384)
+    const int kv8 = (kv_len + 7) & ~7;
+#pragma omp parallel for num_threads(threads) schedule(static) if (items > 1 && (int64_t)items * kv_len >= 512)
     for (int it = 0; it < items; it++) {
         int h = it % Hq, t = it / Hq, b = t / S;
         const float *qv = q + (int64_t)it * D;
         const float *K = kc + ((int64_t)b * Hkv + h / group) * L * D;
         const float *V = vc + ((int64_t)b * Hkv + h / group) * L * D;
-        const uint8_t *m = mask + (int64_t)t * kv_len;
+        const uint8_t *m = mask ? mask + (int64_t)t * kv_len : NULL;
+        const int64_t own = mask ? kv_len : slots[t];
+#define SEES(l) (m ? m[l] != 0 : (l) <= own)
         float *o = out + (int64_t)it * D;
-        float *sc = (float *)malloc(sizeof(float) * kv_len);
+        float stack[1024] __attribute__((aligned(32)));
+        float *sc = kv8 <= 1024 ? stack : (float *)aligned_alloc(32, sizeof(float) * kv8);
         float mx = -INFINITY;
-        for (int l = 0; l < kv_len; l++) {
-            if (!m[l]) { sc[l] = -INFINITY; continue; }
-            const float *k = K + (int64_t)l * D;
-            __m256 acc = _mm256_setzero_ps();
+        int l = 0;
+        for (; l + 4 <= kv_len; l += 4) {  // four independent dot products in flight
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const float *k0 = K + (int64_t)l * D;
             int d = 0;
-            for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(k + d), acc);
-            float v = hsum256(acc);
-            for (; d < D; d++) v += qv[d] * k[d];
-            v *= scale;
-            sc[l] = v;
-            if (v > mx) mx = v;
+            for (; d + 8 <= D; d += 8) {
+                const __m256 qq = _mm256_loadu_ps(qv + d);
+                a0 = _mm256_fmadd_ps(qq, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qq, _mm256_loadu_ps(k0 + D + d), a1);
+                a2 = _mm256_fmadd_ps(qq, _mm256_loadu_ps(k0 + 2 * D + d), a2);
+                a3 = _mm256_fmadd_ps(qq, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+            }
+            float v[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+            for (int j = 0; j < 4; j++) {
+                for (int dd = d; dd < D; dd++) v[j] = fmaf(qv[dd], k0[(int64_t)j * D + dd], v[j]);
+                sc[l + j] = SEES(l + j) ? v[j] * scale : -INFINITY;
+            }
         }
-        float sum = 0.f;
-        for (int l = 0; l < kv_len; l++) {
-            float e = m[l] ? expf(sc[l] - mx) : 0.f;
-            sc[l] = e;
-            sum += e;
+        for (; l < kv_len; l++) sc[l] = SEES(l) ? dot_d(qv, K + (int64_t)l * D, D) * scale : -INFINITY;
+        for (; l < kv8; l++) sc[l] = -INFINITY;
+        for (l = 0; l < kv_len; l++) mx = sc[l] > mx ? sc[l] : mx;
+        __m256 sum8 = _mm256_setzero_ps();
+        if (mx == -INFINITY) {
+            for (l = 0; l < kv8; l++) sc[l] = 0.f;
+        } else {
+            const __m256 vmx = _mm256_set1_ps(mx);
+            for (l = 0; l < kv8; l += 8) {
+                __m256 e = exp_neg8(_mm256_sub_ps(_mm256_load_ps(sc + l), vmx));
+                _mm256_store_ps(sc + l, e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
         }
-        for (int d = 0; d < D; d++) o[d] = 0.f;
-        float inv = sum > 0 ? 1.0f / sum : 0.f;
-        for (int l = 0; l < kv_len; l++) {
-            if (sc[l] == 0.f) continue;
-            float p = sc[l] * inv;
-            const float *v = V + (int64_t)l * D;
-            int d = 0;
-            __m256 pv = _mm256_set1_ps(p);
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += p * v[d];
+        const float sum = hsum256(sum8), inv = sum > 0 ? 1.0f / sum : 0.f;
+        for (int d0 = 0; d0 < D; d0 += 64) {  // 64 columns of o in registers while the slots go by
+            const int dn = D - d0 < 64 ? D - d0 : 64, full = dn / 8;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            float tail[8] = {0};
+            for (l = 0; l < kv_len; l++) {
+                if (sc[l] == 0.f) continue;
+                const float p = sc[l] * inv;
+                const __m256 pv = _mm256_set1_ps(p);
+                const float *v = V + (int64_t)l * D + d0;
+                for (int j = 0; j < full; j++) acc[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), acc[j]);
+                for (int dd = 8 * full; dd < dn; dd++) tail[dd - 8 * full] = fmaf(p, v[dd], tail[dd - 8 * full]);
+            }
+            for (int j = 0; j < full; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+            for (int dd = 8 * full; dd < dn; dd++) o[d0 + dd] = tail[dd - 8 * full];
         }
-        free(sc);
+        if (sc != stack) free(sc);
+#undef SEES
     }
 }
 
@@ -609,7 +732,7 @@ void decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos,
     fused_linear(x, L->attn_norm, L->eps, L->qkv.w, L->qkv.sc, qkv, T, H, L->qkv.N, threads, L->qkv.wt, L->qkv.gs, 1,
                  0);
     rope_write(qkv, L->bias, pos, slots, cos_t, sin_t, q, kc, vc, B, S, L->hq, L->hkv, L->d, cache_len);
-    attention(q, kc, vc, mask, o, B, S, L->hq, L->hkv, L->d, cache_len, kv_len, L->scale, threads);
+    attention(q, kc, vc, mask, slots, o, B, S, L->hq, L->hkv, L->d, cache_len, kv_len, L->scale, threads);
     fused_linear(o, NULL, 0.f, L->o.w, L->o.sc, x, T, L->o.K, L->o.N, threads, L->o.wt, L->o.gs, 0, 1);
     fused_linear(x, L->ffn_norm, L->eps, L->up.w, L->up.sc, h, T, H, L->up.N, threads, L->up.wt, L->up.gs, 1, 0);
     fused_linear(h, NULL, 0.f, L->down.w, L->down.sc, x, T, L->down.K, L->down.N, threads, L->down.wt, L->down.gs, 2,
