@@ -122,6 +122,12 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     _hf_generate(hf_peer, [warm], 8)
     rows: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
+
+    def probe() -> float:
+        return measure_bandwidth_gbs(128 if quick else 512, reps=3)
+
+    # The roofline's bandwidth is read between the prompts, as the speeds are: it drifts by tens of percent.
+    bws = [probe()]
     for i, p in enumerate(ids):
         for label, m, opts in runs:
             dt, res = run(m, p, **opts)
@@ -135,6 +141,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
             + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
+        bws.append(probe())
 
     report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
                     "methods": {}, "peers": {}}
@@ -165,12 +172,13 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     report["peers"].update(gguf.gguf_peers(spec, ids, new, log, lookup=(1, 8 if quick else 32)))
 
     # Memory-bandwidth roofline for batch-1 decoding.
-    bw = measure_bandwidth_gbs(128 if quick else 512)
+    bw = median(bws)
     wbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in b.target.parameters()}.values())
     wbytes -= b.target.embed.weight.numel() * b.target.embed.weight.element_size() * (
         0 if b.target.cfg.tie_embeddings else 1)
     limit = bw * 1e9 / wbytes
-    report["roofline"] = {"bandwidth_gbs": bw, "weight_bytes_read_per_token": wbytes, "limit_tokens_per_s": limit,
+    report["roofline"] = {"bandwidth_gbs": bw, "bandwidth_probes_gbs": bws, "weight_bytes_read_per_token": wbytes,
+                          "limit_tokens_per_s": limit,
                           "fraction_of_limit": report["methods"]["baseline"]["tokens_per_s"] / limit,
                           "skinny_kernel": kernels.available()}
 
@@ -178,9 +186,9 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     from pipeline.precision import engine_float_state, precision_table
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
-    report["bandwidth_gbs"] = bw
-    report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, bw,
+    report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
                                           spec.target.group_size, ref, end_ids=b.end_ids, log=log)
+    report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     del fstate
 
     # Verify cost: one target forward over S new tokens, relative to S = 1.

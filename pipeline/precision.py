@@ -62,11 +62,15 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
 
 
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
-                    bandwidth_gbs: float, group_size: int = 128, reference: str = "float32",
+                    bandwidth_gbs: float | Callable[[], float], group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
                     log: Callable[[str], None] = print) -> dict:
     """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
-    mean_logprob}` for each precision, plus the reference's name and the kernel path that ran."""
+    mean_logprob}` for each precision, plus the reference's name and the kernel path that ran.
+
+    `bandwidth_gbs` is a figure or a probe: a probe runs before the first prompt and after each, and the
+    rooflines use the median of those readings (`bandwidth_gbs`, `bandwidth_probes_gbs`). One reading taken
+    at another moment had put the bf16 target at 128% of its roofline (29.6 GB/s read while it decoded at 38)."""
     # float32 from bf16 weights would only widen them; a float32 copy of a large model may not fit.
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
@@ -88,6 +92,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     conts: dict = {prec: [] for prec in order}
     for prec in order:
         generate(models[prec], [Request(ids[0][:8], 2)])  # warm-up
+    probes = [bandwidth_gbs()] if callable(bandwidth_gbs) else []
     for p in ids:
         for prec in order:
             t = time.perf_counter()
@@ -97,6 +102,12 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             tps[prec].append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0
                              else e2e[prec][-1])
             conts[prec].append(res.tokens)
+        if probes:
+            probes.append(bandwidth_gbs())
+    if probes:
+        bandwidth_gbs = statistics.median(probes)
+        out["bandwidth_probes_gbs"] = probes
+    out["bandwidth_gbs"] = bandwidth_gbs
     ref_cont = conts[reference]
     for prec in order:
         model = models.pop(prec)

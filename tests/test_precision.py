@@ -122,3 +122,14 @@ def test_precisions_are_timed_round_robin_and_their_ratio_is_a_median_of_paired_
                     precisions=("float32", "int8"), log=lambda *a: None)
     assert [p for _, p in timed] == [(1, 2, 3), (1, 2, 3), (4, 5, 6, 7), (4, 5, 6, 7)]
     assert timed[0][0] == timed[2][0] != timed[1][0] == timed[3][0]  # model A, B, A, B
+
+
+def test_rooflines_use_the_median_of_bandwidth_probes_taken_between_the_prompts():
+    """A probe runs before the first prompt and after each, so the roofline sees the memory of the same minutes."""
+    readings = iter([40.0, 10.0, 30.0])
+    t = precision_table(CFG, _state(), [[1, 2, 3], [4, 5, 6, 7]], 4, bandwidth_gbs=lambda: next(readings),
+                        group_size=32, precisions=("float32", "int8"), log=lambda *a: None)
+    assert t["bandwidth_probes_gbs"] == [40.0, 10.0, 30.0] and t["bandwidth_gbs"] == 30.0
+    for prec in ("float32", "int8"):
+        r = t[prec]
+        assert r["roofline_fraction"] == pytest.approx(r["tokens_per_s"] * r["bytes_per_token"] / 30e9)
