@@ -433,3 +433,15 @@ def test_layer_plans_follow_the_weights_through_quantization_huge_pages_and_dtyp
     step(widened)
     widened.float()
     assert torch.equal(step(widened), step(build_model(cfg, dict(rounded), torch.float32, "cpu")))
+
+
+def test_the_bandwidth_probe_reads_every_byte(threads):
+    """stream_read (the bench's bandwidth probe) xors every word on every thread: flipping any byte changes it."""
+    x = torch.zeros(3 * 64 * 1001, dtype=torch.uint8)
+    for n in (1, 2, 3):
+        kernels.configure_threads(n)
+        assert kernels.stream_read(x) == 0
+        for i in [*range(64), x.numel() // 2 + 5, x.numel() - 1]:
+            x[i] = 1
+            assert kernels.stream_read(x) != 0, (n, i)
+            x[i] = 0

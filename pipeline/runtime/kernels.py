@@ -115,6 +115,8 @@ def bind(so: Path) -> ctypes.CDLL:
     for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.rmsnorm, lib.decoder_layer):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
+    lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
+    lib.stream_read.restype = ctypes.c_uint64
     return lib
 
 
@@ -286,6 +288,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     K = x.shape[-1]
     _lib.rmsnorm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // K, K)
     return out
+
+
+def stream_read(x: torch.Tensor) -> int:
+    """Read every byte of a contiguous tensor once on the kernels' threads (the bench's bandwidth probe)."""
+    return _lib.stream_read(x.data_ptr(), x.numel() * x.element_size() // 64 * 64, _threads)
 
 
 _epoch = 0

@@ -294,6 +294,17 @@ def to_hugepages(model: nn.Module, min_bytes: int = 64 << 10) -> int:
     return sum(sizes.values())
 
 
+def hugepage_tensor(nbytes: int) -> Tensor:
+    """A uint8 tensor of `nbytes` in a private mapping advised for 2 MB pages (plain memory where that fails)."""
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - platform dependent
+        return torch.empty(nbytes, dtype=torch.uint8)
+    at = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=at)
+
+
 def hugepage_bytes() -> int:
     """Bytes of this process's anonymous memory on transparent huge pages (0 where Linux does not say)."""
     try:

@@ -515,6 +515,32 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
     free(xq);
 }
 
+// The bandwidth probe: a pure streaming read of n bytes (a multiple of 64) split over the threads, returning an xor
+// of the words so that nothing is optimised away. It reads 4-8% faster than torch's sum (paired, 8 rounds, twice);
+// software prefetching 8-32 KB ahead made it 1-28% slower.
+uint64_t stream_read(const void *p, int64_t n, int threads) {
+    if (threads < 1) threads = 1;
+    const int64_t blocks = n / 64, per = (blocks + threads - 1) / threads;
+    uint64_t part[256] = {0};
+    if (threads > 256) threads = 256;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) {
+        const char *c = (const char *)p;
+        __m256i a = _mm256_setzero_si256(), b = a;
+        const int64_t e = (t + 1) * per < blocks ? (t + 1) * per : blocks;
+        for (int64_t i = t * per; i < e; i++) {
+            a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(c + 64 * i)));
+            b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(c + 64 * i + 32)));
+        }
+        a = _mm256_xor_si256(a, b);
+        part[t] = (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 1) ^
+                  (uint64_t)_mm256_extract_epi64(a, 2) ^ (uint64_t)_mm256_extract_epi64(a, 3);
+    }
+    uint64_t x = 0;
+    for (int t = 0; t < threads; t++) x ^= part[t];
+    return x;
+}
+
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
 
 // out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * g, row by row (the sum of squares in order, by fmaf).
