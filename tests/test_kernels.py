@@ -357,20 +357,28 @@ def test_forced_path_is_reported():
     assert "PATH=torch" in res.stdout
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4"])
-def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
-    """Block.fast runs a layer as one C call (decoder_layer); the five calls it replaced give the same bits, in x
-    and in the K/V written, for a decode step and a multi-token (verification) step; a moved weight rebuilds
-    the cached plan."""
-    from pipeline.runtime.model import ModelConfig, Transformer, build_model, wt
+def _qwen2_layers(layers: int, seed: int):
+    """A small Qwen2-shaped config (q/k/v bias, GQA), random weights for it and the generator that made them."""
+    from pipeline.runtime.model import ModelConfig, Transformer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=layers, num_heads=4,
                       num_kv_heads=2, head_dim=32, qkv_bias=True, model_type="qwen2", rope_theta=1e6)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
     st = {k: torch.rand(s, generator=g) + 0.5 if "norm" in k else torch.randn(s, generator=g) * 0.2
           for k, s in shapes.items()}
+    return cfg, st, g
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4"])
+def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
+    """Block.fast runs a layer as one C call (decoder_layer); the five calls it replaced give the same bits, in x
+    and in the K/V written, for a decode step and a multi-token (verification) step; a weight moved and reported
+    (kernels.weights_moved) rebuilds the cached plan."""
+    from pipeline.runtime.model import build_model, wt
+
+    cfg, st, g = _qwen2_layers(1, seed=4)
     dtype = torch.float32 if kind == "float32" else torch.bfloat16
     model = build_model(cfg, st, dtype, "cpu")
     if kind == "int4":
@@ -404,15 +412,9 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
 def test_layer_plans_follow_the_weights_through_quantization_huge_pages_and_dtype_moves():
     """Plans are cached per layer and checked only when weights are said to have moved: every way the pipeline
     moves weights says so, and a step afterwards equals a step of a model built that way from the start."""
-    from pipeline.runtime.model import ModelConfig, Transformer, build_model
+    from pipeline.runtime.model import build_model
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=32, qkv_bias=True, model_type="qwen2", rope_theta=1e6)
-    g = torch.Generator().manual_seed(5)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
-    st = {k: torch.rand(s, generator=g) + 0.5 if "norm" in k else torch.randn(s, generator=g) * 0.2
-          for k, s in shapes.items()}
+    cfg, st, _ = _qwen2_layers(2, seed=5)
     tokens, pos = torch.tensor([[3, 9, 27, 5]]), torch.arange(4)[None]
 
     def step(m):
