@@ -519,10 +519,9 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
 // of the words so that nothing is optimised away. It reads 4-8% faster than torch's sum (paired, 8 rounds, twice);
 // software prefetching 8-32 KB ahead made it 1-28% slower.
 uint64_t stream_read(const void *p, int64_t n, int threads) {
-    if (threads < 1) threads = 1;
+    threads = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     const int64_t blocks = n / 64, per = (blocks + threads - 1) / threads;
     uint64_t part[256] = {0};
-    if (threads > 256) threads = 256;
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
     for (int t = 0; t < threads; t++) {
         const char *c = (const char *)p;
