@@ -270,15 +270,10 @@ def to_hugepages(model: nn.Module, min_bytes: int = 64 << 10) -> int:
     sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
     span = sum((n + 4095) & ~4095 for n in sizes.values())
     try:
-        # Private: a shared anonymous mapping is shmem, which follows shmem_enabled (often "never") and so
-        # silently got 4 KB pages on this machine; private anonymous memory follows THP's "madvise".
-        region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-        region.madvise(mmap.MADV_HUGEPAGE)
+        region, at = _hugepage_region(span)
     except (OSError, ValueError) as e:  # pragma: no cover - platform dependent
         logging.getLogger("pipeline.kernels").info("huge pages not available for the weights: %s", e)
         return 0
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    at = -base % HUGE_PAGE
     for key, t in tensors.items():
         n = sizes[key]
         view = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=at).view(t.dtype).view(t.shape)
@@ -294,14 +289,21 @@ def to_hugepages(model: nn.Module, min_bytes: int = 64 << 10) -> int:
     return sum(sizes.values())
 
 
+def _hugepage_region(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A mapping advised for 2 MB pages with room for `nbytes`, and the offset in it of its first 2 MB boundary."""
+    # Private: a shared anonymous mapping is shmem, which follows shmem_enabled (often "never") and so
+    # silently got 4 KB pages on this machine; private anonymous memory follows THP's "madvise".
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return region, -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+
+
 def hugepage_tensor(nbytes: int) -> Tensor:
-    """A uint8 tensor of `nbytes` in a private mapping advised for 2 MB pages (plain memory where that fails)."""
+    """A uint8 tensor of `nbytes` on 2 MB pages where Linux gives them (plain memory where madvise fails)."""
     try:
-        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-        region.madvise(mmap.MADV_HUGEPAGE)
+        region, at = _hugepage_region(nbytes)
     except (OSError, ValueError, AttributeError):  # pragma: no cover - platform dependent
         return torch.empty(nbytes, dtype=torch.uint8)
-    at = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=at)
 
 

@@ -621,8 +621,9 @@ void rope_write(const float *qkv, const float *bias, const int64_t *pos, const i
 }
 
 // exp(x) for x <= 0 (x = -inf gives 0): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor polynomial to
-// r^7 / 7! (relative error below 2e-7), times 2^n built in the exponent bits. glibc's scalar expf, one call per
-// score, had been most of a decode step's attention (kv_len 300: 3 ms of the 0.5B draft's 12.7 ms step).
+// r^7 / 7!, times 2^n built in the exponent bits (largest relative error against exp in double, 70M points on
+// [-87, 0]: 7.9e-8). glibc's scalar expf, one call per score, had been most of a decode step's attention: 63 us
+// a layer at kv_len 300 on the 0.5B draft's shapes, 1.5 ms of its step (now 21 us).
 static inline __m256 exp_neg8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
