@@ -41,7 +41,7 @@ def hf_model(model, dtype: torch.dtype):
     """A transformers model of the engine's family (Llama, Mistral, Qwen2) holding exactly our engine's weights."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from pipeline.runtime.model import runtime_to_hf
+    from pipeline.runtime.model import float_state, runtime_to_hf
 
     c = model.cfg
     extra = {"use_sliding_window": False} if c.model_type == "qwen2" else {}
@@ -54,7 +54,7 @@ def hf_model(model, dtype: torch.dtype):
 
     with no_init_weights():  # every weight is assigned below; a random init of 1.5B parameters costs seconds
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in runtime_to_hf(model.state_dict(), c).items()}
+    state = {k: v.to(dtype) for k, v in runtime_to_hf(float_state(model), c).items()}
     if c.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)

@@ -37,7 +37,7 @@ FLOAT32_MAX_BYTES = 4 << 30  # a float32 copy of a larger model is left out (mem
 def read_bytes(model: Transformer) -> int:
     """Bytes of weights one decode step reads."""
     total = quant.weight_bytes(model)
-    if getattr(model.lm_head, "weight", None) is model.embed.weight:
+    if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.embed.weight:
         return total
     return total - model.embed.weight.numel() * model.embed.weight.element_size()
 

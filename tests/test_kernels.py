@@ -1,5 +1,5 @@
-"""The skinny C matmul for fp32, bf16, int8 and int4 weights: each output element has one value whatever
-the number of rows in the call (bitwise, past 32 rows and across row chunks), the AVX-512 and AVX2
+"""The skinny C matmul for fp32, bf16 (row-major and tiled), int8 and int4 weights: each output element has one
+value whatever the number of rows in the call (bitwise, past 32 rows and across row chunks), the AVX-512 and AVX2
 builds agree bit for bit, results stay within a float64 error bound computed here from the
 arithmetic (not from the code's constants), and the torch fallback agrees within 1e-4.
 
@@ -24,11 +24,11 @@ from tests.conftest import np_unpack_int4
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/FMA")
-KINDS = ["float32", "bfloat16", "int8", "int4"]
+KINDS = ["float32", "bfloat16", "bf16_tiled", "int8", "int4"]
 ROWS = [1, 2, 5, 7, 33, 65]
 U = 2.0 ** -24  # fp32 unit roundoff
 UB = 2.0 ** -9  # bf16 unit roundoff
-DOT_BF16 = ("bfloat16", "int4")  # weight kinds whose kernel rounds x to bf16
+DOT_BF16 = ("bfloat16", "bf16_tiled", "int4")  # weight kinds whose kernel rounds x to bf16
 
 
 def np_bf16(x: np.ndarray) -> np.ndarray:
@@ -48,6 +48,9 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
     if kind == "bfloat16":
         wb = w.bfloat16()
         return wb, wb.float().double().numpy()
+    if kind == "bf16_tiled":
+        wb = w.bfloat16()
+        return quant.QLinear(quant.tile_bf16(wb), None), wb.float().double().numpy()
     layer = quant.QLinear(*quant.quantize(w, kind, group_size))
     s = layer.scales.double().numpy()
     if kind == "int8":
@@ -58,8 +61,8 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
 
 def _shape(kind: str) -> tuple[int, int]:
     # K: not a multiple of 16 (scalar tail) except for int4, which needs whole groups; N: not a multiple of
-    # any tile height or the per-thread chunk.
-    return (77, 256) if kind == "int4" else (77, 203)
+    # any tile height or the per-thread chunk. Tiled bf16 is whole 8 x 32 tiles (of 24-row thread chunks: no).
+    return {"int4": (77, 256), "bf16_tiled": (80, 224)}.get(kind, (77, 203))
 
 
 def _both_builds(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +136,7 @@ def test_thread_count_does_not_change_the_bits(kind, threads):
     assert torch.equal(kernels.linear(x, w), one)
 
 
-@pytest.mark.parametrize("kind", ["float32", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bf16_tiled", "int4"])
 def test_rows_a_thread_takes_from_another_threads_share_have_the_same_bits(kind, threads):
     """With more threads than cores some are descheduled mid-call and the others take the rest of their shares."""
     import ctypes
@@ -215,6 +218,8 @@ def test_bf16_dot_products_agree_between_builds_on_random_shapes_rows_and_thread
     gs = int(rng.choice([32, 64, 128]))
     k = gs * int(rng.integers(1, 5)) if kind == "int4" else int(rng.integers(1, 300))
     n = int(rng.integers(1, 90))
+    if kind == "bf16_tiled":
+        k, n = 32 * (k // 32 + 1), 8 * (n // 8 + 1)
     w, ref_w = weights(kind, n, k, seed=seed, group_size=gs)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32) * np.float32(rng.choice([1e-3, 1, 50])))
     out = {}
@@ -263,6 +268,21 @@ def test_builds_agree_on_adversarial_bf16_inputs(threads):
     assert (a[3] == 0).all()
 
 
+@pytest.mark.parametrize("nthreads", [1, 2, 5])
+def test_tiled_bf16_weights_give_the_row_major_bits_for_every_row_count_thread_count_and_build(nthreads, threads):
+    """Tiling is a layout, never a different sum: 8-row tiles, 4-row halves for 2..6-row groups, shares and claims."""
+    w, _ = weights("bfloat16", 8 * 37, 32 * 11, seed=12)
+    tiled = quant.QLinear(quant.tile_bf16(w), None)
+    assert torch.equal(tiled.weight, w) and tiled.shape == tuple(w.shape)
+    x = torch.randn(50, w.shape[1], generator=torch.Generator().manual_seed(13))
+    kernels.configure_threads(nthreads)
+    for s in (1, 2, 3, 4, 6, 7, 12, 13, 49, 50):
+        assert torch.equal(kernels.linear(x[:s], tiled), kernels.linear(x[:s], w)), s
+    if "avx512" in kernels.supported_isas():
+        a, b = _both_builds(x, tiled)
+        assert torch.equal(a, b) and torch.equal(a, kernels.linear(x, w))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_torch_fallback_agrees_with_the_kernel(kind):
     n, k = _shape(kind)
@@ -278,7 +298,7 @@ def test_torch_fallback_agrees_with_the_kernel(kind):
     assert (fast - slow).abs().max() <= 1e-4 * max(1.0, float(slow.abs().max()))
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["bfloat16", "bf16_tiled", "int8", "int4"])
 def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
     n, k = 64, 128
     w, ref_w = weights(kind, n, k, seed=9)

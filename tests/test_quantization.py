@@ -131,6 +131,35 @@ def test_quantize_state_quantizes_every_linear_and_a_tied_head_separately():
     assert quant.quantize_state(st, "none", 32) == st
 
 
+@pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
+def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_bits():
+    from pipeline.precision import read_bytes
+    from pipeline.runtime.model import float_state
+
+    cfg = _cfg(tie=True)
+    st = {k: v.bfloat16() if v.dim() == 2 else v for k, v in _state(cfg, 4).items()}
+    m = build_model(cfg, dict(st), torch.bfloat16, "cpu")
+    lins = [getattr(b, n) for b in m.layers for n in ("wqkv", "wo", "w13", "w2")] + [m.lm_head]
+    assert all(isinstance(q, quant.QLinear) and q.algo == "bf16" for q in lins)
+    assert isinstance(m.embed, nn.Embedding) and torch.equal(m.embed.weight, st["embed.weight"])
+    plain = float_state(m)
+    assert all(torch.equal(plain[k], v) for k, v in st.items())
+    assert torch.equal(plain["lm_head.weight"], st["embed.weight"])  # the tied head's own tiled copy
+    toks = torch.tensor([[5, 9, 3, 7, 11]])
+
+    def logits(model):
+        with torch.inference_mode():
+            return model.logits(model(toks, torch.arange(5)[None], model.new_cache(1, 8)))
+
+    tiled = logits(m)
+    m.to("cpu")  # neither dtype nor device changes: the tiles stay
+    assert isinstance(m.lm_head, quant.QLinear)
+    assert quant.untile_model(m, tie_embeddings=True) == len(lins)
+    assert m.lm_head.weight is m.embed.weight and isinstance(m.layers[0].w13, nn.Linear)
+    assert torch.equal(logits(m), tiled)
+    assert read_bytes(m) == read_bytes(build_model(cfg, dict(st), torch.bfloat16, "cpu"))
+
+
 def test_quantize_model_in_place_matches_quantize_state():
     cfg = _cfg(tie=False)
     st = _state(cfg, 2)

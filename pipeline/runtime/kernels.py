@@ -8,7 +8,7 @@ bit. Without a compiler or either instruction set, `linear` falls back to torch 
 CPU feature is logged once (logger `pipeline.kernels`), and `path()` names what runs ("avx512",
 "avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch` forces a path.
 
-Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4), decoded in registers. With
+Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4 / bf16 tiled), decoded in registers. With
 bf16 and int4 weights each activation row is rounded to bf16 at the matmul (vdpbf16ps takes bf16 pairs);
 fp32 and int8 weights multiply fp32 activations.
 Any number of token rows goes through the kernel, so decoding, verification, trees and prefill all
@@ -175,7 +175,7 @@ def available() -> bool:
 
 
 def _quantized(w) -> bool:
-    """A quant.QLinear (int8 / int4 weights), told by its buffers so this module need not import quant."""
+    """A quant.QLinear (int8 / int4 / tiled bf16 weights), told by its buffers so this module need not import quant."""
     return hasattr(w, "qweight") and hasattr(w, "scales")
 
 
@@ -184,6 +184,8 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
     if _quantized(w):
         if w.algo == "int8":
             return w.qweight.data_ptr(), w.scales.data_ptr(), 2, 0, w.out_features, w.in_features
+        if w.algo == "bf16":
+            return w.qweight.data_ptr(), None, 4, 0, w.out_features, w.in_features
         return w.qweight.data_ptr(), w.scales.data_ptr(), 3, w.group_size, w.out_features, w.in_features
     if w.dtype not in WT:
         raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "
@@ -195,7 +197,7 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
 
 def _dot_bf16(w) -> bool:
     """True for the weights the kernel multiplies by bf16 dot products (bf16, int4): x is rounded to bf16."""
-    return w.algo == "int4" if _quantized(w) else w.dtype == torch.bfloat16
+    return w.algo in ("int4", "bf16") if _quantized(w) else w.dtype == torch.bfloat16
 
 
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from pipeline.runtime import kernels
 from pipeline.runtime.kernels import linear
-from pipeline.runtime.quant import QLinear, to_hugepages
+from pipeline.runtime.quant import QLinear, tile_model, to_hugepages, untile_model
 
 FAMILIES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -244,7 +244,15 @@ class Transformer(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         kernels.weights_moved()  # .to(), .float(), .bfloat16() give the weights new memory
-        return super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=torch.bfloat16, device=self.embed.weight.device))
+        if probe.dtype == torch.bfloat16 and probe.device == self.embed.weight.device:
+            return super()._apply(fn, recurse)  # tiled bf16 layers stay as they are
+        # Another dtype or device: tiles are a CPU bf16 layout, so the layers go back to row-major first.
+        untile_model(self, self.cfg.tie_embeddings)
+        out = super()._apply(fn, recurse)
+        if self.embed.weight.device.type == "cpu" and kernels.available():
+            tile_model(self)
+        return out
 
     def load_state_dict(self, *args, **kwargs):
         kernels.weights_moved()  # assign=True replaces the tensors
@@ -347,6 +355,17 @@ def runtime_to_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tenso
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def float_state(model: nn.Module) -> dict[str, Tensor]:
+    """`model.state_dict()` with each QLinear's `qweight` + `scales` replaced by its matrix as `weight` (tiled bf16:
+    the row-major bf16 weight it was loaded from; int8 / int4: dequantized fp32), for code that wants plain weights."""
+    state = model.state_dict()
+    for name, mod in model.named_modules():
+        if isinstance(mod, QLinear):
+            del state[name + ".qweight"], state[name + ".scales"]
+            state[name + ".weight"] = mod.weight.contiguous()
+    return state
+
+
 def device_type(device) -> str:
     return torch.device(device).type
 
@@ -355,7 +374,8 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
     """Construct on the meta device and assign weights, so nothing is initialised twice.
 
     Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
-    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup).
+    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). On CPU with the
+    kernels, bf16 linears are tiled (quant.tile_model); `float_state` gives the weights back as they were loaded.
     """
     if device_type(device) == "cpu" and dtype == torch.float16:
         raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "
@@ -385,5 +405,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         model.lm_head.weight = model.embed.weight
     del state
     if device_type(device) == "cpu":
+        if kernels.available():
+            tile_model(model)
         to_hugepages(model)
     return model.eval().requires_grad_(False)

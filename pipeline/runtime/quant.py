@@ -18,6 +18,12 @@ takes them; a 32-column block is broadcast to the four 128-bit lanes, lane m shi
 In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N, K / 2] for int4)
 plus `P.scales` (fp32 [N], or bf16 [N, K / group_size]) instead of `P.weight`; the format is read back from
 the shapes, so loading needs no extra configuration.
+
+bf16 weights are not quantized, but on CPU they are tiled at load (`tile_model`, never stored so): 8 rows by 32
+columns at a time, [N / 8, K / 32, 8, 32], so the kernel's 8-row tiles stream by as one sequential read instead of
+8 interleaved rows. The 1.5B target's one-token matmuls ran 1.09x as fast so when memory was fast (skinny.c,
+PF_TILED) and the same when it was slow. A tiled layer is a QLinear of algo "bf16"; engines keep row-major
+weights, and `model.float_state` gives them back row-major.
 """
 
 from __future__ import annotations
@@ -102,27 +108,52 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 
 
 def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
-    """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does)."""
+    """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does); a tiled
+    bf16 weight's row-major bf16 matrix."""
     if qweight.dtype == torch.int8:
         return qweight.float() * scales[:, None]
+    if qweight.dtype == torch.bfloat16:
+        return untile_bf16(qweight)
     K = qweight.shape[1] * 2
     return (unpack_int4(qweight).float() - 8.0) * scales.float().repeat_interleave(K // scales.shape[1], dim=1)
 
 
+def tile_bf16(w: Tensor) -> Tensor:
+    """bf16 [N, K] (N % 8 == 0, K % 32 == 0) -> [N / 8, K / 32, 8, 32]: each 8-row tile in the kernel's read order."""
+    N, K = w.shape
+    return w.detach().bfloat16().reshape(N // 8, 8, K // 32, 32).transpose(1, 2).contiguous()
+
+
+def untile_bf16(t: Tensor) -> Tensor:
+    """The row-major bf16 [N, K] weight of a tiled one."""
+    n8, kb, _, _ = t.shape
+    return t.transpose(1, 2).reshape(8 * n8, 32 * kb)
+
+
+def tileable(w: Tensor) -> bool:
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 8 == 0 and w.shape[1] % 32 == 0
+
+
 def algo_of(qweight: Tensor) -> str:
-    return "int8" if qweight.dtype == torch.int8 else "int4"
+    return {torch.int8: "int8", torch.uint8: "int4", torch.bfloat16: "bf16"}[qweight.dtype]
 
 
 class QLinear(nn.Module):
-    """A linear layer holding quantized weights (and an optional fp32 bias); the kernels decode them in registers."""
+    """A linear layer holding quantized (or tiled bf16) weights and an optional fp32 bias; the kernels decode them in
+    registers."""
 
-    def __init__(self, qweight: Tensor, scales: Tensor, bias: Tensor | None = None):
+    def __init__(self, qweight: Tensor, scales: Tensor | None, bias: Tensor | None = None):
         super().__init__()
-        if qweight.dtype not in (torch.int8, torch.uint8):
-            raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8) or uint8 (packed int4)")
+        if qweight.dtype not in (torch.int8, torch.uint8, torch.bfloat16):
+            raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8), uint8 (packed int4) or bfloat16 "
+                             "(tiled, see tile_bf16)")
+        if qweight.dtype == torch.bfloat16 and qweight.dim() != 4:
+            raise ValueError(f"a bf16 qweight is tiled [N / 8, K / 32, 8, 32] (tile_bf16), not {list(qweight.shape)}")
         self.register_buffer("qweight", qweight.contiguous())
-        # int4 scales are bf16 (the kernel reads them so), int8 ones fp32.
-        self.register_buffer("scales", (scales.float() if qweight.dtype == torch.int8 else
+        # int4 scales are bf16 (the kernel reads them so), int8 ones fp32; tiled bf16 has none (an empty buffer).
+        if qweight.dtype == torch.bfloat16:
+            scales = torch.empty(0, device=qweight.device)
+        self.register_buffer("scales", (scales.float() if qweight.dtype != torch.uint8 else
                                         scales.bfloat16()).contiguous())
         # Qwen2's q/k/v bias stays fp32 and is added outside the matmul (by rope_write on the fast path).
         if bias is not None:
@@ -130,21 +161,29 @@ class QLinear(nn.Module):
         else:
             self.bias = None
         self.algo = algo_of(qweight)
-        self.out_features = qweight.shape[0]
-        self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
-        self.group_size = 0 if self.algo == "int8" else self.in_features // scales.shape[1]
+        if self.algo == "bf16":
+            self.out_features, self.in_features = qweight.shape[0] * 8, qweight.shape[1] * 32
+        else:
+            self.out_features = qweight.shape[0]
+            self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
+        self.group_size = self.in_features // scales.shape[1] if self.algo == "int4" else 0
 
     @property
     def weight(self) -> Tensor:
-        """Dequantized fp32 weight, for code that needs the matrix itself (training, the torch fallback)."""
+        """Dequantized fp32 (tiled: row-major bf16) weight, for code that needs the matrix itself (training, the torch
+        fallback)."""
         return dequantize(self.qweight, self.scales)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
-    def rows(self, idx: Tensor) -> QLinear:
-        """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized."""
+    def rows(self, idx: Tensor) -> QLinear | Tensor:
+        """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized (tiled bf16: tiled
+        again when the rows fill whole tiles, else a row-major bf16 weight)."""
+        if self.algo == "bf16":
+            w = self.weight[idx].contiguous()
+            return QLinear(tile_bf16(w), None) if tileable(w) and self.bias is None else w
         return QLinear(self.qweight[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
 
     def forward(self, x: Tensor) -> Tensor:
@@ -216,6 +255,44 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
             q, s = quantize(mod.weight, algo, group_size)
             setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
     return model
+
+
+def tile_model(model: nn.Module) -> int:
+    """Tile every bf16 runtime linear layer (and the LM head; a tied one gets its own copy, the embedding stays for
+    lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole tiles stay
+    row-major."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, nn.Linear) and LINEAR.match(name + ".weight") and tileable(mod.weight):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf,
+                    QLinear(tile_bf16(mod.weight), None, mod.bias))
+            n += 1
+    if n:
+        kernels.weights_moved()
+    return n
+
+
+def untile_model(model: nn.Module, tie_embeddings: bool = False) -> int:
+    """Turn every tiled bf16 layer back into a row-major nn.Linear (with `tie_embeddings`, the head shares the
+    embedding again), in place; returns the number untiled."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QLinear) and mod.algo == "bf16":
+            parent, _, leaf = name.rpartition(".")
+            with torch.device("meta"):
+                lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            if tie_embeddings and name == "lm_head":
+                lin.weight = model.embed.weight
+            else:
+                lin.weight = nn.Parameter(mod.weight.contiguous(), requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = nn.Parameter(mod.bias, requires_grad=False)
+            setattr(model.get_submodule(parent) if parent else model, leaf, lin)
+            n += 1
+    if n:
+        kernels.weights_moved()
+    return n
 
 
 def fit_group_size(widths: list[int], group_size: int) -> int | None:

@@ -39,7 +39,15 @@ from pipeline.engine import (
 )
 from pipeline.runtime import quant
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.model import ModelConfig, Transformer, apply_rope, build_model, hf_to_runtime, runtime_to_hf
+from pipeline.runtime.model import (
+    ModelConfig,
+    Transformer,
+    apply_rope,
+    build_model,
+    float_state,
+    hf_to_runtime,
+    runtime_to_hf,
+)
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.speculative import DRAFT_HEAD_FILE, attach_draft_head
 from pipeline.sources import read_prompts
@@ -112,7 +120,7 @@ def forward_train(m: Transformer, tokens: Tensor) -> Tensor:
 def init_draft(target: Transformer, layers: int) -> Transformer:
     """The target's embeddings, first `layers` layers and final norm, as an fp32 trainable copy."""
     cfg = ModelConfig(**{**target.cfg.to_dict(), "num_layers": layers})
-    keep = {k: v.detach().clone().float() for k, v in target.state_dict().items()
+    keep = {k: v.detach().clone().float() for k, v in float_state(target).items()
             if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
     return build_model(cfg, keep, torch.float32, "cpu")
 
