@@ -8,7 +8,9 @@ when the engine itself is quantized), so the table compares precisions and nothi
   counts the prefill too;
 - `bytes_per_token`: weight bytes one decode step reads (the embedding is a row lookup, not counted
   unless it doubles as an unquantized tied head);
-- `roofline_fraction`: tokens_per_s over bandwidth / bytes_per_token;
+- `roofline_fraction`: decode speed over bandwidth / bytes_per_token, per decode against the bandwidth read just
+  before and just after it (their mean: `per_prompt_bandwidth_gbs`), median over prompts;
+  `roofline_fraction_at_median_bandwidth` puts the median speed against the median of all the readings;
 - `agreement_vs_reference`: fraction of positions where this precision's argmax equals the reference's
   greedy token, teacher-forced on the reference continuation (the reference is the engine's own float
   dtype, float32 when it is float32);
@@ -68,9 +70,10 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
     mean_logprob}` for each precision, plus the reference's name and the kernel path that ran.
 
-    `bandwidth_gbs` is a figure or a probe: a probe runs before the first prompt and after each, and the
-    rooflines use the median of those readings (`bandwidth_gbs`, `bandwidth_probes_gbs`). One reading taken
-    at another moment had put the bf16 target at 128% of its roofline (29.6 GB/s read while it decoded at 38)."""
+    `bandwidth_gbs` is a figure or a probe: a probe runs before each decode and after the last, and each decode's
+    roofline uses the mean of the readings on either side of it (`bandwidth_probes_gbs` lists them all,
+    `bandwidth_gbs` is their median). One reading taken at another moment had put the bf16 target at 128% of its
+    roofline (29.6 GB/s read while it decoded at 38); readings a prompt apart in one bench went 57, 60, 21, 57, 51."""
     # float32 from bf16 weights would only widen them; a float32 copy of a large model may not fit.
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
@@ -93,6 +96,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     for prec in order:
         generate(models[prec], [Request(ids[0][:8], 2)])  # warm-up
     probes = [bandwidth_gbs()] if callable(bandwidth_gbs) else []
+    around: dict = {prec: [] for prec in order}  # the bandwidth each decode ran at: mean of the readings around it
     for p in ids:
         for prec in order:
             t = time.perf_counter()
@@ -102,8 +106,11 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
             tps[prec].append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0
                              else e2e[prec][-1])
             conts[prec].append(res.tokens)
-        if probes:
-            probes.append(bandwidth_gbs())
+            if probes:
+                probes.append(bandwidth_gbs())
+                around[prec].append((probes[-2] + probes[-1]) / 2)
+            else:
+                around[prec].append(bandwidth_gbs)
     if probes:
         bandwidth_gbs = statistics.median(probes)
         out["bandwidth_probes_gbs"] = probes
@@ -122,9 +129,11 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
         speed = statistics.median(tps[prec])
         ratio = statistics.median(x / r for x, r in zip(tps[prec], tps[reference]))
         out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e[prec]),
+                     "per_prompt_tokens_per_s": tps[prec], "per_prompt_bandwidth_gbs": around[prec],
                      "speedup_vs_reference": ratio,
                      "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
-                     "roofline_fraction": speed / (bandwidth_gbs * 1e9 / b),
+                     "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps[prec], around[prec])),
+                     "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
         log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "
             f"{out[prec]['roofline_fraction']:.2f}  agreement {out[prec]['agreement_vs_reference']:.3f}  "

@@ -58,6 +58,17 @@ def _peers(report: dict) -> list[str]:
     return [f"In the same run: {'; '.join(parts)}."] if parts else []
 
 
+def _precision(table: dict) -> list[str]:
+    """One line for the target's precision table: decode speed, roofline and agreement per precision."""
+    parts = [f"{p} {e['tokens_per_s']:.1f} tokens/s ({e['speedup_vs_reference']:.2f}x, "
+             f"{100 * e['roofline_fraction']:.0f}% of its roofline, agreement {e['agreement_vs_reference']:.3f})"
+             for p in ("float32", "bfloat16", "int8", "int4") if (e := table.get(p))]
+    if not parts:
+        return []
+    return [f"Target per weight precision ({table['new_tokens']} new tokens, decode steps only, each set against the "
+            f"bandwidth read around it; vs {table['reference']}): " + "; ".join(parts) + "."]
+
+
 def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | None) -> list[str]:
     """The figures of one spec, from whichever of its two reports exist."""
     out = [f"### `{name}` (`{spec_path}`)", ""]
@@ -90,6 +101,7 @@ def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | 
         if rf:
             out.append(f"Baseline reaches {100 * rf['fraction_of_limit']:.0f}% of the memory-bandwidth limit "
                        f"({rf['limit_tokens_per_s']:.1f} tokens/s at {rf['bandwidth_gbs']:.1f} GB/s).")
+        out += _precision(bench.get("precision") or {})
         out.append("")
     return out
 

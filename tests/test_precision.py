@@ -124,12 +124,17 @@ def test_precisions_are_timed_round_robin_and_their_ratio_is_a_median_of_paired_
     assert timed[0][0] == timed[2][0] != timed[1][0] == timed[3][0]  # model A, B, A, B
 
 
-def test_rooflines_use_the_median_of_bandwidth_probes_taken_between_the_prompts():
-    """A probe runs before the first prompt and after each, so the roofline sees the memory of the same minutes."""
-    readings = iter([40.0, 10.0, 30.0])
+def test_each_decodes_roofline_uses_the_bandwidth_read_just_before_and_after_it():
+    """A probe runs before each decode and after the last, so a decode is set against the memory of its own seconds."""
+    readings = iter([40.0, 10.0, 30.0, 20.0, 60.0])  # decodes: (prompt 1: float32, int8), (prompt 2: float32, int8)
     t = precision_table(CFG, _state(), [[1, 2, 3], [4, 5, 6, 7]], 4, bandwidth_gbs=lambda: next(readings),
                         group_size=32, precisions=("float32", "int8"), log=lambda *a: None)
-    assert t["bandwidth_probes_gbs"] == [40.0, 10.0, 30.0] and t["bandwidth_gbs"] == 30.0
+    assert t["bandwidth_probes_gbs"] == [40.0, 10.0, 30.0, 20.0, 60.0] and t["bandwidth_gbs"] == 30.0
+    assert t["float32"]["per_prompt_bandwidth_gbs"] == [25.0, 25.0]
+    assert t["int8"]["per_prompt_bandwidth_gbs"] == [20.0, 40.0]
     for prec in ("float32", "int8"):
         r = t[prec]
-        assert r["roofline_fraction"] == pytest.approx(r["tokens_per_s"] * r["bytes_per_token"] / 30e9)
+        b = r["bytes_per_token"]
+        fr = [s * b / (g * 1e9) for s, g in zip(r["per_prompt_tokens_per_s"], r["per_prompt_bandwidth_gbs"])]
+        assert r["roofline_fraction"] == pytest.approx(sum(fr) / 2)
+        assert r["roofline_fraction_at_median_bandwidth"] == pytest.approx(r["tokens_per_s"] * b / 30e9)

@@ -32,6 +32,11 @@ BENCH = {
     },
     "peers": {"hf_generate": {"tokens_per_s": 8.6}},
     "roofline": {"bandwidth_gbs": 30.0, "limit_tokens_per_s": 55.0, "fraction_of_limit": 0.391},
+    "precision": {"reference": "bfloat16", "new_tokens": 64,
+                  "bfloat16": {"tokens_per_s": 12.04, "speedup_vs_reference": 1.0, "roofline_fraction": 0.7149,
+                               "agreement_vs_reference": 1.0},
+                  "int4": {"tokens_per_s": 40.06, "speedup_vs_reference": 3.567, "roofline_fraction": 0.5586,
+                           "agreement_vs_reference": 0.9414}},
     "environment": {"date": "2026-11-30T22:10:00+00:00"},
 }
 README = "# Title\n\nProse before.\n\n<!-- figures:begin -->\nhand-typed 4.4x\n<!-- figures:end -->\n\nProse after.\n"
@@ -62,6 +67,8 @@ def test_block_carries_every_figure_with_its_date_and_spec(demo):
     assert "baseline 2.50x it" in block  # bench: 21.5 / 8.6
     assert "draft_target 4" in block.split("no faster than baseline:")[1]
     assert "39% of the memory-bandwidth limit" in block
+    assert ("bfloat16 12.0 tokens/s (1.00x, 71% of its roofline, agreement 1.000); "
+            "int4 40.1 tokens/s (3.57x, 56% of its roofline, agreement 0.941)") in block
     assert "4.4x" not in block
 
 
