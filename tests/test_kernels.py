@@ -61,8 +61,8 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
 
 def _shape(kind: str) -> tuple[int, int]:
     # K: not a multiple of 16 (scalar tail) except for int4, which needs whole groups; N: not a multiple of
-    # any tile height or the per-thread chunk. Tiled bf16 is whole 8 x 32 tiles (of 24-row thread chunks: no).
-    return {"int4": (77, 256), "bf16_tiled": (80, 224)}.get(kind, (77, 203))
+    # any tile height or the per-thread chunk. Tiled bf16 is whole 4 x 32 tiles (not of 8 or of 24-row thread chunks).
+    return {"int4": (77, 256), "bf16_tiled": (76, 224)}.get(kind, (77, 203))
 
 
 def _both_builds(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +219,7 @@ def test_bf16_dot_products_agree_between_builds_on_random_shapes_rows_and_thread
     k = gs * int(rng.integers(1, 5)) if kind == "int4" else int(rng.integers(1, 300))
     n = int(rng.integers(1, 90))
     if kind == "bf16_tiled":
-        k, n = 32 * (k // 32 + 1), 8 * (n // 8 + 1)
+        k, n = 32 * (k // 32 + 1), 4 * (n // 4 + 1)
     w, ref_w = weights(kind, n, k, seed=seed, group_size=gs)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32) * np.float32(rng.choice([1e-3, 1, 50])))
     out = {}
@@ -270,8 +270,8 @@ def test_builds_agree_on_adversarial_bf16_inputs(threads):
 
 @pytest.mark.parametrize("nthreads", [1, 2, 5])
 def test_tiled_bf16_weights_give_the_row_major_bits_for_every_row_count_thread_count_and_build(nthreads, threads):
-    """Tiling is a layout, never a different sum: 8-row tiles, 4-row halves for 2..6-row groups, shares and claims."""
-    w, _ = weights("bfloat16", 8 * 37, 32 * 11, seed=12)
+    """Tiling is a layout, never a different sum: 4-row tiles for every group of token rows, shares and claims."""
+    w, _ = weights("bfloat16", 4 * 37, 32 * 11, seed=12)
     tiled = quant.QLinear(quant.tile_bf16(w), None)
     assert torch.equal(tiled.weight, w) and tiled.shape == tuple(w.shape)
     x = torch.randn(50, w.shape[1], generator=torch.Generator().manual_seed(13))

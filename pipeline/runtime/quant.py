@@ -19,11 +19,11 @@ In a state dict a quantized linear `P` is `P.qweight` (int8 [N, K], or uint8 [N,
 plus `P.scales` (fp32 [N], or bf16 [N, K / group_size]) instead of `P.weight`; the format is read back from
 the shapes, so loading needs no extra configuration.
 
-bf16 weights are not quantized, but on CPU they are tiled at load (`tile_model`, never stored so): 8 rows by 32
-columns at a time, [N / 8, K / 32, 8, 32], so the kernel's 8-row tiles stream by as one sequential read instead of
-8 interleaved rows. The 1.5B target's one-token matmuls ran 1.09x as fast so when memory was fast (skinny.c,
-PF_TILED) and the same when it was slow. A tiled layer is a QLinear of algo "bf16"; engines keep row-major
-weights, and `model.float_state` gives them back row-major.
+bf16 weights are not quantized, but on CPU they are tiled at load (`tile_model`, never stored so): 4 rows by 32
+columns at a time, [N / 4, K / 32, 4, 32], so the kernel's tiles of rows stream by as one sequential read instead of
+interleaved rows. The 1.5B target's one-token matmuls ran 1.13x as fast so when memory was fast and 1.02x when it
+was slow; verification and prefill about the same (skinny.c, PF_TILED1). A tiled layer is a QLinear of algo "bf16";
+engines keep row-major weights, and `model.float_state` gives them back row-major.
 """
 
 from __future__ import annotations
@@ -118,20 +118,23 @@ def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     return (unpack_int4(qweight).float() - 8.0) * scales.float().repeat_interleave(K // scales.shape[1], dim=1)
 
 
+TILE_ROWS = 4  # skinny.c's TROWS
+
+
 def tile_bf16(w: Tensor) -> Tensor:
-    """bf16 [N, K] (N % 8 == 0, K % 32 == 0) -> [N / 8, K / 32, 8, 32]: each 8-row tile in the kernel's read order."""
+    """bf16 [N, K] (N % 4 == 0, K % 32 == 0) -> [N / 4, K / 32, 4, 32]: each 4-row tile in the kernel's read order."""
     N, K = w.shape
-    return w.detach().bfloat16().reshape(N // 8, 8, K // 32, 32).transpose(1, 2).contiguous()
+    return w.detach().bfloat16().reshape(N // TILE_ROWS, TILE_ROWS, K // 32, 32).transpose(1, 2).contiguous()
 
 
 def untile_bf16(t: Tensor) -> Tensor:
     """The row-major bf16 [N, K] weight of a tiled one."""
-    n8, kb, _, _ = t.shape
-    return t.transpose(1, 2).reshape(8 * n8, 32 * kb)
+    nt, kb, tr, _ = t.shape
+    return t.transpose(1, 2).reshape(tr * nt, 32 * kb)
 
 
 def tileable(w: Tensor) -> bool:
-    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 8 == 0 and w.shape[1] % 32 == 0
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % 32 == 0
 
 
 def algo_of(qweight: Tensor) -> str:
@@ -148,7 +151,7 @@ class QLinear(nn.Module):
             raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8), uint8 (packed int4) or bfloat16 "
                              "(tiled, see tile_bf16)")
         if qweight.dtype == torch.bfloat16 and qweight.dim() != 4:
-            raise ValueError(f"a bf16 qweight is tiled [N / 8, K / 32, 8, 32] (tile_bf16), not {list(qweight.shape)}")
+            raise ValueError(f"a bf16 qweight is tiled [N / 4, K / 32, 4, 32] (tile_bf16), not {list(qweight.shape)}")
         self.register_buffer("qweight", qweight.contiguous())
         # int4 scales are bf16 (the kernel reads them so), int8 ones fp32; tiled bf16 has none (an empty buffer).
         if qweight.dtype == torch.bfloat16:
@@ -162,7 +165,7 @@ class QLinear(nn.Module):
             self.bias = None
         self.algo = algo_of(qweight)
         if self.algo == "bf16":
-            self.out_features, self.in_features = qweight.shape[0] * 8, qweight.shape[1] * 32
+            self.out_features, self.in_features = qweight.shape[0] * qweight.shape[2], qweight.shape[1] * 32
         else:
             self.out_features = qweight.shape[0]
             self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)

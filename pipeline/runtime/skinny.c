@@ -74,7 +74,7 @@ static const int R_FOR_G[7] = {0, 8, 6, 4, 4, 3, 3};
                         T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
 #define TILE_CASES_B(T) T(8, 1) T(6, 2) T(6, 1) T(4, 3) T(4, 2) T(4, 4) T(4, 5) T(4, 6) \
                         T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
-#define TILE_CASES_T(T) T(8, 1) T(4, 2) T(4, 1) T(4, 3) T(4, 4) T(4, 5) T(4, 6) \
+#define TILE_CASES_T(T) T(4, 1) T(4, 2) T(4, 3) T(4, 4) T(4, 5) T(4, 6) \
                         T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
 #define TILE_CASES_Q(T) T(8, 1) T(5, 2) T(5, 1) T(3, 3) T(3, 2) T(3, 4) T(2, 5) T(2, 4) T(2, 6) \
                         T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
@@ -130,8 +130,8 @@ static void x_round(const float *x, xq_t *out, int K, int Kp) {
 // vectors, one x vector) and int4 (R*g more for a group's partial sums, the lookup table and shifts).
 // (Measured, one thread, a Qwen2.5-1.5B layer: 6 rows x 3 tokens streamed 15% slower than 4 x 3.)
 static const int RB_FOR_G[7] = {0, 8, 6, 4, 4, 4, 4};
-// Tiled bf16: tiles of rows that divide its 8-row tiles.
-static const int RT_FOR_G[7] = {0, 8, 4, 4, 4, 4, 4};
+// Tiled bf16: the rows of one 4-row tile.
+static const int RT_FOR_G[7] = {0, 4, 4, 4, 4, 4, 4};
 static const int RQ_FOR_G[7] = {0, 8, 5, 3, 3, 2, 2};
 
 #else
@@ -260,9 +260,17 @@ const char *skinny_isa(void) { return ISA_NAME; }
 // next tile came too late (measured, int4 draft-shaped layers from DRAM: 8 KB ahead streamed 6-8% faster;
 // bf16 tiles and the 1.5B's int4 tiles, 6 KB and more, did not change).
 #define PF_BYTES 8192
-// Tiled bf16 weights are one sequential stream: prefetching 4 KB on ran the 1.5B's one-token matmuls 1.09x as fast
-// as row-major tiles did when memory was fast (88 paired rounds at 54 GB/s read; 2 KB 1.09x, 8 KB 1.05x, none 1.03x).
-#define PF_TILED 4096
+// Tiled bf16 weights (WT_BF16T) are one sequential stream of 4-row tiles; how far ahead to prefetch depends on the
+// number of token rows G, measured on the 1.5B's matmuls, paired against row-major tiles (the prefetch of the next
+// tile that row-major reading needs was 1.09x slower than this at G = 1):
+//   G = 1: 4 KB ahead: 1.13x as fast as row-major when memory was fast (25 paired rounds at 51 GB/s read), 1.02x when
+//          slow (114 at 31 GB/s); 8-row tiles, 1.08x. 4-row tiles keep every G a sequential read: 8-row tiles read
+//          as 4-row halves ran verification (G = 4 + 3) at 0.67x;
+//   G = 2: 2 KB: 1.00x (16 KB: 0.84x);
+//   G > 2: one tile ahead (its 4 rows): 1.04x at 7 rows (4 KB: 0.67x), 0.93-0.97x at 4 rows; 48-row prefill 1.01x.
+#define TROWS 4
+#define PF_TILED1 4096
+#define PF_TILED2 2048
 static inline int64_t pf_shift(int64_t tile) { return tile >= PF_BYTES ? 0 : (PF_BYTES - tile + 63) & ~63; }
 #define MAXR 8
 #define MAXG 6
@@ -378,12 +386,13 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         }
 #undef I4_CHUNK
     } else if (wt == WT_BF16T) {
-        // Rows n.. of one 8-row tile (n % 8 + R <= 8): block kb of lane l at tile + 512 kb + 64 l, so the tile
+        // Rows n.. of one 4-row tile (n % 4 + R <= 4): block kb of lane l at tile + 256 kb + 64 l, so the tile
         // streams by in address order. K is a multiple of 32 here (quant.tile_bf16).
-        const char *base = wb + (int64_t)(n >> 3) * 8 * rb + (n & 7) * 64;
+        const char *base = wb + (int64_t)(n / TROWS) * TROWS * rb + (n % TROWS) * 64;
+        const int64_t pfd = G == 1 ? PF_TILED1 : G == 2 ? PF_TILED2 : TROWS * rb;
         for (int kb = 0; kb < K / 32; kb++) {
-            const char *blk = base + (int64_t)kb * 512;
-            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(blk + PF_TILED + off, PF_HINT);
+            const char *blk = base + (int64_t)kb * 64 * TROWS;
+            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(blk + pfd + off, PF_HINT);
             wv32 wq[MAXR];
             for (int r = 0; r < R; r++) wq[r] = w_bf16((const uint16_t *)(blk + 64 * r));
             for (int i = 0; i < G; i++) {
