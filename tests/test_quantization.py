@@ -160,6 +160,31 @@ def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_b
     assert read_bytes(m) == read_bytes(build_model(cfg, dict(st), torch.bfloat16, "cpu"))
 
 
+@pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
+def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits():
+    from pipeline.runtime.speculative import attach_draft_head
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, tie_embeddings=True, max_position_embeddings=512)
+    q = quant.quantize_state(_state(cfg, 5), "int4", 64)
+    m = build_model(cfg, dict(q), torch.float32, "cpu")
+    lins = [getattr(b, n) for b in m.layers for n in ("wqkv", "wo", "w13", "w2")] + [m.lm_head]
+    assert all(isinstance(x, quant.QLinear) and x.algo == "int4" and x.tiled for x in lins)
+    toks = torch.tensor([[5, 9, 3, 7, 11]])
+
+    def logits(model):
+        with torch.inference_mode():
+            return model.logits(model(toks, torch.arange(5)[None], model.new_cache(1, 8)))
+
+    tiled = logits(m)
+    assert quant.untile_model(m) == len(lins) and not m.lm_head.tiled
+    assert torch.equal(logits(m), tiled)
+    ids = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5])
+    attach_draft_head(m, m.lm_head.rows(ids), ids)
+    assert m.lm_head.tiled and all(x.tiled for b in m.layers for x in (b.wqkv, b.wo, b.w13, b.w2))
+    assert torch.equal(logits(m), tiled[..., ids])
+
+
 def test_quantize_model_in_place_matches_quantize_state():
     cfg = _cfg(tie=False)
     st = _state(cfg, 2)

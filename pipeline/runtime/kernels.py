@@ -186,7 +186,8 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
             return w.qweight.data_ptr(), w.scales.data_ptr(), 2, 0, w.out_features, w.in_features
         if w.algo == "bf16":
             return w.qweight.data_ptr(), None, 4, 0, w.out_features, w.in_features
-        return w.qweight.data_ptr(), w.scales.data_ptr(), 3, w.group_size, w.out_features, w.in_features
+        wt = 5 if w.tiled else 3  # skinny.c's WT_I4T (quant.tile_int4), WT_I4
+        return w.qweight.data_ptr(), w.scales.data_ptr(), wt, w.group_size, w.out_features, w.in_features
     if w.dtype not in WT:
         raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "
                          "(set dtype: float32 or bfloat16)")

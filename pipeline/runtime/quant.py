@@ -114,6 +114,8 @@ def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
         return qweight.float() * scales[:, None]
     if qweight.dtype == torch.bfloat16:
         return untile_bf16(qweight)
+    if qweight.dim() == 4:
+        qweight = untile_int4(qweight)
     K = qweight.shape[1] * 2
     return (unpack_int4(qweight).float() - 8.0) * scales.float().repeat_interleave(K // scales.shape[1], dim=1)
 
@@ -135,6 +137,22 @@ def untile_bf16(t: Tensor) -> Tensor:
 
 def tileable(w: Tensor) -> bool:
     return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % 32 == 0
+
+
+def tile_int4(q: Tensor) -> Tensor:
+    """Packed int4 [N, K / 2] (N % 8 == 0, K % 128 == 0) -> [N / 8, K / 128, 8, 64]: each row's 64-byte superblocks
+    (module docstring), 8 rows side by side, as the kernel reads them."""
+    N, half = q.shape
+    return q.reshape(N // 8, 8, half // 64, 64).transpose(1, 2).contiguous()
+
+
+def untile_int4(t: Tensor) -> Tensor:
+    nt, sb, _, _ = t.shape
+    return t.transpose(1, 2).reshape(8 * nt, 64 * sb)
+
+
+def int4_tileable(q: Tensor) -> bool:
+    return q.dim() == 2 and q.dtype == torch.uint8 and q.shape[0] % 8 == 0 and q.shape[1] % 64 == 0
 
 
 def algo_of(qweight: Tensor) -> str:
@@ -164,8 +182,11 @@ class QLinear(nn.Module):
         else:
             self.bias = None
         self.algo = algo_of(qweight)
+        self.tiled = qweight.dim() == 4  # bf16 always; int4 once tile_model ran (tile_int4)
         if self.algo == "bf16":
             self.out_features, self.in_features = qweight.shape[0] * qweight.shape[2], qweight.shape[1] * 32
+        elif self.tiled:
+            self.out_features, self.in_features = qweight.shape[0] * 8, qweight.shape[1] * 128
         else:
             self.out_features = qweight.shape[0]
             self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
@@ -187,7 +208,11 @@ class QLinear(nn.Module):
         if self.algo == "bf16":
             w = self.weight[idx].contiguous()
             return QLinear(tile_bf16(w), None) if tileable(w) and self.bias is None else w
-        return QLinear(self.qweight[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
+        q = untile_int4(self.qweight) if self.tiled else self.qweight
+        sub = QLinear(q[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
+        if self.tiled and int4_tileable(sub.qweight):
+            return QLinear(tile_int4(sub.qweight), sub.scales, sub.bias)
+        return sub
 
     def forward(self, x: Tensor) -> Tensor:
         from pipeline.runtime.kernels import linear
@@ -261,16 +286,22 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
 
 
 def tile_model(model: nn.Module) -> int:
-    """Tile every bf16 runtime linear layer (and the LM head; a tied one gets its own copy, the embedding stays for
-    lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole tiles stay
+    """Tile every bf16 and int4 runtime linear layer (and the LM head; a tied one gets its own copy, the embedding stays
+    for lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole tiles stay
     row-major."""
     n = 0
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and LINEAR.match(name + ".weight") and tileable(mod.weight):
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf,
-                    QLinear(tile_bf16(mod.weight), None, mod.bias))
-            n += 1
+        if not LINEAR.match(name + ".weight"):
+            continue
+        if isinstance(mod, nn.Linear) and tileable(mod.weight):
+            layer = QLinear(tile_bf16(mod.weight), None, mod.bias)
+        elif isinstance(mod, QLinear) and mod.algo == "int4" and int4_tileable(mod.qweight):
+            layer = QLinear(tile_int4(mod.qweight), mod.scales, mod.bias)
+        else:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+        n += 1
     if n:
         kernels.weights_moved()
     return n
@@ -278,10 +309,15 @@ def tile_model(model: nn.Module) -> int:
 
 def untile_model(model: nn.Module, tie_embeddings: bool = False) -> int:
     """Turn every tiled bf16 layer back into a row-major nn.Linear (with `tie_embeddings`, the head shares the
-    embedding again), in place; returns the number untiled."""
+    embedding again) and every tiled int4 one into a row-major QLinear, in place; returns the number untiled."""
     n = 0
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, QLinear) and mod.algo == "bf16":
+        if isinstance(mod, QLinear) and mod.algo == "int4" and mod.tiled:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf,
+                    QLinear(untile_int4(mod.qweight), mod.scales, mod.bias))
+            n += 1
+        elif isinstance(mod, QLinear) and mod.algo == "bf16":
             parent, _, leaf = name.rpartition(".")
             with torch.device("meta"):
                 lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pipeline.runtime import kernels, quant
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
@@ -93,11 +94,13 @@ def attach_draft_head(model: Transformer, weight: Tensor | QLinear, ids: Tensor)
     if isinstance(weight, QLinear):
         model.lm_head = weight
         model.vocab_ids = ids.to(device=weight.qweight.device, dtype=torch.long)
-        return model
-    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    model.lm_head = head
-    model.vocab_ids = ids.to(device=weight.device, dtype=torch.long)
+    else:
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        model.lm_head = head
+        model.vocab_ids = ids.to(device=weight.device, dtype=torch.long)
+    if model.vocab_ids.device.type == "cpu" and kernels.available():
+        quant.tile_model(model)  # the head in the layout the CPU kernels stream fastest, as the model's own layers
     return model
 
 
