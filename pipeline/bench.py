@@ -178,9 +178,9 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
-    wbytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in b.target.parameters()}.values())
-    wbytes -= b.target.embed.weight.numel() * b.target.embed.weight.element_size() * (
-        0 if b.target.cfg.tie_embeddings else 1)
+    from pipeline.precision import read_bytes
+
+    wbytes = read_bytes(b.target)  # buffers too: tiled and quantized layers hold their weights as buffers
     limit = bw * 1e9 / wbytes
     report["roofline"] = {"bandwidth_gbs": bw, "bandwidth_probes_gbs": bws, "weight_bytes_read_per_token": wbytes,
                           "limit_tokens_per_s": limit,

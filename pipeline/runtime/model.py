@@ -246,8 +246,9 @@ class Transformer(nn.Module):
         kernels.weights_moved()  # .to(), .float(), .bfloat16() give the weights new memory
         probe = fn(torch.empty(0, dtype=torch.bfloat16, device=self.embed.weight.device))
         if probe.dtype == torch.bfloat16 and probe.device == self.embed.weight.device:
-            return super()._apply(fn, recurse)  # tiled bf16 layers stay as they are
-        # Another dtype or device: tiles are a CPU bf16 layout, so the layers go back to row-major first.
+            return super()._apply(fn, recurse)  # tiled layers stay as they are
+        # Another dtype or device: tiles are a layout of the CPU kernels, so the layers go back to row-major first
+        # (and are tiled again if they are still on CPU).
         untile_model(self, self.cfg.tie_embeddings)
         out = super()._apply(fn, recurse)
         if self.embed.weight.device.type == "cpu" and kernels.available():
@@ -375,7 +376,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
 
     Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
     storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). On CPU with the
-    kernels, bf16 linears are tiled (quant.tile_model); `float_state` gives the weights back as they were loaded.
+    kernels, bf16 and int4 linears are tiled (quant.tile_model); `float_state` gives back plain weights.
     """
     if device_type(device) == "cpu" and dtype == torch.float16:
         raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "

@@ -22,8 +22,10 @@ the shapes, so loading needs no extra configuration.
 bf16 weights are not quantized, but on CPU they are tiled at load (`tile_model`, never stored so): 4 rows by 32
 columns at a time, [N / 4, K / 32, 4, 32], so the kernel's tiles of rows stream by as one sequential read instead of
 interleaved rows. The 1.5B target's one-token matmuls ran 1.13x as fast so when memory was fast and 1.02x when it
-was slow; verification and prefill about the same (skinny.c, PF_TILED1). A tiled layer is a QLinear of algo "bf16";
-engines keep row-major weights, and `model.float_state` gives them back row-major.
+was slow; verification and prefill about the same (skinny.c, PF_TILED1). A tiled layer is a QLinear of algo "bf16".
+int4 layers are tiled the same way, 8 rows of 64-byte superblocks side by side ([N / 8, K / 128, 8, 64], K % 128 == 0;
+`tile_int4`): the 0.5B draft's one-token matmuls ran 1.06x as fast. Engines keep row-major weights, and
+`model.float_state` gives plain ones back.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 // a GEMV; here each weight row is read once and applied to every token row while it sits in L1,
 // so verifying k+1 tokens costs about what decoding one does.
 //
-// Weights are fp32, bf16 (row-major, or tiled: see WT_BF16T below), int8 (per output row scale) or int4 (bf16
-// scale per group of input columns, two nibbles per byte). Each output element is computed by one fixed instruction sequence whatever the
+// Weights are fp32, bf16 (row-major, or tiled: WT_BF16T), int8 (per output row scale) or int4 (bf16 scale per group
+// of input columns, two nibbles per byte; row-major or tiled: WT_I4T). Tiles only change where a row's bytes are. Each output element is computed by one fixed instruction sequence whatever the
 // number of rows in the call, the tile it falls in or the thread count, so speculative verification,
 // trees, batches and prefill see bit-identical logits to plain decoding.
 //
