@@ -185,6 +185,22 @@ def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits():
     assert torch.equal(logits(m), tiled[..., ids])
 
 
+def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_state_does():
+    """A bf16 CPU model's layers are tiled QLinears, no longer nn.Linear: quantize_model must still take all of them
+    (the engine build's draft step was once timed on a bf16 draft because it did not)."""
+    cfg = _cfg(tie=False)
+    st = {k: v.bfloat16() if v.dim() == 2 else v for k, v in _state(cfg, 6).items()}
+    a = quant.quantize_model(build_model(cfg, dict(st), torch.bfloat16, "cpu"), "int4", 32)
+    lins = [getattr(b, n) for b in a.layers for n in ("wqkv", "wo", "w13", "w2")] + [a.lm_head]
+    assert all(isinstance(x, quant.QLinear) and x.algo == "int4" for x in lins)
+    b = build_model(cfg, quant.quantize_state(st, "int4", 32), torch.bfloat16, "cpu")
+    toks = torch.tensor([[5, 9, 3, 7]])
+    with torch.inference_mode():
+        la = a.logits(a(toks, torch.arange(4)[None], a.new_cache(1, 8)))
+        lb = b.logits(b(toks, torch.arange(4)[None], b.new_cache(1, 8)))
+    assert torch.equal(la, lb)
+
+
 def test_quantize_model_in_place_matches_quantize_state():
     cfg = _cfg(tie=False)
     st = _state(cfg, 2)

@@ -276,14 +276,20 @@ def cast_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor
 
 
 def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Module:
-    """Replace every runtime linear layer of a built Transformer (and its LM head) by a QLinear, in place."""
+    """Replace every runtime linear layer of a built Transformer (and its LM head) by a QLinear, in place; bf16 layers
+    tiled at load are quantized from their weights too, and int4 layers are tiled as `build_model` would."""
     if algo == "none":
         return model
+    tiled = False
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, nn.Linear) and LINEAR.match(name + ".weight"):
+        plain = isinstance(mod, nn.Linear) or isinstance(mod, QLinear) and mod.algo == "bf16"
+        if plain and LINEAR.match(name + ".weight"):
             parent, _, leaf = name.rpartition(".")
             q, s = quantize(mod.weight, algo, group_size)
             setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
+            tiled = tiled or isinstance(mod, QLinear)
+    if tiled and kernels.available():
+        tile_model(model)
     return model
 
 
