@@ -122,3 +122,11 @@ def test_the_readme_types_no_measured_figure_outside_the_rendered_block():
         prose = prose.replace(setting, "")
     typed = re.findall(r"[^\n]{0,40}\b\d+(?:\.\d+)?\s*(?:tokens/s|tok/s|x\b|ms\b|GB/s|s\b|%)[^\n]{0,20}", prose)
     assert not typed, f"typed figures in README.md outside the figures block: {typed}"
+
+
+def test_a_paired_baseline_roofline_says_so_and_an_older_report_says_medians():
+    paired = {**BENCH, "roofline": {**BENCH["roofline"], "fraction_at_median_bandwidth": 0.5}}
+    new = "\n".join(readme.render_spec("demo", "x.yaml", None, paired))
+    old = "\n".join(readme.render_spec("demo", "x.yaml", None, BENCH))
+    assert "39% of the memory-bandwidth limit, each prompt against the bandwidth read around it" in new
+    assert "(55.0 tokens/s at 30.0 GB/s, the medians)" in old and "each prompt" not in old
