@@ -131,6 +131,11 @@ def test_quantize_state_quantizes_every_linear_and_a_tied_head_separately():
     assert quant.quantize_state(st, "none", 32) == st
 
 
+def _logits5(model: Transformer) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.logits(model(torch.tensor([[5, 9, 3, 7, 11]]), torch.arange(5)[None], model.new_cache(1, 8)))
+
+
 @pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
 def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_bits():
     from pipeline.precision import read_bytes
@@ -145,18 +150,13 @@ def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_b
     plain = float_state(m)
     assert all(torch.equal(plain[k], v) for k, v in st.items())
     assert torch.equal(plain["lm_head.weight"], st["embed.weight"])  # the tied head's own tiled copy
-    toks = torch.tensor([[5, 9, 3, 7, 11]])
 
-    def logits(model):
-        with torch.inference_mode():
-            return model.logits(model(toks, torch.arange(5)[None], model.new_cache(1, 8)))
-
-    tiled = logits(m)
+    tiled = _logits5(m)
     m.to("cpu")  # neither dtype nor device changes: the tiles stay
     assert isinstance(m.lm_head, quant.QLinear)
     assert quant.untile_model(m, tie_embeddings=True) == len(lins)
     assert m.lm_head.weight is m.embed.weight and isinstance(m.layers[0].w13, nn.Linear)
-    assert torch.equal(logits(m), tiled)
+    assert torch.equal(_logits5(m), tiled)
     assert read_bytes(m) == read_bytes(build_model(cfg, dict(st), torch.bfloat16, "cpu"))
 
 
@@ -170,19 +170,14 @@ def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits():
     m = build_model(cfg, dict(q), torch.float32, "cpu")
     lins = [getattr(b, n) for b in m.layers for n in ("wqkv", "wo", "w13", "w2")] + [m.lm_head]
     assert all(isinstance(x, quant.QLinear) and x.algo == "int4" and x.tiled for x in lins)
-    toks = torch.tensor([[5, 9, 3, 7, 11]])
 
-    def logits(model):
-        with torch.inference_mode():
-            return model.logits(model(toks, torch.arange(5)[None], model.new_cache(1, 8)))
-
-    tiled = logits(m)
+    tiled = _logits5(m)
     assert quant.untile_model(m) == len(lins) and not m.lm_head.tiled
-    assert torch.equal(logits(m), tiled)
+    assert torch.equal(_logits5(m), tiled)
     ids = torch.tensor([3, 1, 4, 15, 9, 2, 6, 5])
     attach_draft_head(m, m.lm_head.rows(ids), ids)
     assert m.lm_head.tiled and all(x.tiled for b in m.layers for x in (b.wqkv, b.wo, b.w13, b.w2))
-    assert torch.equal(logits(m), tiled[..., ids])
+    assert torch.equal(_logits5(m), tiled[..., ids])
 
 
 def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_state_does():
@@ -194,11 +189,7 @@ def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_stat
     lins = [getattr(b, n) for b in a.layers for n in ("wqkv", "wo", "w13", "w2")] + [a.lm_head]
     assert all(isinstance(x, quant.QLinear) and x.algo == "int4" for x in lins)
     b = build_model(cfg, quant.quantize_state(st, "int4", 32), torch.bfloat16, "cpu")
-    toks = torch.tensor([[5, 9, 3, 7]])
-    with torch.inference_mode():
-        la = a.logits(a(toks, torch.arange(4)[None], a.new_cache(1, 8)))
-        lb = b.logits(b(toks, torch.arange(4)[None], b.new_cache(1, 8)))
-    assert torch.equal(la, lb)
+    assert torch.equal(_logits5(a), _logits5(b))
 
 
 def test_quantize_model_in_place_matches_quantize_state():
