@@ -24,7 +24,7 @@ from tests.conftest import np_unpack_int4
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/FMA")
-KINDS = ["float32", "bfloat16", "bf16_tiled", "int8", "int4", "int4_tiled"]
+KINDS = ["float32", "bfloat16", "bf16_tiled", "int8", "int8_tiled", "int4", "int4_tiled"]
 ROWS = [1, 2, 5, 7, 33, 65]
 U = 2.0 ** -24  # fp32 unit roundoff
 UB = 2.0 ** -9  # bf16 unit roundoff
@@ -53,8 +53,9 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
         return quant.QLinear(quant.tile_bf16(wb), None), wb.float().double().numpy()
     layer = quant.QLinear(*quant.quantize(w, kind.removesuffix("_tiled"), group_size))
     s = layer.scales.double().numpy()
-    if kind == "int8":
-        return layer, layer.qweight.numpy().astype(np.float64) * s[:, None]
+    if kind.startswith("int8"):
+        ref = layer.qweight.numpy().astype(np.float64) * s[:, None]
+        return (quant.QLinear(quant.tile_int8(layer.qweight), layer.scales) if kind == "int8_tiled" else layer), ref
     u = np_unpack_int4(layer.qweight.numpy())
     if kind == "int4_tiled":
         layer = quant.QLinear(quant.tile_int4(layer.qweight), layer.scales)
@@ -64,7 +65,8 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
 def _shape(kind: str) -> tuple[int, int]:
     # K: not a multiple of 16 (scalar tail) except for int4, which needs whole groups; N: not a multiple of
     # any tile height or the per-thread chunk. Tiled bf16 is whole 4 x 32 tiles (not of 8 or of 24-row thread chunks).
-    return {"int4": (77, 256), "int4_tiled": (40, 384), "bf16_tiled": (76, 224)}.get(kind, (77, 203))
+    return {"int4": (77, 256), "int4_tiled": (40, 384), "int8_tiled": (56, 208), "bf16_tiled": (76, 224)}.get(
+        kind, (77, 203))
 
 
 def _both_builds(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +140,7 @@ def test_thread_count_does_not_change_the_bits(kind, threads):
     assert torch.equal(kernels.linear(x, w), one)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16_tiled", "int4", "int4_tiled"])
+@pytest.mark.parametrize("kind", ["float32", "bf16_tiled", "int8_tiled", "int4", "int4_tiled"])
 def test_rows_a_thread_takes_from_another_threads_share_have_the_same_bits(kind, threads):
     """With more threads than cores some are descheduled mid-call and the others take the rest of their shares."""
     import ctypes
@@ -273,17 +275,20 @@ def test_builds_agree_on_adversarial_bf16_inputs(threads):
 
 
 @pytest.mark.parametrize("nthreads", [1, 2, 5])
-@pytest.mark.parametrize("kind", ["bfloat16", "int4"])
+@pytest.mark.parametrize("kind", ["bfloat16", "int8", "int4"])
 def test_tiled_weights_give_the_row_major_bits_for_every_row_count_thread_count_and_build(kind, nthreads, threads):
     """Tiling is a layout, never a different sum: tiles for every group of token rows (int4 tiles of 8 rows read by
     tiles of 5, 3 or 2: rows straddle tiles), shares and claims."""
     if kind == "bfloat16":
         w, _ = weights("bfloat16", 4 * 37, 32 * 11, seed=12)
         tiled = quant.QLinear(quant.tile_bf16(w), None)
+    elif kind == "int8":
+        w, _ = weights("int8", 8 * 37, 16 * 13, seed=12)
+        tiled = quant.QLinear(quant.tile_int8(w.qweight), w.scales)
     else:
         w, _ = weights("int4", 8 * 37, 128 * 3, seed=12, group_size=64)
         tiled = quant.QLinear(quant.tile_int4(w.qweight), w.scales)
-    assert torch.equal(tiled.weight, w.weight if kind == "int4" else w) and tiled.shape == tuple(w.shape)
+    assert torch.equal(tiled.weight, w if kind == "bfloat16" else w.weight) and tiled.shape == tuple(w.shape)
     x = torch.randn(50, w.shape[1], generator=torch.Generator().manual_seed(13))
     kernels.configure_threads(nthreads)
     for s in (1, 2, 3, 4, 6, 7, 12, 13, 49, 50):
@@ -308,7 +313,7 @@ def test_torch_fallback_agrees_with_the_kernel(kind):
     assert (fast - slow).abs().max() <= 1e-4 * max(1.0, float(slow.abs().max()))
 
 
-@pytest.mark.parametrize("kind", ["bfloat16", "bf16_tiled", "int8", "int4", "int4_tiled"])
+@pytest.mark.parametrize("kind", ["bfloat16", "bf16_tiled", "int8", "int8_tiled", "int4", "int4_tiled"])
 def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
     n, k = 64, 128
     w, ref_w = weights(kind, n, k, seed=9)

@@ -24,7 +24,8 @@ columns at a time, [N / 4, K / 32, 4, 32], so the kernel's tiles of rows stream 
 interleaved rows. The 1.5B target's one-token matmuls ran 1.13x as fast so when memory was fast and 1.02x when it
 was slow; verification and prefill about the same (skinny.c, PF_TILED1). A tiled layer is a QLinear of algo "bf16".
 int4 layers are tiled the same way, 8 rows of 64-byte superblocks side by side ([N / 8, K / 128, 8, 64], K % 128 == 0;
-`tile_int4`): the 0.5B draft's one-token matmuls ran 1.06x as fast. Engines keep row-major weights, and
+`tile_int4`): the 0.5B draft's one-token matmuls ran 1.06x as fast; int8 in 8 rows of 16 columns ([N / 8, K / 16, 8,
+16], `tile_int8`): the 1.5B's 1.08-1.12x when memory was fast, 1.05x when slow. Engines keep row-major weights, and
 `model.float_state` gives plain ones back.
 """
 
@@ -113,7 +114,7 @@ def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does); a tiled
     bf16 weight's row-major bf16 matrix."""
     if qweight.dtype == torch.int8:
-        return qweight.float() * scales[:, None]
+        return (untile_int8(qweight) if qweight.dim() == 4 else qweight).float() * scales[:, None]
     if qweight.dtype == torch.bfloat16:
         return untile_bf16(qweight)
     if qweight.dim() == 4:
@@ -153,6 +154,22 @@ def untile_int4(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(8 * nt, 64 * sb)
 
 
+def tile_int8(q: Tensor) -> Tensor:
+    """int8 [N, K] (N % 8 == 0, K % 16 == 0) -> [N / 8, K / 16, 8, 16]: 16 columns of 8 rows side by side, as the
+    kernel reads them."""
+    N, K = q.shape
+    return q.reshape(N // 8, 8, K // 16, 16).transpose(1, 2).contiguous()
+
+
+def untile_int8(t: Tensor) -> Tensor:
+    nt, kb, _, _ = t.shape
+    return t.transpose(1, 2).reshape(8 * nt, 16 * kb)
+
+
+def int8_tileable(q: Tensor) -> bool:
+    return q.dim() == 2 and q.dtype == torch.int8 and q.shape[0] % 8 == 0 and q.shape[1] % 16 == 0
+
+
 def int4_tileable(q: Tensor) -> bool:
     return q.dim() == 2 and q.dtype == torch.uint8 and q.shape[0] % 8 == 0 and q.shape[1] % 64 == 0
 
@@ -184,11 +201,12 @@ class QLinear(nn.Module):
         else:
             self.bias = None
         self.algo = algo_of(qweight)
-        self.tiled = qweight.dim() == 4  # bf16 always; int4 once tile_model ran (tile_int4)
+        self.tiled = qweight.dim() == 4  # bf16 always; int8 / int4 once tile_model ran (tile_int8, tile_int4)
         if self.algo == "bf16":
             self.out_features, self.in_features = qweight.shape[0] * qweight.shape[2], qweight.shape[1] * 32
         elif self.tiled:
-            self.out_features, self.in_features = qweight.shape[0] * 8, qweight.shape[1] * 128
+            self.out_features = qweight.shape[0] * 8
+            self.in_features = qweight.shape[1] * (16 if self.algo == "int8" else 128)
         else:
             self.out_features = qweight.shape[0]
             self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
@@ -210,10 +228,12 @@ class QLinear(nn.Module):
         if self.algo == "bf16":
             w = self.weight[idx].contiguous()
             return QLinear(tile_bf16(w), None) if tileable(w) and self.bias is None else w
-        q = untile_int4(self.qweight) if self.tiled else self.qweight
+        untile, tile, ok = (untile_int8, tile_int8, int8_tileable) if self.algo == "int8" else (
+            untile_int4, tile_int4, int4_tileable)
+        q = untile(self.qweight) if self.tiled else self.qweight
         sub = QLinear(q[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
-        if self.tiled and int4_tileable(sub.qweight):
-            return QLinear(tile_int4(sub.qweight), sub.scales, sub.bias)
+        if self.tiled and ok(sub.qweight):
+            return QLinear(tile(sub.qweight), sub.scales, sub.bias)
         return sub
 
     def forward(self, x: Tensor) -> Tensor:
@@ -294,9 +314,9 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
 
 
 def tile_model(model: nn.Module) -> int:
-    """Tile every bf16 and int4 runtime linear layer (and the LM head; a tied one gets its own copy, the embedding stays
-    for lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole tiles stay
-    row-major."""
+    """Tile every bf16, int8 and int4 runtime linear layer (and the LM head; a tied one gets its own copy, the
+    embedding stays for lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole
+    tiles stay row-major."""
     n = 0
     for name, mod in list(model.named_modules()):
         if not LINEAR.match(name + ".weight"):
@@ -305,6 +325,8 @@ def tile_model(model: nn.Module) -> int:
             layer = QLinear(tile_bf16(mod.weight), None, mod.bias)
         elif isinstance(mod, QLinear) and mod.algo == "int4" and int4_tileable(mod.qweight):
             layer = QLinear(tile_int4(mod.qweight), mod.scales, mod.bias)
+        elif isinstance(mod, QLinear) and mod.algo == "int8" and int8_tileable(mod.qweight):
+            layer = QLinear(tile_int8(mod.qweight), mod.scales, mod.bias)
         else:
             continue
         parent, _, leaf = name.rpartition(".")
@@ -317,13 +339,14 @@ def tile_model(model: nn.Module) -> int:
 
 def untile_model(model: nn.Module, tie_embeddings: bool = False) -> int:
     """Turn every tiled bf16 layer back into a row-major nn.Linear (with `tie_embeddings`, the head shares the
-    embedding again) and every tiled int4 one into a row-major QLinear, in place; returns the number untiled."""
+    embedding again) and every tiled int8 / int4 one into a row-major QLinear, in place; returns the number untiled."""
     n = 0
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, QLinear) and mod.algo == "int4" and mod.tiled:
+        if isinstance(mod, QLinear) and mod.algo in ("int4", "int8") and mod.tiled:
             parent, _, leaf = name.rpartition(".")
+            untile = untile_int4 if mod.algo == "int4" else untile_int8
             setattr(model.get_submodule(parent) if parent else model, leaf,
-                    QLinear(untile_int4(mod.qweight), mod.scales, mod.bias))
+                    QLinear(untile(mod.qweight), mod.scales, mod.bias))
             n += 1
         elif isinstance(mod, QLinear) and mod.algo == "bf16":
             parent, _, leaf = name.rpartition(".")

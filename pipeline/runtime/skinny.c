@@ -35,7 +35,7 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 
-enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5 };
+enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6 };
 
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -274,6 +274,9 @@ const char *skinny_isa(void) { return ISA_NAME; }
 // Tiled int4 (8-row tiles of 64-byte superblocks): the 0.5B draft's 97 one-token matmuls, paired against row-major,
 // 300 rounds: 8 KB ahead 1.057x / 1.065x / 1.060x at 30 / 44 / 48 GB/s read; 16 KB 1.04-1.07x; 4 KB 0.97-0.99x.
 #define PF_I4T 8192
+// Tiled int8 (8 rows of 16 columns side by side) prefetches one tile (8 rows) ahead: the 1.5B's one-token int8 matmuls,
+// paired against row-major, 100 rounds: 1.047x / 1.081x / 1.118x at 28 / 43 / 47 GB/s read (16 KB ahead: 1.04-1.11x;
+// 4 KB: 0.93x).
 static inline int64_t pf_shift(int64_t tile) { return tile >= PF_BYTES ? 0 : (PF_BYTES - tile + 63) & ~63; }
 #define MAXR 8
 #define MAXG 6
@@ -286,8 +289,8 @@ static inline float bf16_f32(uint16_t h) {
 }
 
 static inline int64_t row_bytes(int K, int wt) {
-    return wt == WT_F32 ? 4 * (int64_t)K : wt == WT_BF16 || wt == WT_BF16T ? 2 * (int64_t)K : wt == WT_I8 ? (int64_t)K
-                                                                                                  : (int64_t)K / 2;  // int4
+    return wt == WT_F32 ? 4 * (int64_t)K : wt == WT_BF16 || wt == WT_BF16T ? 2 * (int64_t)K
+         : wt == WT_I8 || wt == WT_I8T ? (int64_t)K : (int64_t)K / 2;  // int4
 }
 
 // One weight element, for the K % 16 tail of fp32 / int8 rows.
@@ -312,11 +315,18 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     const int esize = wt == WT_F32 ? 4 : 1;
     int K16 = K & ~15;
+    // Tiled int8 (quant.tile_int8): the 16 columns k.. of row n at tile(n / 8) + 8 k + 16 (n % 8); K % 16 == 0.
+    const char *rowt[MAXR];
+    if (wt == WT_I8T)
+        for (int r = 0; r < R; r++) rowt[r] = wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 16;
     for (int k = 0; k < K16; k += 16) {
-        for (int off = 0; off < R * 16 * esize; off += 64) _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
+        if (wt == WT_I8T)
+            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(rowt[0] + (int64_t)k * 8 + 8 * rb + off, PF_HINT);
+        else
+            for (int off = 0; off < R * 16 * esize; off += 64) _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
         v16 wv[MAXR];
         for (int r = 0; r < R; r++) {
-            const char *p = wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
+            const char *p = wt == WT_I8T ? rowt[r] + (int64_t)k * 8 : wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
             wv[r] = wt == WT_F32 ? v_loadf((const float *)p) : v_i8((const int8_t *)p);
         }
         for (int i = 0; i < G; i++) {
@@ -328,7 +338,7 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
         for (int i = 0; i < G; i++) {
             float v = v_hsum(acc[r][i]);
             for (int k = K & ~15; k < K; k++) v = fmaf(w1(w, n + r, k, K, wt), x[(int64_t)(s0 + i) * K + k], v);
-            if (wt == WT_I8) v *= sc[n + r];
+            if (wt == WT_I8 || wt == WT_I8T) v *= sc[n + r];
             y[(int64_t)(s0 + i) * N + n + r] = v;
         }
 }
@@ -453,6 +463,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
     }
 #define T_F32(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_F32); break;
 #define T_I8(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I8); break;
+#define T_I8T(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I8T); break;
 #define T_BF16(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_BF16); break;
 #define T_I4(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4); break;
 #define T_BF16T(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_BF16T); break;
@@ -463,6 +474,7 @@ TILE_FN(tile_bf16, tile_dp, TILE_CASES_B, BF16)
 TILE_FN(tile_i4, tile_dp, TILE_CASES_Q, I4)
 TILE_FN(tile_bf16t, tile_dp, TILE_CASES_T, BF16T)
 TILE_FN(tile_i4t, tile_dp, TILE_CASES_Q, I4T)
+TILE_FN(tile_i8t, tile, TILE_CASES_F, I8T)
 
 typedef void (*tile_fn)(const void *, const void *, const float *, float *, int, int, int, int, int, int, int);
 
@@ -476,7 +488,7 @@ static int tile_rows(int S, int wt) {
 static void rows(const void *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
                  int n1, int wt) {
     tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : wt == WT_I4 ? tile_i4
-              : wt == WT_BF16T ? tile_bf16t : tile_i4t;
+              : wt == WT_BF16T ? tile_bf16t : wt == WT_I4T ? tile_i4t : tile_i8t;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
     int R = tile_rows(S, wt);
     // bf16 dot products flush denormals (vdpbf16ps does, whatever MXCSR says): the AVX2 FMAs must as well,
