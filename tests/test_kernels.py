@@ -50,15 +50,15 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
         return wb, wb.float().double().numpy()
     if kind == "bf16_tiled":
         wb = w.bfloat16()
-        return quant.QLinear(quant.tile_bf16(wb), None), wb.float().double().numpy()
+        return quant.QLinear(quant.tile(wb), None), wb.float().double().numpy()
     layer = quant.QLinear(*quant.quantize(w, kind.removesuffix("_tiled"), group_size))
     s = layer.scales.double().numpy()
     if kind.startswith("int8"):
         ref = layer.qweight.numpy().astype(np.float64) * s[:, None]
-        return (quant.QLinear(quant.tile_int8(layer.qweight), layer.scales) if kind == "int8_tiled" else layer), ref
+        return (quant.QLinear(quant.tile(layer.qweight), layer.scales) if kind == "int8_tiled" else layer), ref
     u = np_unpack_int4(layer.qweight.numpy())
     if kind == "int4_tiled":
-        layer = quant.QLinear(quant.tile_int4(layer.qweight), layer.scales)
+        layer = quant.QLinear(quant.tile(layer.qweight), layer.scales)
     return layer, u * np.repeat(s, group_size, axis=1)
 
 
@@ -281,13 +281,13 @@ def test_tiled_weights_give_the_row_major_bits_for_every_row_count_thread_count_
     tiles of 5, 3 or 2: rows straddle tiles), shares and claims."""
     if kind == "bfloat16":
         w, _ = weights("bfloat16", 4 * 37, 32 * 11, seed=12)
-        tiled = quant.QLinear(quant.tile_bf16(w), None)
+        tiled = quant.QLinear(quant.tile(w), None)
     elif kind == "int8":
         w, _ = weights("int8", 8 * 37, 16 * 13, seed=12)
-        tiled = quant.QLinear(quant.tile_int8(w.qweight), w.scales)
+        tiled = quant.QLinear(quant.tile(w.qweight), w.scales)
     else:
         w, _ = weights("int4", 8 * 37, 128 * 3, seed=12, group_size=64)
-        tiled = quant.QLinear(quant.tile_int4(w.qweight), w.scales)
+        tiled = quant.QLinear(quant.tile(w.qweight), w.scales)
     assert torch.equal(tiled.weight, w if kind == "bfloat16" else w.weight) and tiled.shape == tuple(w.shape)
     x = torch.randn(50, w.shape[1], generator=torch.Generator().manual_seed(13))
     kernels.configure_threads(nthreads)

@@ -182,11 +182,11 @@ def _quantized(w) -> bool:
 def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
     """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear."""
     if _quantized(w):
-        if w.algo == "int8":  # skinny.c's WT_I8T (quant.tile_int8), WT_I8
+        if w.algo == "int8":  # skinny.c's WT_I8T (quant.tile), WT_I8
             return w.qweight.data_ptr(), w.scales.data_ptr(), 6 if w.tiled else 2, 0, w.out_features, w.in_features
         if w.algo == "bf16":
             return w.qweight.data_ptr(), None, 4, 0, w.out_features, w.in_features
-        wt = 5 if w.tiled else 3  # skinny.c's WT_I4T (quant.tile_int4), WT_I4
+        wt = 5 if w.tiled else 3  # skinny.c's WT_I4T (quant.tile), WT_I4
         return w.qweight.data_ptr(), w.scales.data_ptr(), wt, w.group_size, w.out_features, w.in_features
     if w.dtype not in WT:
         raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "

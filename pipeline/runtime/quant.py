@@ -24,8 +24,8 @@ columns at a time, [N / 4, K / 32, 4, 32], so the kernel's tiles of rows stream 
 interleaved rows. The 1.5B target's one-token matmuls ran 1.13x as fast so when memory was fast and 1.02x when it
 was slow; verification and prefill about the same (skinny.c, PF_TILED1). A tiled layer is a QLinear of algo "bf16".
 int4 layers are tiled the same way, 8 rows of 64-byte superblocks side by side ([N / 8, K / 128, 8, 64], K % 128 == 0;
-`tile_int4`): the 0.5B draft's one-token matmuls ran 1.06x as fast; int8 in 8 rows of 16 columns ([N / 8, K / 16, 8,
-16], `tile_int8`): the 1.5B's 1.08-1.12x when memory was fast, 1.05x when slow. Engines keep row-major weights, and
+`tile`): the 0.5B draft's one-token matmuls ran 1.06x as fast; int8 in 8 rows of 16 columns ([N / 8, K / 16, 8,
+16]): the 1.5B's 1.08-1.12x when memory was fast, 1.05x when slow. Engines keep row-major weights, and
 `model.float_state` gives plain ones back.
 """
 
@@ -113,65 +113,41 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does); a tiled
     bf16 weight's row-major bf16 matrix."""
-    if qweight.dtype == torch.int8:
-        return (untile_int8(qweight) if qweight.dim() == 4 else qweight).float() * scales[:, None]
-    if qweight.dtype == torch.bfloat16:
-        return untile_bf16(qweight)
     if qweight.dim() == 4:
-        qweight = untile_int4(qweight)
+        qweight = untile(qweight)
+    if qweight.dtype == torch.int8:
+        return qweight.float() * scales[:, None]
+    if qweight.dtype == torch.bfloat16:
+        return qweight
     K = qweight.shape[1] * 2
     return (unpack_int4(qweight).float() - 8.0) * scales.float().repeat_interleave(K // scales.shape[1], dim=1)
 
 
-TILE_ROWS = 4  # skinny.c's TROWS
+# Tile shape per storage dtype: (rows, stored elements of a row per block), as skinny.c reads them: bf16 4 x 32 (TROWS),
+# int8 8 x 16, packed int4 8 x 64 bytes (one 128-column superblock).
+TILES = {torch.bfloat16: (4, 32), torch.int8: (8, 16), torch.uint8: (8, 64)}
 
 
-def tile_bf16(w: Tensor) -> Tensor:
-    """bf16 [N, K] (N % 4 == 0, K % 32 == 0) -> [N / 4, K / 32, 4, 32]: each 4-row tile in the kernel's read order."""
-    N, K = w.shape
-    return w.detach().bfloat16().reshape(N // TILE_ROWS, TILE_ROWS, K // 32, 32).transpose(1, 2).contiguous()
+def tileable(q: Tensor) -> bool:
+    """A 2-D bf16 / int8 / packed int4 matrix that fills whole tiles."""
+    if q.dim() != 2 or q.dtype not in TILES:
+        return False
+    rows, cols = TILES[q.dtype]
+    return q.shape[0] % rows == 0 and q.shape[1] % cols == 0
 
 
-def untile_bf16(t: Tensor) -> Tensor:
-    """The row-major bf16 [N, K] weight of a tiled one."""
-    nt, kb, tr, _ = t.shape
-    return t.transpose(1, 2).reshape(tr * nt, 32 * kb)
-
-
-def tileable(w: Tensor) -> bool:
-    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % 32 == 0
-
-
-def tile_int4(q: Tensor) -> Tensor:
-    """Packed int4 [N, K / 2] (N % 8 == 0, K % 128 == 0) -> [N / 8, K / 128, 8, 64]: each row's 64-byte superblocks
-    (module docstring), 8 rows side by side, as the kernel reads them."""
-    N, half = q.shape
-    return q.reshape(N // 8, 8, half // 64, 64).transpose(1, 2).contiguous()
-
-
-def untile_int4(t: Tensor) -> Tensor:
-    nt, sb, _, _ = t.shape
-    return t.transpose(1, 2).reshape(8 * nt, 64 * sb)
-
-
-def tile_int8(q: Tensor) -> Tensor:
-    """int8 [N, K] (N % 8 == 0, K % 16 == 0) -> [N / 8, K / 16, 8, 16]: 16 columns of 8 rows side by side, as the
+def tile(q: Tensor) -> Tensor:
+    """[N, C] -> [N / rows, C / cols, rows, cols] (TILES): each tile's rows side by side, block after block, as the
     kernel reads them."""
-    N, K = q.shape
-    return q.reshape(N // 8, 8, K // 16, 16).transpose(1, 2).contiguous()
+    rows, cols = TILES[q.dtype]
+    N, C = q.shape
+    return q.detach().reshape(N // rows, rows, C // cols, cols).transpose(1, 2).contiguous()
 
 
-def untile_int8(t: Tensor) -> Tensor:
-    nt, kb, _, _ = t.shape
-    return t.transpose(1, 2).reshape(8 * nt, 16 * kb)
-
-
-def int8_tileable(q: Tensor) -> bool:
-    return q.dim() == 2 and q.dtype == torch.int8 and q.shape[0] % 8 == 0 and q.shape[1] % 16 == 0
-
-
-def int4_tileable(q: Tensor) -> bool:
-    return q.dim() == 2 and q.dtype == torch.uint8 and q.shape[0] % 8 == 0 and q.shape[1] % 64 == 0
+def untile(t: Tensor) -> Tensor:
+    """The row-major [N, C] matrix of a tiled one."""
+    nt, nb, rows, cols = t.shape
+    return t.transpose(1, 2).reshape(nt * rows, nb * cols)
 
 
 def algo_of(qweight: Tensor) -> str:
@@ -186,9 +162,9 @@ class QLinear(nn.Module):
         super().__init__()
         if qweight.dtype not in (torch.int8, torch.uint8, torch.bfloat16):
             raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8), uint8 (packed int4) or bfloat16 "
-                             "(tiled, see tile_bf16)")
+                             "(tiled, see tile)")
         if qweight.dtype == torch.bfloat16 and qweight.dim() != 4:
-            raise ValueError(f"a bf16 qweight is tiled [N / 4, K / 32, 4, 32] (tile_bf16), not {list(qweight.shape)}")
+            raise ValueError(f"a bf16 qweight is tiled [N / 4, K / 32, 4, 32] (quant.tile), not {list(qweight.shape)}")
         self.register_buffer("qweight", qweight.contiguous())
         # int4 scales are bf16 (the kernel reads them so), int8 ones fp32; tiled bf16 has none (an empty buffer).
         if qweight.dtype == torch.bfloat16:
@@ -201,15 +177,10 @@ class QLinear(nn.Module):
         else:
             self.bias = None
         self.algo = algo_of(qweight)
-        self.tiled = qweight.dim() == 4  # bf16 always; int8 / int4 once tile_model ran (tile_int8, tile_int4)
-        if self.algo == "bf16":
-            self.out_features, self.in_features = qweight.shape[0] * qweight.shape[2], qweight.shape[1] * 32
-        elif self.tiled:
-            self.out_features = qweight.shape[0] * 8
-            self.in_features = qweight.shape[1] * (16 if self.algo == "int8" else 128)
-        else:
-            self.out_features = qweight.shape[0]
-            self.in_features = qweight.shape[1] * (1 if self.algo == "int8" else 2)
+        self.tiled = qweight.dim() == 4  # bf16 always; int8 / int4 once tile_model ran
+        s = qweight.shape
+        self.out_features, stored = (s[0] * s[2], s[1] * s[3]) if self.tiled else (s[0], s[1])
+        self.in_features = stored * (2 if self.algo == "int4" else 1)
         self.group_size = self.in_features // scales.shape[1] if self.algo == "int4" else 0
 
     @property
@@ -225,16 +196,12 @@ class QLinear(nn.Module):
     def rows(self, idx: Tensor) -> QLinear | Tensor:
         """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized (tiled bf16: tiled
         again when the rows fill whole tiles, else a row-major bf16 weight)."""
-        if self.algo == "bf16":
-            w = self.weight[idx].contiguous()
-            return QLinear(tile_bf16(w), None) if tileable(w) and self.bias is None else w
-        untile, tile, ok = (untile_int8, tile_int8, int8_tileable) if self.algo == "int8" else (
-            untile_int4, tile_int4, int4_tileable)
         q = untile(self.qweight) if self.tiled else self.qweight
+        if self.algo == "bf16":
+            w = q[idx].contiguous()
+            return QLinear(tile(w), None) if tileable(w) and self.bias is None else w
         sub = QLinear(q[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
-        if self.tiled and ok(sub.qweight):
-            return QLinear(tile(sub.qweight), sub.scales, sub.bias)
-        return sub
+        return QLinear(tile(sub.qweight), sub.scales, sub.bias) if self.tiled and tileable(sub.qweight) else sub
 
     def forward(self, x: Tensor) -> Tensor:
         from pipeline.runtime.kernels import linear
@@ -322,11 +289,9 @@ def tile_model(model: nn.Module) -> int:
         if not LINEAR.match(name + ".weight"):
             continue
         if isinstance(mod, nn.Linear) and tileable(mod.weight):
-            layer = QLinear(tile_bf16(mod.weight), None, mod.bias)
-        elif isinstance(mod, QLinear) and mod.algo == "int4" and int4_tileable(mod.qweight):
-            layer = QLinear(tile_int4(mod.qweight), mod.scales, mod.bias)
-        elif isinstance(mod, QLinear) and mod.algo == "int8" and int8_tileable(mod.qweight):
-            layer = QLinear(tile_int8(mod.qweight), mod.scales, mod.bias)
+            layer = QLinear(tile(mod.weight), None, mod.bias)
+        elif isinstance(mod, QLinear) and tileable(mod.qweight):
+            layer = QLinear(tile(mod.qweight), mod.scales, mod.bias)
         else:
             continue
         parent, _, leaf = name.rpartition(".")
@@ -344,7 +309,6 @@ def untile_model(model: nn.Module, tie_embeddings: bool = False) -> int:
     for name, mod in list(model.named_modules()):
         if isinstance(mod, QLinear) and mod.algo in ("int4", "int8") and mod.tiled:
             parent, _, leaf = name.rpartition(".")
-            untile = untile_int4 if mod.algo == "int4" else untile_int8
             setattr(model.get_submodule(parent) if parent else model, leaf,
                     QLinear(untile(mod.qweight), mod.scales, mod.bias))
             n += 1

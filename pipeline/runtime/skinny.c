@@ -315,7 +315,7 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     const int esize = wt == WT_F32 ? 4 : 1;
     int K16 = K & ~15;
-    // Tiled int8 (quant.tile_int8): the 16 columns k.. of row n at tile(n / 8) + 8 k + 16 (n % 8); K % 16 == 0.
+    // Tiled int8 (quant.tile): the 16 columns k.. of row n at tile(n / 8) + 8 k + 16 (n % 8); K % 16 == 0.
     const char *rowt[MAXR];
     if (wt == WT_I8T)
         for (int r = 0; r < R; r++) rowt[r] = wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 16;
@@ -386,7 +386,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         }                                                                                                      \
     }
         if (wt == WT_I4T) {
-            // Tiled int4 (quant.tile_int4): superblock sb of row n at tile(n / 8) + 512 sb + 64 (n % 8); K % 128 == 0.
+            // Tiled int4 (quant.tile): superblock sb of row n at tile(n / 8) + 512 sb + 64 (n % 8); K % 128 == 0.
             const uint8_t *rowt[MAXR];
             for (int r = 0; r < R; r++)
                 rowt[r] = (const uint8_t *)(wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 64);
@@ -415,7 +415,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
 #undef I4_CHUNK
     } else if (wt == WT_BF16T) {
         // Rows n.. of one 4-row tile (n % 4 + R <= 4): block kb of lane l at tile + 256 kb + 64 l, so the tile
-        // streams by in address order. K is a multiple of 32 here (quant.tile_bf16).
+        // streams by in address order. K is a multiple of 32 here (quant.tile).
         const char *base = wb + (int64_t)(n / TROWS) * TROWS * rb + (n % TROWS) * 64;
         const int64_t pfd = G == 1 ? PF_TILED1 : G == 2 ? PF_TILED2 : TROWS * rb;
         for (int kb = 0; kb < K / 32; kb++) {
