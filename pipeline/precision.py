@@ -89,7 +89,11 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     # Every precision is built first and the prompts run round-robin over them: this machine's memory bandwidth
     # drifts by tens of percent within a minute, and timing one precision after the other put that drift into
     # the ratios (bf16 steps of 70 and 102 ms a minute apart in one process).
-    models = {prec: variant(cfg, state, prec, gs4 if prec == "int4" else group_size) for prec in order}
+    models, huge = {}, {}
+    for prec in order:
+        before = quant.hugepage_bytes()
+        models[prec] = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
+        huge[prec] = max(0, quant.hugepage_bytes() - before)
     tps: dict = {prec: [] for prec in order}
     e2e: dict = {prec: [] for prec in order}
     conts: dict = {prec: [] for prec in order}
@@ -131,7 +135,8 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
         out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e[prec]),
                      "per_prompt_tokens_per_s": tps[prec], "per_prompt_bandwidth_gbs": around[prec],
                      "speedup_vs_reference": ratio,
-                     "bytes_per_token": b, **({"group_size": gs4} if prec == "int4" else {}),
+                     "bytes_per_token": b, "hugepage_bytes": huge[prec],
+                     **({"group_size": gs4} if prec == "int4" else {}),
                      "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps[prec], around[prec])),
                      "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}

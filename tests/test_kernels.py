@@ -406,12 +406,15 @@ def _qwen2_layers(layers: int, seed: int):
     return cfg, st, g
 
 
+@pytest.mark.parametrize("tiles", ["0", "1"])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4"])
-def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind):
+def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, tiles, monkeypatch):
     """Block.fast runs a layer as one C call (decoder_layer); the five calls it replaced give the same bits, in x
     and in the K/V written, for a decode step and a multi-token (verification) step; a weight moved and reported
-    (kernels.weights_moved) rebuilds the cached plan."""
+    (kernels.weights_moved) rebuilds the cached plan. Row-major and tiled weights alike."""
     from pipeline.runtime.model import build_model, wt
+
+    monkeypatch.setenv("PIPELINE_TILES", tiles)
 
     cfg, st, g = _qwen2_layers(1, seed=4)
     dtype = torch.float32 if kind == "float32" else torch.bfloat16

@@ -137,9 +137,11 @@ def _logits5(model: Transformer) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
-def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_bits():
+def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_bits(monkeypatch):
     from pipeline.precision import read_bytes
     from pipeline.runtime.model import float_state
+
+    monkeypatch.setenv("PIPELINE_TILES", "1")  # whatever this CPU's default (kernels.tiles)
 
     cfg = _cfg(tie=True)
     st = {k: v.bfloat16() if v.dim() == 2 else v for k, v in _state(cfg, 4).items()}
@@ -161,8 +163,10 @@ def test_cpu_bf16_models_are_tiled_give_back_their_weights_and_decode_the_same_b
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
-def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits():
+def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits(monkeypatch):
     from pipeline.runtime.speculative import attach_draft_head
+
+    monkeypatch.setenv("PIPELINE_TILES", "1")
 
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, tie_embeddings=True, max_position_embeddings=512)
@@ -180,9 +184,11 @@ def test_cpu_int4_models_and_draft_heads_are_tiled_and_decode_the_same_bits():
     assert torch.equal(_logits5(m), tiled[..., ids])
 
 
-def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_state_does():
+@pytest.mark.parametrize("tiles", ["0", "1"])
+def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_state_does(tiles, monkeypatch):
     """A bf16 CPU model's layers are tiled QLinears, no longer nn.Linear: quantize_model must still take all of them
     (the engine build's draft step was once timed on a bf16 draft because it did not)."""
+    monkeypatch.setenv("PIPELINE_TILES", tiles)
     cfg = _cfg(tie=False)
     st = {k: v.bfloat16() if v.dim() == 2 else v for k, v in _state(cfg, 6).items()}
     a = quant.quantize_model(build_model(cfg, dict(st), torch.bfloat16, "cpu"), "int4", 32)
@@ -190,6 +196,29 @@ def test_quantizing_a_model_tiled_at_load_quantizes_every_layer_as_quantize_stat
     assert all(isinstance(x, quant.QLinear) and x.algo == "int4" for x in lins)
     b = build_model(cfg, quant.quantize_state(st, "int4", 32), torch.bfloat16, "cpu")
     assert torch.equal(_logits5(a), _logits5(b))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="tiles are a layout of the CPU kernels")
+def test_weights_are_tiled_only_where_the_avx512_build_runs(monkeypatch):
+    """The AVX2 build reads one or two rows at a time, and tiles made its bf16 matmuls 0.58x at two tokens on Zen 3."""
+    monkeypatch.delenv("PIPELINE_TILES", raising=False)
+    cfg = _cfg(tie=True)
+    st = {k: v.bfloat16() if v.dim() == 2 else v for k, v in _state(cfg, 4).items()}
+    prev = kernels.path()
+    try:
+        out = {}
+        for isa in kernels.supported_isas():
+            kernels.set_path(isa)
+            m = build_model(cfg, dict(st), torch.bfloat16, "cpu")
+            assert kernels.tiles() == (isa == "avx512")
+            assert isinstance(m.layers[0].w13, quant.QLinear) == (isa == "avx512"), isa
+            assert (m.lm_head.weight is m.embed.weight) == (isa != "avx512"), isa
+            out[isa] = _logits5(m)
+        assert len({tuple(v.flatten().tolist()) for v in out.values()}) == 1  # same bits either way
+    finally:
+        kernels.set_path(prev)
+    monkeypatch.setenv("PIPELINE_TILES", "0")
+    assert not kernels.tiles()
 
 
 def test_quantize_model_in_place_matches_quantize_state():

@@ -174,6 +174,19 @@ def available() -> bool:
     return _load() is not None
 
 
+def tiles() -> bool:
+    """Whether CPU weights are tiled at load (quant.tile_model): only where the AVX-512 build runs.
+
+    Tiles pay for AVX-512's 8-row int4 / int8 and 4-row bf16 tiles (1.05-1.13x one-token matmuls on Zen 4). The AVX2
+    build reads 1-2 rows at a time, so a tile of 4 or 8 becomes strided reads: on Zen 3 (AVX2), a 17920 x 1536 matmul
+    ran bf16 0.88x at one token and 0.58x at two, int8 0.53x, int4 1.01x against row-major (experiments/kernel_log.md).
+    `PIPELINE_TILES=1` or `0` overrides (for A/B runs and tests)."""
+    forced = os.environ.get("PIPELINE_TILES", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1" and available()
+    return path() == "avx512"
+
+
 def _quantized(w) -> bool:
     """A quant.QLinear (int8 / int4 / tiled bf16 weights), told by its buffers so this module need not import quant."""
     return hasattr(w, "qweight") and hasattr(w, "scales")

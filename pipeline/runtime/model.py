@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         # (and are tiled again if they are still on CPU).
         untile_model(self, self.cfg.tie_embeddings)
         out = super()._apply(fn, recurse)
-        if self.embed.weight.device.type == "cpu" and kernels.available():
+        if self.embed.weight.device.type == "cpu" and kernels.tiles():
             tile_model(self)
         return out
 
@@ -375,8 +375,8 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
     """Construct on the meta device and assign weights, so nothing is initialised twice.
 
     Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
-    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). On CPU with the
-    kernels, bf16 and int4 linears are tiled (quant.tile_model); `float_state` gives back plain weights.
+    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). On CPU where
+    `kernels.tiles()`, bf16, int8 and int4 linears are tiled (quant.tile_model); `float_state` gives back plain weights.
     """
     if device_type(device) == "cpu" and dtype == torch.float16:
         raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "
@@ -406,7 +406,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         model.lm_head.weight = model.embed.weight
     del state
     if device_type(device) == "cpu":
-        if kernels.available():
+        if kernels.tiles():
             tile_model(model)
         to_hugepages(model)
     return model.eval().requires_grad_(False)

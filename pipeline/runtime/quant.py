@@ -275,7 +275,7 @@ def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Mod
             q, s = quantize(mod.weight, algo, group_size)
             setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
             tiled = tiled or isinstance(mod, QLinear)
-    if tiled and kernels.available():
+    if tiled and kernels.tiles():
         tile_model(model)
     return model
 

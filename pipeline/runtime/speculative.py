@@ -99,7 +99,7 @@ def attach_draft_head(model: Transformer, weight: Tensor | QLinear, ids: Tensor)
         head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         model.lm_head = head
         model.vocab_ids = ids.to(device=weight.device, dtype=torch.long)
-    if model.vocab_ids.device.type == "cpu" and kernels.available():
+    if model.vocab_ids.device.type == "cpu" and kernels.tiles():
         quant.tile_model(model)  # the head in the layout the CPU kernels stream fastest, as the model's own layers
     return model
 
