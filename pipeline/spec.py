@@ -171,6 +171,9 @@ class ValidateSpec:
     prompts: str = "build/prompts.txt"
     max_prompts: int = 0
     max_new_tokens: int = 128
+    # Seconds of the exactness pass after which no new prompt starts (0: no limit; validate.MIN_BUDGET_PROMPTS
+    # run first): the same spec then fits its time on a machine with half the speed; the report says how many ran.
+    prompt_budget_s: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     near_tie_margin: float = 0.05
@@ -465,6 +468,7 @@ def validate(spec: Spec) -> Spec:
     val = spec.validate
     _check(val.max_new_tokens >= 1, "validate.max_new_tokens", val.max_new_tokens, "must be 1 or more")
     _check(val.max_prompts >= 0, "validate.max_prompts", val.max_prompts, "must be 0 (all) or more")
+    _check(val.prompt_budget_s >= 0, "validate.prompt_budget_s", val.prompt_budget_s, "must be 0 (no limit) or more")
     _check(all(c >= 1 for c in val.concurrency) and val.concurrency, "validate.concurrency", val.concurrency,
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,

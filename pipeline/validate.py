@@ -106,7 +106,15 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
 
         # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
         runs: dict[str, list[dict]] = {m: [] for m in methods}
+        t0 = time.perf_counter()
         for i, text in enumerate(texts):
+            if over_budget(i, time.perf_counter() - t0, v.prompt_budget_s):
+                report["trimmed"].append(f"{i} of {len(texts)} prompts ran: the exactness pass had spent "
+                                         f"validate.prompt_budget_s ({v.prompt_budget_s:g} s)")
+                log(f"  validate.prompt_budget_s ({v.prompt_budget_s:g} s) spent: {i} of {len(texts)} prompts")
+                texts, prompts = texts[:i], prompts[:i]
+                report["prompts"] = i
+                break
             for m in methods:
                 runs[m].append(_request(url, text, new, m))
             log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
@@ -202,6 +210,14 @@ def draft_summary(spec: Spec) -> dict:
             "quantization": (cfg["pretrained_config"].get("quantization") or {}).get("quant_algo"),
             "num_draft_tokens": sp.get("num_draft_tokens"), "chosen_by": sp.get("chosen_by"),
             "step_fraction_of_target": sp.get("draft_step_fraction")}
+
+
+MIN_BUDGET_PROMPTS = 4
+
+
+def over_budget(done: int, elapsed_s: float, budget_s: float) -> bool:
+    """True when no further prompt should start: the budget is set and spent, and MIN_BUDGET_PROMPTS have run."""
+    return budget_s > 0 and done >= MIN_BUDGET_PROMPTS and elapsed_s >= budget_s
 
 
 def trimmed(spec: Spec) -> list[str]:

@@ -156,3 +156,18 @@ def test_draft_summary_reads_the_built_draft(tmp_path):
                    "step_fraction_of_target": 0.118}
     line = _draft_line({**got, "vocab_coverage": 0.975})
     assert "W8A16" in line and "32768 tokens (covers 97.5%" in line and "0.118 of a target step" in line
+
+
+def test_prompt_budget_stops_new_prompts_once_spent_after_the_minimum():
+    """A slower machine runs fewer prompts of the same spec instead of overrunning the main job's time."""
+    from pipeline.validate import MIN_BUDGET_PROMPTS, over_budget
+
+    assert not over_budget(50, 1e9, 0.0)  # no budget: every prompt runs
+    assert not over_budget(MIN_BUDGET_PROMPTS - 1, 1e9, 10.0)  # the minimum runs whatever the time
+    assert not over_budget(MIN_BUDGET_PROMPTS, 9.9, 10.0)
+    assert over_budget(MIN_BUDGET_PROMPTS, 10.0, 10.0)
+
+
+def test_a_negative_prompt_budget_is_refused_with_its_key(tmp_path):
+    with pytest.raises(ValueError, match="validate.prompt_budget_s"):
+        specmod.parse({"name": "t", "validate": {"prompt_budget_s": -1}}, root=tmp_path)
