@@ -37,7 +37,7 @@ BENCH = {
                                "agreement_vs_reference": 1.0},
                   "int4": {"tokens_per_s": 40.06, "speedup_vs_reference": 3.567, "roofline_fraction": 0.5586,
                            "agreement_vs_reference": 0.9414}},
-    "environment": {"date": "2026-11-30T22:10:00+00:00"},
+    "environment": {"date": "2026-11-30T22:10:00+00:00", "cpu": "AMD EPYC", "kernel_path": "avx2"},
 }
 README = "# Title\n\nProse before.\n\n<!-- figures:begin -->\nhand-typed 4.4x\n<!-- figures:end -->\n\nProse after.\n"
 
@@ -57,7 +57,8 @@ def test_block_carries_every_figure_with_its_date_and_spec(demo):
     s, path, _ = demo
     block = readme.render([(s, str(path))])
     assert f"`demo` (`{path}`)" in block
-    assert "run 2026-12-01T05:40:00+00:00" in block and "run 2026-11-30T22:10:00+00:00" in block
+    assert "run 2026-12-01T05:40:00+00:00)" in block  # a report without its CPU: the date alone
+    assert "run 2026-11-30T22:10:00+00:00 on AMD EPYC, kernel avx2)" in block  # the machine it ran on
     assert "| draft_target | 43.3 | 2.16x | 0.81 | 3.95 | 8/8 |" in block
     assert "| baseline | 20.0 | 1.00x |  | 1.00 | 8/8 |" in block
     assert "| prompt_lookup | 25.0 | 1.17x | 0.25 | 1.40 | 3/4 |" in block
