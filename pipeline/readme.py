@@ -23,7 +23,7 @@ class ReadmeError(ValueError):
     """The README or the reports cannot be rendered; the message says what to run or add."""
 
 
-def _date(report: dict) -> str:
+def _when(report: dict) -> str:
     """The run's date and, where the report says, the CPU and kernel build it ran on (the same spec decodes about
     twice as fast with the AVX-512 build as with the AVX2 one)."""
     env = report.get("environment") or {}
@@ -79,7 +79,7 @@ def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | 
     if validate is None and bench is None:
         return out + [f"No reports yet: run `make validate SPEC={spec_path}` (and `make bench SPEC={spec_path}`).", ""]
     if validate is not None:
-        out += [f"Through gRPC at concurrency 1 (`reports/{name}/validate.json`, run {_date(validate)}): "
+        out += [f"Through gRPC at concurrency 1 (`reports/{name}/validate.json`, run {_when(validate)}): "
                 f"{validate['prompts']} prompts x {validate['new_tokens']} new tokens, greedy.", ""]
         if validate.get("trimmed"):
             out += [f"Trimmed to fit the main job's 30 minutes: {'; '.join(validate['trimmed'])}.", ""]
@@ -98,7 +98,7 @@ def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | 
                 f"{m} {'never' if c is None else c}" for m, c in cross.items()) + ".")
         out.append("")
     if bench is not None:
-        out += [f"In-process (`reports/{name}/bench.json`, run {_date(bench)}): {bench['prompts']} prompts x "
+        out += [f"In-process (`reports/{name}/bench.json`, run {_when(bench)}): {bench['prompts']} prompts x "
                 f"{bench['new_tokens']} new tokens, batch {bench['batch']}, {bench['dtype']}, greedy.", ""]
         out += _methods_table(bench["methods"]) + [""] + _peers(bench)
         rf = bench.get("roofline")

@@ -26,7 +26,8 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
                    medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
                            "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
                    triton={"http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2]},
-                   validate={"max_prompts": 3, "max_new_tokens": 8, "concurrency": [1, 2],
+                   # A budget spent at once: validate stops after MIN_BUDGET_PROMPTS of the 5 and says so.
+                   validate={"max_prompts": 5, "prompt_budget_s": 1e-9, "max_new_tokens": 8, "concurrency": [1, 2],
                              "temperatures": [0.0, 0.7], "distribution_samples": 16})
     s = specmod.load(p)
     quiet = lambda *a, **k: None  # noqa: E731
@@ -39,11 +40,13 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
 def test_validate_writes_the_report_from_server_responses(tiny_all):
     from pipeline.triton.repo import write_repo
     from pipeline.triton.server import running_pid
-    from pipeline.validate import run_validate
+    from pipeline.validate import MIN_BUDGET_PROMPTS, run_validate
 
     s = tiny_all
     write_repo(s, log=lambda *a: None)
     report = run_validate(s, log=lambda *a: None)
+    ran = MIN_BUDGET_PROMPTS
+    assert report["prompts"] == ran and f"{ran} of 5 prompts ran" in " ".join(report["trimmed"])
     assert running_pid(s) is None, "validate must stop the server it started"
     on_disk = json.loads((s.report_dir / "validate.json").read_text())
     assert on_disk["methods"].keys() == report["methods"].keys()
@@ -53,7 +56,7 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
         for key in ("tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len", "greedy_identical",
                     "greedy_total"):
             assert key in m, (name, key)
-        assert m["greedy_total"] == s.validate.max_prompts and m["tokens_per_s"] > 0
+        assert m["greedy_total"] == ran and m["tokens_per_s"] > 0
         # Greedy exactness is computed from what the server sent back; every method here is exact.
         assert m["greedy_identical"] == m["greedy_total"], (name, m["divergences"])
     # Every figure recomputed from what the report carries: per-prompt tokens/s and token totals.
@@ -66,7 +69,7 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
         assert m["tokens_per_s"] == pytest.approx(statistics.median(tps))
         assert m["speedup"] == pytest.approx(statistics.median([a / b for a, b in zip(tps, base)])), name
         out, acc, prop = m["num_output_tokens"], m["total_accepted_draft_tokens"], m["total_draft_tokens"]
-        assert 0 < out <= s.validate.max_prompts * s.validate.max_new_tokens
+        assert 0 < out <= ran * s.validate.max_new_tokens
         assert m["acceptance_rate"] == pytest.approx(acc / prop if prop else 0.0)
         assert m["mean_accepted_len"] == pytest.approx(out / (out - acc))
     assert methods["draft_target"]["total_draft_tokens"] > 0

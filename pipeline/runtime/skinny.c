@@ -295,6 +295,11 @@ static inline int64_t row_bytes(int K, int wt) {
          : wt == WT_I8 || wt == WT_I8T ? (int64_t)K : (int64_t)K / 2;  // int4
 }
 
+// Row n of a tiled int4 matrix (quant.tile): its superblock sb at tile(n / 8) + 512 sb + 64 (n % 8); K % 128 == 0.
+static inline const uint8_t *i4t_row(const char *wb, int64_t n, int64_t rb) {
+    return (const uint8_t *)(wb + n / 8 * 8 * rb + n % 8 * 64);
+}
+
 // One weight element, for the K % 16 tail of fp32 / int8 rows.
 static inline float w1(const void *w, int64_t row, int64_t k, int K, int wt) {
     if (wt == WT_F32) return ((const float *)w)[row * K + k];
@@ -365,11 +370,10 @@ static inline __attribute__((always_inline)) void tile_i4_avx2(const float *xq, 
             for (int i = 0; i < G; i++) acc[h][r][i] = _mm256_setzero_ps();
     const char *snext = (const char *)(s16 + (int64_t)(n + 4 * R) * ng);
     for (int off = 0; off < R * ng * 2; off += 64) _mm_prefetch(snext + off, PF_HINT);
-    // Superblock sb of row n: row-major at n * rb + 64 sb; tiled (quant.tile) at tile(n / 8) + 512 sb + 64 (n % 8).
+    // Superblock sb of row n: row-major at n * rb + 64 sb; tiled at i4t_row(n) + 512 sb.
     const uint8_t *row[MAXR];
     for (int r = 0; r < R; r++)
-        row[r] = (const uint8_t *)(wt == WT_I4T ? wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 64
-                                                : wb + (int64_t)(n + r) * rb);
+        row[r] = wt == WT_I4T ? i4t_row(wb, n + r, rb) : (const uint8_t *)(wb + (int64_t)(n + r) * rb);
     const int64_t sbs = wt == WT_I4T ? 512 : 64;
     const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
     for (int k = 0; k < K128; k += 128) {
@@ -481,10 +485,8 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         }                                                                                                      \
     }
         if (wt == WT_I4T) {
-            // Tiled int4 (quant.tile): superblock sb of row n at tile(n / 8) + 512 sb + 64 (n % 8); K % 128 == 0.
             const uint8_t *rowt[MAXR];
-            for (int r = 0; r < R; r++)
-                rowt[r] = (const uint8_t *)(wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 64);
+            for (int r = 0; r < R; r++) rowt[r] = i4t_row(wb, n + r, rb);
             for (int k = 0; k < K128; k += 128) {
                 const int64_t at = (int64_t)k / 128 * 512;
                 for (int off = 0; off < R * 64; off += 64) _mm_prefetch((const char *)rowt[0] + at + PF_I4T + off, PF_HINT);
