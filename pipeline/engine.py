@@ -108,8 +108,8 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
                   quantization: str = "none", group_size: int = 128, **extra) -> dict:
     """A config.json in TensorRT-LLM's shape, plus the runtime's own fields.
 
-    `quantization` (none/int8/int4) is recorded as TensorRT-LLM records it:
-    `pretrained_config.quantization.quant_algo` W8A16 / W4A16 (null when none) with `group_size`.
+    `quantization` (none/int8/int4/int4_a8) is recorded as TensorRT-LLM records it:
+    `pretrained_config.quantization.quant_algo` W8A16 / W4A16 / W4A8 (null when none) with `group_size`.
     """
     return {
         "version": ENGINE_FORMAT,
@@ -282,7 +282,7 @@ def load_model_dir(engine_dir: Path, device: str = "cpu", dtype: str | None = No
         raise EngineError(f"{engine_dir}: int4 weights in layout {cfg['runtime'].get('quant_format')!r}, this "
                           f"runtime reads {quant.FORMAT!r}; rebuild with `python -m pipeline engine SPEC --force`")
     dt = DTYPES[dtype or cfg["pretrained_config"]["dtype"]]
-    return build_model(mcfg, state, dt, resolve_device(device)), cfg
+    return build_model(mcfg, state, dt, resolve_device(device), act8=quant.int8_activations(cfg)), cfg
 
 
 def load_tokenizer(engine_dir: Path):

@@ -16,6 +16,9 @@ when the engine itself is quantized), so the table compares precisions and nothi
   dtype, float32 when it is float32);
 - `mean_logprob`: this precision's mean log-probability of that reference continuation.
 
+`int4_a8` is the int4 weights with activations quantized to int8 per group at each matmul (W4A8): the same bytes as
+int4, fewer instructions per weight, and the quality cost of the activation rounding shows in its agreement.
+
 Quality is never silent: a precision that loses agreement shows it next to its speed.
 """
 
@@ -32,7 +35,7 @@ from pipeline.runtime import kernels, quant
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
 
-PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int4_a8")
 FLOAT32_MAX_BYTES = 4 << 30  # a float32 copy of a larger model is left out (memory on small machines)
 
 
@@ -48,7 +51,7 @@ def variant(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str, gr
     """The model at `precision`, built from float weights `state` (runtime layout)."""
     if precision in quant.ALGOS:
         st = quant.quantize_state(state, precision, group_size, tie_embeddings=cfg.tie_embeddings)
-        return build_model(cfg, st, torch.float32, "cpu")
+        return build_model(cfg, st, torch.float32, "cpu", act8=precision == "int4_a8")
     return build_model(cfg, state, torch.float32 if precision == "float32" else torch.bfloat16, "cpu")
 
 
@@ -81,7 +84,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     widths = sorted({cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim})
     gs4 = quant.fit_group_size(widths, group_size)
     if gs4 is None:
-        order = [p for p in order if p != "int4"]
+        order = [p for p in order if p not in ("int4", "int4_a8")]
     out: dict = {"reference": reference, "group_size": group_size, "new_tokens": new_tokens,
                  "prompts": len(ids), "kernel_path": kernels.path()}
     if gs4 is None:
@@ -92,7 +95,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     models, huge = {}, {}
     for prec in order:
         before = quant.hugepage_bytes()
-        models[prec] = variant(cfg, state, prec, gs4 if prec == "int4" else group_size)
+        models[prec] = variant(cfg, state, prec, gs4 if prec.startswith("int4") else group_size)
         huge[prec] = max(0, quant.hugepage_bytes() - before)
     tps: dict = {prec: [] for prec in order}
     e2e: dict = {prec: [] for prec in order}
@@ -136,7 +139,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
                      "per_prompt_tokens_per_s": tps[prec], "per_prompt_bandwidth_gbs": around[prec],
                      "speedup_vs_reference": ratio,
                      "bytes_per_token": b, "hugepage_bytes": huge[prec],
-                     **({"group_size": gs4} if prec == "int4" else {}),
+                     **({"group_size": gs4} if prec.startswith("int4") else {}),
                      "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps[prec], around[prec])),
                      "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}

@@ -44,9 +44,10 @@ class TargetSpec:
     # Name of the model family, used by the TensorRT-LLM planner (examples/<family>/convert_checkpoint.py).
     family: Literal["llama", "mistral", "qwen", "gemma"] = "llama"
     # Weight-only quantization of the target's linear layers and LM head (TensorRT-LLM's W8A16 / W4A16):
-    # int8 per output channel, int4 group-wise (group_size input columns share a scale). int4_awq and
-    # fp8 go through TensorRT-LLM's quantization script and exist for the tensorrt_llm backend only.
-    quantization: Literal["none", "int8", "int4", "int4_awq", "fp8"] = "none"
+    # int8 per output channel, int4 group-wise (group_size input columns share a scale). int4_a8: the int4
+    # weights with activations quantized to int8 per group at each matmul (W4A8; on tensorrt_llm W4A8_AWQ,
+    # fp8 activations). int4_awq and fp8 go through TensorRT-LLM's quantization script (tensorrt_llm only).
+    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8"] = "none"
     group_size: int = 128
 
 
@@ -58,8 +59,9 @@ class DraftSpec:
     # Reduced draft vocabulary: keep this many of the most frequent target tokens (0 = full vocabulary).
     vocab: int = 0
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    # Weight-only quantization of the draft, as target.quantization (the draft's bytes set its cost).
-    quantization: Literal["none", "int8", "int4", "int4_awq", "fp8"] = "none"
+    # Quantization of the draft, as target.quantization (the draft's bytes set its cost; its numerics never change
+    # the output, so int4_a8, the cheapest per step on CPU, costs at most some acceptance).
+    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8"] = "none"
     group_size: int = 128
     train: TrainBudget = field(default_factory=TrainBudget)
 
@@ -336,19 +338,20 @@ def _validate_trtllm(spec: Spec) -> None:
     _check(trt.kv_cache_dtype != "fp8" or all(q == "fp8" for _, q in quants), "tensorrt_llm.kv_cache_dtype",
            trt.kv_cache_dtype, "an FP8 KV cache with paged context FMHA only works in the FP8 quantization workflow: "
            f"set {' and '.join(k for k, _ in quants)} to fp8, or kv_cache_dtype: auto")
-    fp8 = trt.kv_cache_dtype == "fp8" or any(q == "fp8" for _, q in quants)
+    fp8 = trt.kv_cache_dtype == "fp8" or any(q in ("fp8", "int4_a8") for _, q in quants)
     _check(not fp8 or trt.gpu_arch in ("auto", "ada", "hopper", "blackwell"), "tensorrt_llm.gpu_arch", trt.gpu_arch,
-           "FP8 needs an Ada, Hopper or Blackwell GPU: use int8/int4/int4_awq quantization and kv_cache_dtype: auto")
+           "FP8 (also the fp8 activations of int4_a8, W4A8_AWQ) needs an Ada, Hopper or Blackwell GPU: use "
+           "int8/int4/int4_awq quantization and kv_cache_dtype: auto")
     draft_dtype = spec.dtype if spec.draft.dtype == "auto" else spec.draft.dtype
     for key, q in quants:
         dtype = draft_dtype if key.startswith("draft") else spec.dtype
         _check(q in ("none", "fp8") or dtype in ("float16", "bfloat16"), key, q,
-               f"weight-only {q} (W8A16/W4A16) needs float16 or bfloat16 activations, the dtype is {dtype}: set "
+               f"{q} (W8A16/W4A16/W4A8) needs float16 or bfloat16 activations, the dtype is {dtype}: set "
                f"{'draft.dtype' if key.startswith('draft') else 'dtype'} to bfloat16 or quantization: none")
     if spec.has_medusa:
         _check(spec.target.quantization in ("none", "int8", "int4"), "target.quantization", spec.target.quantization,
-               "the era's Medusa converter quantizes weight-only (int8, int4); int4_awq and fp8 are not planned for "
-               "Medusa engines")
+               "the era's Medusa converter quantizes weight-only (int8, int4); int4_awq, int4_a8 and fp8 are not "
+               "planned for Medusa engines")
     _check(spec.target.family != "gemma" or spec.target.quantization in ("none", "int8", "int4"),
            "target.quantization", spec.target.quantization,
            "the Gemma converter is planned for weight-only int8/int4 only")
@@ -392,10 +395,10 @@ def validate(spec: Spec) -> Spec:
     for key, q, g in (("target", spec.target.quantization, spec.target.group_size),
                       ("draft", spec.draft.quantization, spec.draft.group_size)):
         if spec.backend == "torch":
-            _check(q in ("none", "int8", "int4"), f"{key}.quantization", q,
-                   "the torch backend quantizes weight-only: none, int8 or int4 (int4_awq and fp8 need "
+            _check(q in ("none", "int8", "int4", "int4_a8"), f"{key}.quantization", q,
+                   "the torch backend quantizes none, int8, int4 or int4_a8 (int4_awq and fp8 need "
                    "backend: tensorrt_llm)")
-        if q in ("int4", "int4_awq"):
+        if q in ("int4", "int4_a8", "int4_awq"):
             _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
     if spec.backend == "torch" and spec.device == "cpu":
         # The CPU kernels read fp32 or bf16 weights and keep fp32 activations; fp16 weights gave NaN there.

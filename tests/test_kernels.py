@@ -25,6 +25,9 @@ from tests.conftest import np_unpack_int4
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler or no AVX2/FMA")
 KINDS = ["float32", "bfloat16", "bf16_tiled", "int8", "int8_tiled", "int4", "int4_tiled"]
+# Kinds whose outputs are layout, row-count, thread-count and build independent; int4_a8 (W4A8) quantizes the
+# activations to int8, so its own reference (np_a8) replaces the float64 product of the tests over KINDS.
+ALL_KINDS = [*KINDS, "int4_a8"]
 ROWS = [1, 2, 5, 7, 33, 65]
 U = 2.0 ** -24  # fp32 unit roundoff
 UB = 2.0 ** -9  # bf16 unit roundoff
@@ -51,7 +54,7 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
     if kind == "bf16_tiled":
         wb = w.bfloat16()
         return quant.QLinear(quant.tile(wb), None), wb.float().double().numpy()
-    layer = quant.QLinear(*quant.quantize(w, kind.removesuffix("_tiled"), group_size))
+    layer = quant.QLinear(*quant.quantize(w, kind.removesuffix("_tiled").removesuffix("_a8"), group_size))
     s = layer.scales.double().numpy()
     if kind.startswith("int8"):
         ref = layer.qweight.numpy().astype(np.float64) * s[:, None]
@@ -59,14 +62,17 @@ def weights(kind: str, n: int, k: int, seed: int = 0, group_size: int = 32):
     u = np_unpack_int4(layer.qweight.numpy())
     if kind == "int4_tiled":
         layer = quant.QLinear(quant.tile(layer.qweight), layer.scales)
+    if kind == "int4_a8":
+        layer = quant.QLinear(*quant.tile_a8(layer.qweight, layer.scales), out_features=n)
     return layer, u * np.repeat(s, group_size, axis=1)
 
 
 def _shape(kind: str) -> tuple[int, int]:
     # K: not a multiple of 16 (scalar tail) except for int4, which needs whole groups; N: not a multiple of
     # any tile height or the per-thread chunk. Tiled bf16 is whole 4 x 32 tiles (not of 8 or of 24-row thread chunks).
-    return {"int4": (77, 256), "int4_tiled": (40, 384), "int8_tiled": (56, 208), "bf16_tiled": (76, 224)}.get(
-        kind, (77, 203))
+    # W4A8 pads its last block of 16 rows.
+    return {"int4": (77, 256), "int4_tiled": (40, 384), "int8_tiled": (56, 208), "bf16_tiled": (76, 224),
+            "int4_a8": (77, 256)}.get(kind, (77, 203))
 
 
 def _both_builds(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +121,7 @@ def test_kernel_matches_float64_reference_within_the_fp32_error_bound(kind, rows
         assert (np.abs(got - xd @ ref_w.T) <= loose).all()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("nthreads", [1, 2])
 def test_a_rows_output_is_bitwise_the_same_whatever_the_row_count(kind, nthreads, threads):
     n, k = _shape(kind)
@@ -129,7 +135,7 @@ def test_a_rows_output_is_bitwise_the_same_whatever_the_row_count(kind, nthreads
         assert torch.equal(kernels.linear(x[100 - s:], w), alone[100 - s:]), f"{kind}: last {s} rows"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_thread_count_does_not_change_the_bits(kind, threads):
     n, k = _shape(kind)
     w, _ = weights(kind, n, k, seed=3)
@@ -140,7 +146,7 @@ def test_thread_count_does_not_change_the_bits(kind, threads):
     assert torch.equal(kernels.linear(x, w), one)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bf16_tiled", "int8_tiled", "int4", "int4_tiled"])
+@pytest.mark.parametrize("kind", ["float32", "bf16_tiled", "int8_tiled", "int4", "int4_tiled", "int4_a8"])
 def test_rows_a_thread_takes_from_another_threads_share_have_the_same_bits(kind, threads):
     """With more threads than cores some are descheduled mid-call and the others take the rest of their shares."""
     import ctypes
@@ -203,7 +209,7 @@ def test_attention_matches_sdpa_and_ignores_threads_padding_and_build(threads, s
 
 
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):
     n, k = _shape(kind)
     w, _ = weights(kind, n, k, seed=5)
@@ -258,6 +264,97 @@ def test_int4_superblocks_and_block_tails_agree_and_match_the_reference(k, gs):
     assert (np.abs(a.double().numpy() - ref) <= bound).all()
 
 
+def np_a8(x: np.ndarray, u: np.ndarray, scales: np.ndarray, gs: int) -> tuple[np.ndarray, np.ndarray]:
+    """W4A8 in numpy, read off skinny.c's header: per group of gs columns m = max |x|, q = RN(x * RN(127 / m)),
+    s_x = RN(m / 127) (fp32); the group's sum of (u - 8) q exactly; acc = s_w s_x sum + acc group after group. The
+    kernel fuses that multiply-add, so the float64 one here may differ by an ulp of acc per group: returns (reference,
+    bound)."""
+    x32 = x.astype(np.float32)
+    ng = x.shape[1] // gs
+    g = x32.reshape(len(x), ng, gs)
+    m = np.abs(g).max(axis=2)
+    safe = np.where(m > 0, m, np.float32(1))
+    inv = (np.float32(127) / safe).astype(np.float32)
+    q = np.rint((g * inv[..., None]).astype(np.float32)).astype(np.float64)
+    sx = (m / np.float32(127)).astype(np.float32)
+    ints = np.einsum("rgk,ngk->rng", q, (u.astype(np.float64) - 8).reshape(len(u), ng, gs))
+    s = (scales.astype(np.float32)[None] * sx[:, None, :]).astype(np.float32)
+    acc = np.zeros((len(x), len(u)), dtype=np.float32)
+    mass = np.zeros((len(x), len(u)))
+    for j in range(ng):
+        term = ints[..., j] * s[..., j].astype(np.float64)
+        acc = (term + acc.astype(np.float64)).astype(np.float32)
+        mass += np.abs(term)
+    return acc.astype(np.float64), (ng + 1) * U * mass * 1.01
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 33])
+@pytest.mark.parametrize("n,k,gs", [(77, 256, 32), (64, 896, 128), (16, 4864, 128), (40, 192, 64)])
+def test_w4a8_is_its_integer_arithmetic_and_within_the_activation_rounding_of_the_float_product(n, k, gs, rows):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n))
+    qw, sw = quant.quantize(w, "int4_a8", gs)
+    layer = quant.QLinear(*quant.tile_a8(qw, sw), out_features=n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.1, 3, k)
+    got = kernels.linear(x, layer).double().numpy()
+    u = np_unpack_int4(qw.numpy()) + 8
+    ref, bound = np_a8(x.numpy(), u, sw.float().numpy(), gs)
+    assert (np.abs(got - ref) <= bound).all(), float((np.abs(got - ref) / bound).max())
+    # Against the float product: each activation moved by at most half a step s_x / 2 (plus its fp32 roundings).
+    wd = (u - 8) * np.repeat(sw.float().numpy(), gs, axis=1)
+    xd = x.double().numpy()
+    step = np.repeat(np.abs(xd).reshape(rows, k // gs, gs).max(axis=2) / 127, gs, axis=1)
+    loose = (step / 2 * (1 + 1e-5)) @ np.abs(wd).T + (k + 2) * U * (np.abs(xd) @ np.abs(wd).T) * 2
+    assert (np.abs(got - xd @ wd.T) <= loose).all()
+
+
+def test_w4a8_zero_tiny_denormal_and_non_finite_groups(threads):
+    """A group of zeros, of values below 1e-30 or of fp32 denormals counts as zero; a NaN or an infinity makes the
+    row's outputs NaN and leaves the other rows alone; both builds agree."""
+    k, gs = 256, 64
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(3))
+    qw, sw = quant.quantize(w, "int4_a8", gs)
+    layer = quant.QLinear(*quant.tile_a8(qw, sw), out_features=48)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(4))
+    x[0] = 0
+    x[1, :gs] = 1e-31
+    x[2, :gs] = 1e-39
+    x[3, gs + 5] = float("nan")
+    x[4, 7] = float("inf")
+    got = kernels.linear(x, layer)
+    zeroed = x.clone()
+    zeroed[1, :gs] = 0
+    zeroed[2, :gs] = 0
+    assert (got[0] == 0).all()
+    assert torch.equal(got[1:3], kernels.linear(zeroed[1:3], layer))
+    assert got[3:5].isnan().all() and not got[5].isnan().any()
+    assert torch.equal(got[5], kernels.linear(x[5:], layer)[0])
+    if "avx512" in kernels.supported_isas():
+        a, b = _both_builds(x, layer)
+        assert torch.equal(a[:3], b[:3]) and torch.equal(a[5], b[5]) and b[3:5].isnan().all()
+
+
+def test_w4a8_blocks_of_16_rows_round_trip_pad_and_keep_their_layout_in_row_subsets():
+    n, k, gs = 37, 192, 64  # three blocks, the last padded with 11 rows
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(5))
+    qw, sw = quant.quantize(w, "int4_a8", gs)
+    blocks, bs = quant.tile_a8(qw, sw)
+    assert blocks.shape == (3, k // 8, 64) and bs.shape == (3, k // gs, 16) and blocks.dtype == torch.uint8
+    assert torch.equal(quant.untile_a8(blocks, bs, n)[0], qw) and torch.equal(quant.untile_a8(blocks, bs, n)[1], sw)
+    # Byte 4 l + j of chunk c: row l's columns 8c + j (low nibble) and 8c + 4 + j (high nibble), as u = q + 8.
+    u = np_unpack_int4(qw.numpy()) + 8
+    b = blocks.numpy()
+    assert b[1, 5, 4 * 3 + 2] == u[16 + 3, 8 * 5 + 2] | (u[16 + 3, 8 * 5 + 6] << 4)
+    assert (b[2, :, 4 * 5:] == 0x88).all()  # padding rows hold u = 8, q = 0
+    layer = quant.QLinear(blocks, bs, out_features=n)
+    ref = quant.QLinear(qw, sw)
+    assert layer.shape == (n, k) and layer.act8 and torch.equal(layer.weight, ref.weight)
+    idx = torch.tensor([36, 0, 17, 5, 20])
+    sub = layer.rows(idx)
+    assert sub.blocks_a8 and sub.shape == (5, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(kernels.linear(x, sub), kernels.linear(x, layer)[:, idx])
+
+
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512 + AVX512_BF16")
 def test_builds_agree_on_adversarial_bf16_inputs(threads):
     # Cancellation, wide exponent spread, tiny (denormal once rounded or multiplied) and huge values: the
@@ -298,7 +395,7 @@ def test_tiled_weights_give_the_row_major_bits_for_every_row_count_thread_count_
         assert torch.equal(a, b) and torch.equal(a, kernels.linear(x, w))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_torch_fallback_agrees_with_the_kernel(kind):
     n, k = _shape(kind)
     w, _ = weights(kind, n, k, seed=7)
@@ -349,15 +446,16 @@ def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
         assert torch.equal(part, out[:s])
 
 
-def test_the_avx512_build_needs_avx512_bf16(monkeypatch, caplog):
+def test_the_avx512_build_needs_avx512_bf16_and_vnni(monkeypatch, caplog):
     base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base | {"avx512_bf16"})
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base | {"avx512_bf16", "avx512_vnni"})
     assert kernels.supported_isas() == ["avx512", "avx2"]
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: base)
-    monkeypatch.setattr(kernels, "_warned_bf16", [])
-    with caplog.at_level("INFO", logger="pipeline.kernels"):
-        assert kernels.supported_isas() == ["avx2"]
-    assert "AVX512_BF16" in caplog.text
+    for missing in ("avx512_bf16", "avx512_vnni"):
+        monkeypatch.setattr(kernels, "_cpu_flags", lambda m=missing: base | {"avx512_bf16", "avx512_vnni"} - {m})
+        monkeypatch.setattr(kernels, "_warned_bf16", [])
+        with caplog.at_level("INFO", logger="pipeline.kernels"):
+            assert kernels.supported_isas() == ["avx2"]
+        assert "AVX512_BF16" in caplog.text and "AVX512_VNNI" in caplog.text
 
 
 def test_configure_threads_sets_torch_and_the_kernels(threads):
@@ -407,7 +505,7 @@ def _qwen2_layers(layers: int, seed: int):
 
 
 @pytest.mark.parametrize("tiles", ["0", "1"])
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int4", "int4_a8"])
 def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, tiles, monkeypatch):
     """Block.fast runs a layer as one C call (decoder_layer); the five calls it replaced give the same bits, in x
     and in the K/V written, for a decode step and a multi-token (verification) step; a weight moved and reported
@@ -419,8 +517,9 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, t
     cfg, st, g = _qwen2_layers(1, seed=4)
     dtype = torch.float32 if kind == "float32" else torch.bfloat16
     model = build_model(cfg, st, dtype, "cpu")
-    if kind == "int4":
-        model = quant.quantize_model(model, "int4", 32)
+    if kind.startswith("int4"):
+        model = quant.quantize_model(model, kind, 32)
+        assert model.layers[0].w13.act8 == (kind == "int4_a8")
     layer = model.layers[0]
     cos, sin = model._rope(64, "cpu")
     for S, start in ((1, 9), (5, 10)):
@@ -445,6 +544,44 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, t
     layer.fast(torch.randn(1, 1, 128), torch.tensor([[0]]), torch.tensor([[0]]), (cos, sin),
                torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), torch.ones(1, 1, 1, dtype=torch.uint8), 1)
     assert layer.__dict__["_plan"][1] != key
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "int4_a8"])
+def test_all_layers_in_one_call_equal_the_layer_by_layer_calls_on_cache_row_views(kind):
+    """Transformer.forward runs every layer in one C call (decoder_layers) on the cache's [layers, B, ...] buffers; it
+    equals Block.fast layer by layer, also on a view of some batch rows (KVCache.rows), and a layer whose submodule
+    is replaced is read through its new plan."""
+    from pipeline.runtime.model import build_model
+
+    cfg, st, g = _qwen2_layers(3, seed=6)
+    model = build_model(cfg, st, torch.bfloat16, "cpu")
+    if kind == "int4_a8":
+        model = quant.quantize_model(model, "int4_a8", 32)
+    cache = model.new_cache(4, 24)
+    view = cache.rows(1, 3)
+    toks = torch.randint(0, 64, (2, 7), generator=g)
+    pos = torch.arange(7).expand(2, 7).contiguous()
+    with torch.inference_mode():
+        model(toks[:, :6], pos[:, :6], view)
+        got = model(toks[:, 6:], pos[:, 6:], view)
+        ref_k, ref_v = cache.k.clone(), cache.v.clone()
+        again = model.new_cache(4, 24)
+        x = model.embed(toks).float().contiguous()
+        cos, sin = model._rope(7, "cpu")
+        rows = again.rows(1, 3)
+        for i, layer in enumerate(model.layers):
+            layer.fast(x, pos, pos, (cos, sin), rows.k[i], rows.v[i], None, 7)
+        want = kernels.rmsnorm(x, model.norm.weight, model.norm.eps)[:, 6:]
+        assert torch.equal(got, want)
+        assert torch.equal(ref_k, again.k) and torch.equal(ref_v, again.v) and (cache.k[:, 0] == 0).all()
+        other = build_model(cfg, {k: v * 1.5 if "layers.1.w13" in k else v for k, v in st.items()}, torch.bfloat16,
+                            "cpu")
+        if kind == "int4_a8":
+            other = quant.quantize_model(other, "int4_a8", 32)
+        model.layers[1].w13 = other.layers[1].w13
+        fresh = model.new_cache(1, 8)
+        changed = model(toks[:1, :6], pos[:1, :6], fresh)
+        assert torch.equal(changed, other(toks[:1, :6], pos[:1, :6], other.new_cache(1, 8)))
 
 
 def test_layer_plans_follow_the_weights_through_quantization_huge_pages_and_dtype_moves():

@@ -47,18 +47,19 @@ def test_bytes_per_token_follow_from_the_shapes(table):
         "int8": sum(n * k + 4 * n for n, k in lin) + norms,
         "int4": sum(n * k // 2 + 2 * n * k // 32 for n, k in lin) + norms,  # bf16 scales
     }
+    want["int4_a8"] = want["int4"]  # the same weights; every width here fills whole W4A8 blocks of 16 rows
     for prec, b in want.items():
         assert table[prec]["bytes_per_token"] == b, prec
 
 
 def test_roofline_fraction_is_speed_over_the_bandwidth_limit(table):
-    for prec in ("float32", "bfloat16", "int8", "int4"):
+    for prec in ("float32", "bfloat16", "int8", "int4", "int4_a8"):
         e = table[prec]
         assert e["roofline_fraction"] == pytest.approx(e["tokens_per_s"] * e["bytes_per_token"] / 10e9)
 
 
 def test_speed_is_decode_steps_after_the_first_token_and_end_to_end_is_kept(table):
-    for prec in ("float32", "bfloat16", "int8", "int4"):
+    for prec in ("float32", "bfloat16", "int8", "int4", "int4_a8"):
         e = table[prec]
         assert e["tokens_per_s"] > 0 and e["end_to_end_tokens_per_s"] > 0
         assert e["tokens_per_s"] != e["end_to_end_tokens_per_s"]  # the prefill is out of the decode rate
@@ -66,9 +67,9 @@ def test_speed_is_decode_steps_after_the_first_token_and_end_to_end_is_kept(tabl
 
 def test_reference_agrees_with_itself_and_quality_degrades_with_bits(table):
     assert table["reference"] == "float32" and table["float32"]["agreement_vs_reference"] == 1.0
-    lp = {p: table[p]["mean_logprob"] for p in ("float32", "bfloat16", "int8", "int4")}
+    lp = {p: table[p]["mean_logprob"] for p in ("float32", "bfloat16", "int8", "int4", "int4_a8")}
     assert all(v <= 0 for v in lp.values())
-    assert lp["float32"] >= lp["int8"] - 1e-3 and lp["int8"] >= lp["int4"] - 1e-3
+    assert lp["float32"] >= lp["int8"] - 1e-3 and lp["int8"] >= lp["int4"] - 1e-3 and lp["int8"] >= lp["int4_a8"] - 1e-3
     assert table["int8"]["agreement_vs_reference"] >= 0.5
     assert table["kernel_path"] in ("avx512", "avx2", "torch")
 

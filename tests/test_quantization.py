@@ -114,7 +114,8 @@ def _state(cfg: ModelConfig, seed: int, scale: float = 0.3, head_scale: float | 
 def near_tie_model(algo: str, seed: int = 0) -> Transformer:
     """Untied head with small weights: logits a few 1e-2 apart, top-2 margins down to ~1e-6 (no x3 scaling)."""
     cfg = _cfg(tie=False)
-    return build_model(cfg, quant.quantize_state(_state(cfg, seed, head_scale=0.001), algo, 32), torch.float32, "cpu")
+    return build_model(cfg, quant.quantize_state(_state(cfg, seed, head_scale=0.001), algo, 32), torch.float32, "cpu",
+                       act8=algo == "int4_a8")
 
 
 def test_quantize_state_quantizes_every_linear_and_a_tied_head_separately():
@@ -249,7 +250,7 @@ def _margins(model: Transformer, reqs, results) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("algo", ["int8", "int4"])
+@pytest.mark.parametrize("algo", ["int8", "int4", "int4_a8"])
 def test_greedy_speculative_equals_baseline_past_32_rows_on_a_near_tie_model(algo):
     target = near_tie_model(algo, seed=1)
     draft = near_tie_model(algo, seed=5)
@@ -365,6 +366,7 @@ def test_generate_rows_of_a_batch_equal_their_solo_runs_quantized():
     ({"target": {"source": "x", "quantization": "fp8"}}, None, None, "target.quantization"),
     ({"target": {"source": "x", "quantization": "int4", "group_size": 48}}, None, None, "target.group_size"),
     ({"draft": {"source": "train", "quantization": "int4", "group_size": 100}}, None, None, "draft.group_size"),
+    ({"draft": {"source": "train", "quantization": "int4_a8", "group_size": 16}}, None, None, "draft.group_size"),
     ({"draft": {"source": "none", "quantization": "int8"}}, None, None, "draft.quantization"),
 ])
 def test_spec_refuses_bad_precision_settings_naming_the_key(tmp_path, section, key, value, path):
@@ -376,12 +378,15 @@ def test_spec_refuses_bad_precision_settings_naming_the_key(tmp_path, section, k
     assert str(e.value).startswith(f"{path}:")
 
 
-def test_spec_accepts_int8_and_int4_on_the_torch_backend(tmp_path):
+def test_spec_accepts_int8_int4_and_int4_a8_on_the_torch_backend(tmp_path):
     from tests.conftest import write_spec
 
     s = specmod.load(write_spec(tmp_path, name="ok", target={"source": "x", "quantization": "int4", "group_size": 64},
                                 draft={"source": "train", "quantization": "int8"}))
     assert (s.target.quantization, s.target.group_size, s.draft.quantization) == ("int4", 64, "int8")
+    s = specmod.load(write_spec(tmp_path, name="ok", target={"source": "x", "quantization": "int4_a8"},
+                                draft={"source": "train", "quantization": "int4_a8", "group_size": 32}))
+    assert (s.target.quantization, s.draft.quantization, s.draft.group_size) == ("int4_a8", "int4_a8", 32)
 
 
 def test_build_model_refuses_float16_on_cpu_naming_the_fix():
@@ -390,14 +395,15 @@ def test_build_model_refuses_float16_on_cpu_naming_the_fix():
         build_model(cfg, _state(cfg, 0), torch.float16, "cpu")
 
 
-@pytest.mark.parametrize("algo", ["int8", "int4"])
+@pytest.mark.parametrize("algo", ["int8", "int4", "int4_a8"])
 def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
     cfg = ModelConfig(**{**_cfg(tie=False).to_dict(), "qkv_bias": True, "model_type": "qwen2"})
     st = _state(cfg, 8)
     st = {k: (torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if k.endswith(".bias") else v)
           for k, v in st.items()}
-    a = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu")
+    a = build_model(cfg, quant.quantize_state(st, algo, 32), torch.float32, "cpu", act8=algo == "int4_a8")
     b = quant.quantize_model(build_model(cfg, st, torch.float32, "cpu"), algo, 32)
+    assert a.layers[0].w13.act8 == b.layers[0].w13.act8 == (algo == "int4_a8")
     assert a.layers[0].wqkv.bias is not None and torch.equal(a.layers[0].wqkv.bias, st["layers.0.wqkv.bias"])
     toks = torch.tensor([[4, 8, 15, 16, 23, 42]])
     pos = torch.arange(6)[None]
@@ -410,7 +416,7 @@ def test_qwen2_qkv_bias_survives_quantization_on_both_paths(algo):
         finally:
             kernels.set_path(prev)
         nobias = build_model(cfg, quant.quantize_state({k: v * 0 if k.endswith(".bias") else v for k, v in st.items()},
-                                                       algo, 32), torch.float32, "cpu")
+                                                       algo, 32), torch.float32, "cpu", act8=algo == "int4_a8")
         other = nobias.logits(nobias(toks, pos, nobias.new_cache(1, 8)))
     assert (fast - slow).abs().max() <= 1e-4
     assert (fast - other).abs().max() > 1e-3  # the bias is applied, not dropped
@@ -476,7 +482,7 @@ def test_many_weights_smaller_than_a_few_huge_pages_share_huge_pages():
     assert quant.hugepage_bytes() - before >= 36 << 20  # of 40 MB
 
 
-@pytest.mark.parametrize("algo", ["int8", "int4"])
+@pytest.mark.parametrize("algo", ["int8", "int4", "int4_a8"])
 def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
     import math
 
@@ -497,7 +503,7 @@ def test_medusa_tree_verification_past_32_rows_equals_baseline(algo):
     assert _margins(target, reqs, base).min() < 1e-4
 
 
-@pytest.mark.parametrize("algo,vocab", [("int8", 64), ("int4", 0)])
+@pytest.mark.parametrize("algo,vocab", [("int8", 64), ("int4", 0), ("int4_a8", 40)])
 def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, algo, vocab):
     from pipeline.runtime.decode import load_bundle
     from pipeline.train.draft import build_draft
@@ -515,6 +521,10 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     b = load_bundle(s.engine_dir)
     assert isinstance(b.draft.lm_head, quant.QLinear) and isinstance(b.draft.layers[0].w13, quant.QLinear)
     assert (getattr(b.draft, "vocab_ids", None) is not None) == bool(vocab)
+    # int8 activations (W4A8) from the config, in the kernel's 16-row blocks where it runs; the head too
+    assert b.draft.layers[0].w13.act8 == b.draft.lm_head.act8 == (algo == "int4_a8")
+    assert b.draft.lm_head.blocks_a8 == (algo == "int4_a8" and kernels.available())
+    assert not getattr(b.target.layers[0].w13, "act8", False)
     b.options["num_draft_tokens"] = 3
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
@@ -526,7 +536,7 @@ def test_int4_group_size_that_does_not_divide_the_model_is_an_engine_error_namin
         E.build_target(_spec(tiny_root, "tiny-int4-128", quantization="int4", group_size=128), log=lambda *a: None)
 
 
-@pytest.mark.parametrize("algo", ["int8", "int4"])
+@pytest.mark.parametrize("algo", ["int8", "int4", "int4_a8"])
 def test_batched_verification_logits_past_32_rows_equal_one_token_steps_bitwise(algo):
     model = near_tie_model(algo, seed=2)
     B, ctx, S = 8, 6, 5  # a 48-row batched prefill, then a 40-row batched k+1 verification

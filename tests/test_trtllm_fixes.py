@@ -189,11 +189,29 @@ def test_int4_awq_and_fp8_go_through_quantize_py_with_block_size_and_kv_dtype():
     assert (pre["quant_algo"], pre["kv_cache_quant_algo"]) == ("FP8", "FP8")
 
 
+def test_int4_a8_plans_tensorrt_llms_w4a8_awq_with_the_block_size():
+    """The torch runtime's int4_a8 (int4 weights, int8 activations) is W4A8_AWQ on a GPU (fp8 activations)."""
+    spec = load(QWEN, draft__quantization="int4_a8", draft__group_size=64)
+    steps = {s.name: s for s in trtllm.plan(spec)}
+    f = flags(steps["convert-draft"].argv)
+    assert steps["convert-draft"].argv[1].endswith("quantization/quantize.py")
+    assert (f["--qformat"], f["--awq_block_size"]) == ("w4a8_awq", "64")
+    cfgs = trtllm.planned_engine_configs(spec)
+    assert cfgs["draft"]["pretrained_config"]["quantization"]["quant_algo"] == "W4A8_AWQ"
+    int4 = trtllm.planned_engine_configs(load(QWEN, draft__quantization="int4", draft__group_size=64))["draft"]
+    int8 = trtllm.planned_engine_configs(load(QWEN, draft__quantization="int8"))["draft"]
+    a8_bytes = trtmem.weight_bytes(cfgs["draft"]["pretrained_config"], 1, 1)  # the memory plan counts 4-bit weights
+    assert a8_bytes == trtmem.weight_bytes(int4["pretrained_config"], 1, 1)
+    assert a8_bytes < trtmem.weight_bytes(int8["pretrained_config"], 1, 1)
+
+
 @pytest.mark.parametrize("changes,key", [
     ({"tensorrt_llm__kv_cache_dtype": "int8"}, "tensorrt_llm.kv_cache_dtype: got 'int8'.*paged context FMHA"),
     ({"tensorrt_llm__kv_cache_dtype": "fp8"}, "tensorrt_llm.kv_cache_dtype: got 'fp8'.*FP8 quantization"),
     ({"target__quantization": "fp8", "draft__quantization": "fp8", "tensorrt_llm__gpu_arch": "ampere"},
-     "tensorrt_llm.gpu_arch: got 'ampere'; FP8 needs"),
+     "tensorrt_llm.gpu_arch: got 'ampere'; FP8 .*needs"),
+    ({"draft__quantization": "int4_a8", "tensorrt_llm__gpu_arch": "ampere"},
+     "tensorrt_llm.gpu_arch: got 'ampere'; FP8 .*int4_a8.*needs"),
     ({"dtype": "float32", "target__quantization": "int8"}, "target.quantization: got 'int8'.*float16 or bfloat16"),
     ({"draft__dtype": "float32", "draft__quantization": "int4"}, "draft.quantization: got 'int4'.*draft.dtype"),
     ({"tensorrt_llm__fast_logits": True, "speculation__use_draft_logits": False}, "tensorrt_llm.fast_logits"),

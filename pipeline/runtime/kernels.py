@@ -1,16 +1,18 @@
 """The skinny CPU matmul (skinny.c), compiled on first use with the system C compiler.
 
-It is built for AVX-512 when the CPU has it (avx512f/bw/vl/dq and avx512_bf16, whose vdpbf16ps
-the bf16 and int4 weights use), else for AVX2 + FMA (which emulates vdpbf16ps exactly); both builds
-compute every output element by the same instruction sequence (see skinny.c), so they agree bit for
-bit. Without a compiler or either instruction set, `linear` falls back to torch (same results within
-1e-4) and the model runs its torch layers. Nothing falls back silently: a failed compile or a missing
-CPU feature is logged once (logger `pipeline.kernels`), and `path()` names what runs ("avx512",
-"avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch` forces a path.
+It is built for AVX-512 when the CPU has it (avx512f/bw/vl/dq; avx512_bf16, whose vdpbf16ps the bf16
+and int4 weights use; avx512_vnni, whose vpdpbusd the W4A8 weights use), else for AVX2 + FMA (which
+emulates both exactly); both builds compute every output element by the same instruction sequence (see
+skinny.c), so they agree bit for bit. Without a compiler or either instruction set, `linear` falls back
+to torch (same results within 1e-4) and the model runs its torch layers. Nothing falls back silently: a
+failed compile or a missing CPU feature is logged once (logger `pipeline.kernels`), and `path()` names
+what runs ("avx512", "avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch`
+forces a path.
 
 Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4 / bf16 tiled), decoded in registers. With
 bf16 and int4 weights each activation row is rounded to bf16 at the matmul (vdpbf16ps takes bf16 pairs);
-fp32 and int8 weights multiply fp32 activations.
+fp32 and int8 weights multiply fp32 activations; W4A8 layers (int4 weights, `act8`) quantize each activation row
+to int8 per group and multiply by integer dot products.
 Any number of token rows goes through the kernel, so decoding, verification, trees and prefill all
 compute each output element the same way.
 """
@@ -31,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 SRC = Path(__file__).with_name("skinny.c")
-ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"],
+ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                        "-mavx512vnni"],
              "avx2": ["-mavx2", "-mfma"]}
 WT = {torch.float32: 0, torch.bfloat16: 1}  # skinny.c's WT_F32, WT_BF16; int8 = 2, int4 = 3
 log = logging.getLogger("pipeline.kernels")
@@ -59,11 +62,12 @@ def supported_isas() -> list[str]:
     f = _cpu_flags()
     out = []
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= f:
-        if "avx512_bf16" in f:
+        if {"avx512_bf16", "avx512_vnni"} <= f:
             out.append("avx512")
         elif not _warned_bf16:
             _warned_bf16.append(True)
-            log.info("this CPU has AVX-512 but not AVX512_BF16 (vdpbf16ps): the skinny kernel runs its AVX2 build")
+            log.info("this CPU has AVX-512 but not AVX512_BF16 (vdpbf16ps) and AVX512_VNNI (vpdpbusd): the skinny "
+                     "kernel runs its AVX2 build")
     if {"avx2", "fma"} <= f:
         out.append("avx2")
     return out
@@ -112,7 +116,9 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.attention.argtypes = [P] * 6 + [Int] * 7 + [F32, Int]
     lib.rmsnorm.argtypes = [P, P, F32, P, Int, Int]
     lib.decoder_layer.argtypes = [P, P, Int, Int] + [P] * 6 + [Int, P, Int, Int]
-    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.rmsnorm, lib.decoder_layer):
+    lib.decoder_layers.argtypes = [P, Int, P, Int, Int] + [P] * 6 + [ctypes.c_int64, Int, P, Int, Int]
+    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.rmsnorm, lib.decoder_layer,
+              lib.decoder_layers):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
@@ -199,7 +205,10 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
             return w.qweight.data_ptr(), w.scales.data_ptr(), 6 if w.tiled else 2, 0, w.out_features, w.in_features
         if w.algo == "bf16":
             return w.qweight.data_ptr(), None, 4, 0, w.out_features, w.in_features
-        wt = 5 if w.tiled else 3  # skinny.c's WT_I4T (quant.tile), WT_I4
+        if w.act8 and not w.blocks_a8:
+            raise ValueError("a W4A8 layer runs on the CPU kernel only in its 16-row blocks: lay the model out with "
+                             "quant.tile_model (build_model does)")
+        wt = 7 if w.act8 else 5 if w.tiled else 3  # skinny.c's WT_I4A8 (quant.tile_a8), WT_I4T (quant.tile), WT_I4
         return w.qweight.data_ptr(), w.scales.data_ptr(), wt, w.group_size, w.out_features, w.in_features
     if w.dtype not in WT:
         raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "
@@ -211,10 +220,12 @@ def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
 
 def _dot_bf16(w) -> bool:
     """True for the weights the kernel multiplies by bf16 dot products (bf16, int4): x is rounded to bf16."""
-    return w.algo in ("int4", "bf16") if _quantized(w) else w.dtype == torch.bfloat16
+    return w.algo in ("int4", "bf16") and not w.act8 if _quantized(w) else w.dtype == torch.bfloat16
 
 
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
+    if _quantized(w) and w.act8:
+        return w.linear_a8(x)
     weight = w.weight if _quantized(w) else w
     if x.dtype == torch.float32 and x.device.type == "cpu" and _dot_bf16(w):
         x = x.bfloat16().float()  # the kernel's rounding of the activations (skinny.c), so both paths agree
@@ -227,6 +238,8 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (lib is None or x.device.type != "cpu" or rows == 0 or x.dtype != torch.float32
             or not _quantized(w) and (w.dtype not in WT or torch.is_grad_enabled() and w.requires_grad)):
+        return _torch_linear(x, w)
+    if _quantized(w) and w.act8 and not w.blocks_a8:
         return _torch_linear(x, w)
     wp, sp, wt, gs, N, K = _weight_args(w if _quantized(w) else w.contiguous())
     xc = x.contiguous()
@@ -349,6 +362,21 @@ def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Te
         lins.append(_Lin(wp, sp or 0, wt, gs, N, K))
     ptr = [0 if t is None else t.data_ptr() for t in (bias, attn_norm, ffn_norm)]
     return LayerPlan(*lins, *ptr, eps, head_dim ** -0.5, hq, hkv, head_dim)
+
+
+def plan_array(plans: list[LayerPlan]):
+    """A C array of pointers to layer plans, for `decoder_layers` (the plans must outlive it)."""
+    return (ctypes.POINTER(LayerPlan) * len(plans))(*(ctypes.pointer(p) for p in plans))
+
+
+def decoder_layers(plans, n: int, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> None:
+    """`decoder_layer` for each of the n layers in turn, in one C call: plans from `plan_array`, k / v the cache's
+    [layers, B, H_kv, length, D] buffers (each layer's block contiguous, as KVCache.rows keeps it)."""
+    B, S, _ = x.shape
+    _lib.decoder_layers(plans, n, x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[3],
+                        None if mask is None else mask.data_ptr(), kv_len, _threads)
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,

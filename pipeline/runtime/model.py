@@ -170,11 +170,15 @@ class Block(nn.Module):
 
         The call's plan (weight pointers and shapes) is built once; its addresses are checked again only after
         `kernels.weights_moved()` (or a replaced submodule), and it is rebuilt when they changed."""
+        kernels.decoder_layer(self.plan(), x, pos, slots, *tables, kc, vc, mask, kv_len)
+        return x
+
+    def plan(self) -> kernels.LayerPlan:
+        """This layer's kernel plan, rebuilt when its weights moved (`kernels.weights_moved`)."""
         cached = self.__dict__.get("_plan")
         if cached is None or cached[0] != kernels.weights_epoch():
             cached = self.__dict__["_plan"] = self._build_plan(cached)
-        kernels.decoder_layer(cached[2], x, pos, slots, *tables, kc, vc, mask, kv_len)
-        return x
+        return cached[2]
 
     def _build_plan(self, cached: tuple | None) -> tuple:
         """(epoch, weight key, plan, what keeps the plan's memory alive), rebuilt when the weight addresses changed.
@@ -193,7 +197,9 @@ class Block(nn.Module):
         return kernels.weights_epoch(), key, plan, keep
 
     def __setattr__(self, name: str, value) -> None:
-        self.__dict__.pop("_plan", None)  # a replaced submodule or weight: the plan is rebuilt at the next step
+        # A replaced submodule or weight: this plan is rebuilt at the next step, and the model's array of plans too.
+        if self.__dict__.pop("_plan", None) is not None:
+            kernels.weights_moved()
         super().__setattr__(name, value)
 
     def _weight_key(self) -> tuple[int, ...]:
@@ -251,7 +257,7 @@ class Transformer(nn.Module):
         # (and are tiled again if they are still on CPU).
         untile_model(self, self.cfg.tie_embeddings)
         out = super()._apply(fn, recurse)
-        if self.embed.weight.device.type == "cpu" and kernels.tiles():
+        if self.embed.weight.device.type == "cpu" and kernels.available():
             tile_model(self)
         return out
 
@@ -295,8 +301,12 @@ class Transformer(nn.Module):
             x = self.embed(tokens).float().contiguous()
             pos64, slots64 = pos.contiguous().long(), slots.contiguous().long()
             m8 = None if mask is None else mask.contiguous().to(torch.uint8)
-            for i, layer in enumerate(self.layers):
-                layer.fast(x, pos64, slots64, (cos, sin), cache.k[i], cache.v[i], m8, kv_len)
+            plans = self.__dict__.get("_plans")
+            if plans is None or plans[0] != kernels.weights_epoch():
+                layer_plans = [layer.plan() for layer in self.layers]
+                plans = self.__dict__["_plans"] = (kernels.weights_epoch(), kernels.plan_array(layer_plans),
+                                                   layer_plans)
+            kernels.decoder_layers(plans[1], len(plans[2]), x, pos64, slots64, cos, sin, cache.k, cache.v, m8, kv_len)
             return kernels.rmsnorm(x, self.norm.weight, self.norm.eps)
         if mask is None:
             mask = torch.arange(kv_len, device=tokens.device)[None, None, :] <= slots[:, :, None]
@@ -371,12 +381,15 @@ def device_type(device) -> str:
     return torch.device(device).type
 
 
-def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device) -> Transformer:
+def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device,
+                act8: bool = False) -> Transformer:
     """Construct on the meta device and assign weights, so nothing is initialised twice.
 
     Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
-    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). On CPU where
-    `kernels.tiles()`, bf16, int8 and int4 linears are tiled (quant.tile_model); `float_state` gives back plain weights.
+    storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). `act8`: int4
+    linears quantize their activations to int8 (W4A8, an engine whose quant_algo is W4A8). On CPU the linears are laid
+    out for the kernels (quant.tile_model: W4A8 in 16-row blocks; bf16, int8 and int4 tiled where `kernels.tiles()`);
+    `float_state` gives back plain weights.
     """
     if device_type(device) == "cpu" and dtype == torch.float16:
         raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "
@@ -388,7 +401,8 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         parent, _, leaf = prefix.rpartition(".")
         q, sc = state[prefix + ".qweight"].to(device), state[prefix + ".scales"].to(device)
         bias = state.get(prefix + ".bias")
-        layer = QLinear(q, sc, None if bias is None else bias.to(device, torch.float32))
+        layer = QLinear(q, sc, None if bias is None else bias.to(device, torch.float32),
+                        act8=act8 and q.dtype == torch.uint8)
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
     skip = {p + s for p in quantized for s in (".qweight", ".scales", ".bias")}
     # Norm weights and biases stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32.
@@ -406,7 +420,7 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         model.lm_head.weight = model.embed.weight
     del state
     if device_type(device) == "cpu":
-        if kernels.tiles():
+        if kernels.available():
             tile_model(model)
         to_hugepages(model)
     return model.eval().requires_grad_(False)

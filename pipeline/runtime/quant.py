@@ -27,6 +27,12 @@ int4 layers are tiled the same way, 8 rows of 64-byte superblocks side by side (
 `tile`): the 0.5B draft's one-token matmuls ran 1.06x as fast; int8 in 8 rows of 16 columns ([N / 8, K / 16, 8,
 16]): the 1.5B's 1.08-1.12x when memory was fast, 1.05x when slow. Engines keep row-major weights, and
 `model.float_state` gives plain ones back.
+
+`int4_a8` (W4A8) stores the same int4 weights and scales; the kernel multiplies them by activations quantized to int8
+per group at each matmul (skinny.c's WT_I4A8), by integer dot products: a fraction of W4A16's instructions, for a
+draft whose numerics never change the output (the target verifies every token). On CPU its layers are laid out in
+blocks of 16 rows ([ceil(N / 16), K / 8, 64] bytes, bf16 scales [ceil(N / 16), K / group_size, 16]; `tile_a8`), the
+only layout the kernel reads them in, whatever `kernels.tiles()` says.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ FORMAT = "qlinear/4"
 
 def layout_tag(algo: str) -> tuple[str, ...]:
     """What joins an engine's input hash for `algo`: the int4 layout version (int8 engines keep their hash)."""
-    return (FORMAT,) if algo == "int4" else ()
-ALGOS = ("int8", "int4")
-QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16"}  # TensorRT-LLM's QuantAlgo names
+    return (FORMAT,) if algo in ("int4", "int4_a8") else ()
+ALGOS = ("int8", "int4", "int4_a8")
+# TensorRT-LLM's QuantAlgo names for weight-only int8 / int4; W4A8 here is the torch runtime's int4 weights with int8
+# activations (TensorRT-LLM's own W4A8_AWQ takes fp8 activations).
+QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16", "int4_a8": "W4A8"}
 GROUP_SIZES = (32, 64, 128)
 # The runtime's linear layers: every matmul a decode step reads. Embeddings stay in the engine dtype
 # (a row lookup reads almost nothing); a tied head is quantized as its own copy.
@@ -112,7 +120,9 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 
 def dequantize(qweight: Tensor, scales: Tensor) -> Tensor:
     """The fp32 weight [N, K] a quantized pair stands for (each element rounded once, as the kernel does); a tiled
-    bf16 weight's row-major bf16 matrix."""
+    bf16 weight's row-major bf16 matrix. A W4A8 block layout gives its padded rows too (QLinear.weight drops them)."""
+    if qweight.dim() == 3:
+        qweight, scales = untile_a8(qweight, scales)
     if qweight.dim() == 4:
         qweight = untile(qweight)
     if qweight.dtype == torch.int8:
@@ -150,21 +160,90 @@ def untile(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(nt * rows, nb * cols)
 
 
+A8_ROWS = 16  # rows per W4A8 block: one int32 lane each in the AVX-512 kernel
+
+
+def tile_a8(qweight: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-major int4 (packed [N, K / 2], bf16 scales [N, K / gs]) -> the W4A8 kernel's blocks of 16 rows (module
+    docstring), zero rows padding the last block: byte 4 l + j of chunk c of a block holds row l's columns 8c + j (low
+    nibble) and 8c + 4 + j (high nibble)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    Np = -(-N // A8_ROWS) * A8_ROWS
+    u = unpack_int4(qweight)
+    sc = scales.bfloat16()
+    if Np != N:
+        u = torch.cat([u, torch.full((Np - N, K), 8, dtype=torch.uint8, device=u.device)])
+        sc = torch.cat([sc, torch.zeros(Np - N, sc.shape[1], dtype=sc.dtype, device=sc.device)])
+    u = u.view(Np // A8_ROWS, A8_ROWS, K // 8, 2, 4)
+    packed = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).transpose(1, 2)  # [blocks, K / 8, 16 rows, 4 bytes]
+    blocks = packed.reshape(Np // A8_ROWS, K // 8, 4 * A8_ROWS).contiguous()
+    return blocks, sc.view(Np // A8_ROWS, A8_ROWS, -1).transpose(1, 2).contiguous()
+
+
+def untile_a8(blocks: Tensor, scales: Tensor, rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """The row-major int4 pair of a W4A8 block layout (its first `rows` rows; default all, padding included)."""
+    nb, chunks, _ = blocks.shape
+    b = blocks.view(nb, chunks, A8_ROWS, 4).transpose(1, 2)  # [blocks, 16 rows, K / 8, 4]
+    u = torch.stack([b & 15, b >> 4], dim=3).reshape(nb * A8_ROWS, chunks * 8)
+    sc = scales.transpose(1, 2).reshape(nb * A8_ROWS, -1)
+    rows = nb * A8_ROWS if rows is None else rows
+    K = chunks * 8
+    lo, hi = nibble_columns(K)
+    u = u[:rows]
+    packed = u[:, lo.to(u.device)] | (u[:, hi.to(u.device)] << 4)
+    return packed.contiguous(), sc[:rows].contiguous()
+
+
+def a8_reference(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    """x [..., K] @ W.T as the W4A8 kernel computes it (skinny.c, tile_a8), for row-major int4 weights: activations
+    quantized per group, exact integer group sums, then acc = s_w * s_x * sum + acc group after group. The kernel fuses
+    that multiply-add (one rounding); here it is rounded twice via float64, so the two agree within an ulp or so (the
+    torch fallback and the tests' reference)."""
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    ng = scales.shape[1]
+    gs = K // ng
+    xs = x.reshape(-1, K).float()
+    xs = torch.where(xs.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(xs), xs)  # denormals read as zero
+    g = xs.view(-1, ng, gs)
+    m = g.abs().amax(dim=-1)
+    bad = ~torch.isfinite(g).all(dim=-1)
+    zero = (m < 1e-30) & ~bad
+    safe = torch.where(zero | bad, torch.ones_like(m), m)
+    q = torch.round(g * (torch.tensor(127.0) / safe)[..., None])
+    q = torch.where((zero | bad)[..., None], torch.zeros_like(q), q)
+    sx = torch.where(zero, torch.zeros_like(m), torch.where(bad, torch.full_like(m, float("nan")), m / 127.0))
+    w = (unpack_int4(qweight).float() - 8.0).view(N, ng, gs).to(xs.device)
+    out = torch.empty(xs.shape[0], N, dtype=torch.float32, device=xs.device)
+    step = max(1, (1 << 24) // (N * ng))  # rows at a time: the group sums of a prefill would not fit at once
+    for r0 in range(0, xs.shape[0], step):
+        ints = torch.einsum("rgk,ngk->rng", q[r0:r0 + step], w)  # exact: every partial sum is an integer below 2^24
+        s = scales.float().to(xs.device)[None] * sx[r0:r0 + step, None, :]
+        acc = torch.zeros(ints.shape[0], N, dtype=torch.float64, device=xs.device)
+        for j in range(ng):
+            acc = (ints[..., j].double() * s[..., j].double() + acc).float().double()
+        out[r0:r0 + step] = acc.float()
+    return out.view(*x.shape[:-1], N)
+
+
 def algo_of(qweight: Tensor) -> str:
     return {torch.int8: "int8", torch.uint8: "int4", torch.bfloat16: "bf16"}[qweight.dtype]
 
 
 class QLinear(nn.Module):
     """A linear layer holding quantized (or tiled bf16) weights and an optional fp32 bias; the kernels decode them in
-    registers."""
+    registers. `act8`: int4 weights whose matmuls quantize the activations to int8 (W4A8); on CPU such a layer is held
+    in the kernel's 16-row blocks (3-D `qweight`, see tile_a8), `out_features` giving the rows without the padding."""
 
-    def __init__(self, qweight: Tensor, scales: Tensor | None, bias: Tensor | None = None):
+    def __init__(self, qweight: Tensor, scales: Tensor | None, bias: Tensor | None = None, act8: bool = False,
+                 out_features: int | None = None):
         super().__init__()
         if qweight.dtype not in (torch.int8, torch.uint8, torch.bfloat16):
             raise ValueError(f"qweight dtype {qweight.dtype}: expected int8 (int8), uint8 (packed int4) or bfloat16 "
                              "(tiled, see tile)")
         if qweight.dtype == torch.bfloat16 and qweight.dim() != 4:
             raise ValueError(f"a bf16 qweight is tiled [N / 4, K / 32, 4, 32] (quant.tile), not {list(qweight.shape)}")
+        if act8 and qweight.dtype != torch.uint8:
+            raise ValueError(f"int8 activations (W4A8) need int4 weights, not {algo_of(qweight)}")
         self.register_buffer("qweight", qweight.contiguous())
         # int4 scales are bf16 (the kernel reads them so), int8 ones fp32; tiled bf16 has none (an empty buffer).
         if qweight.dtype == torch.bfloat16:
@@ -177,31 +256,50 @@ class QLinear(nn.Module):
         else:
             self.bias = None
         self.algo = algo_of(qweight)
-        self.tiled = qweight.dim() == 4  # bf16 always; int8 / int4 once tile_model ran
+        self.blocks_a8 = qweight.dim() == 3  # W4A8's 16-row blocks (tile_a8)
+        self.act8 = act8 or self.blocks_a8
+        self.tiled = qweight.dim() in (3, 4)  # bf16 always; int8 / int4 once tile_model ran
         s = qweight.shape
-        self.out_features, stored = (s[0] * s[2], s[1] * s[3]) if self.tiled else (s[0], s[1])
-        self.in_features = stored * (2 if self.algo == "int4" else 1)
+        if self.blocks_a8:
+            self.out_features, self.in_features = out_features or s[0] * A8_ROWS, s[1] * 8
+        else:
+            self.out_features, stored = (s[0] * s[2], s[1] * s[3]) if self.tiled else (s[0], s[1])
+            self.in_features = stored * (2 if self.algo == "int4" else 1)
         self.group_size = self.in_features // scales.shape[1] if self.algo == "int4" else 0
 
     @property
     def weight(self) -> Tensor:
         """Dequantized fp32 (tiled: row-major bf16) weight, for code that needs the matrix itself (training, the torch
         fallback)."""
-        return dequantize(self.qweight, self.scales)
+        return dequantize(self.qweight, self.scales)[: self.out_features]
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
+    def rowmajor(self) -> tuple[Tensor, Tensor]:
+        """(qweight, scales) row-major, as an engine stores them (int8 / int4; tiled bf16: the bf16 weight and None)."""
+        if self.blocks_a8:
+            return untile_a8(self.qweight, self.scales, self.out_features)
+        return (untile(self.qweight) if self.tiled else self.qweight), self.scales
+
     def rows(self, idx: Tensor) -> QLinear | Tensor:
-        """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized (tiled bf16: tiled
-        again when the rows fill whole tiles, else a row-major bf16 weight)."""
-        q = untile(self.qweight) if self.tiled else self.qweight
+        """The layer restricted to output rows `idx` (a reduced-vocabulary head), still quantized and in the same
+        layout (tiled bf16: tiled again when the rows fill whole tiles, else a row-major bf16 weight)."""
+        q, sc = self.rowmajor()
         if self.algo == "bf16":
             w = q[idx].contiguous()
             return QLinear(tile(w), None) if tileable(w) and self.bias is None else w
-        sub = QLinear(q[idx], self.scales[idx], None if self.bias is None else self.bias[idx])
+        sub = QLinear(q[idx], sc[idx], None if self.bias is None else self.bias[idx], act8=self.act8)
+        if self.blocks_a8:
+            return QLinear(*tile_a8(sub.qweight, sub.scales), sub.bias, out_features=sub.out_features)
         return QLinear(tile(sub.qweight), sub.scales, sub.bias) if self.tiled and tileable(sub.qweight) else sub
+
+    def linear_a8(self, x: Tensor) -> Tensor:
+        """x @ W.T as the W4A8 kernel computes it, in torch (a8_reference): for devices or machines without the
+        kernel."""
+        q, sc = self.rowmajor()
+        return a8_reference(x, q, sc)
 
     def forward(self, x: Tensor) -> Tensor:
         from pipeline.runtime.kernels import linear
@@ -211,7 +309,7 @@ class QLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        return f"{self.in_features}, {self.out_features}, {self.algo}{g}"
+        return f"{self.in_features}, {self.out_features}, {self.algo}{', int8 activations' if self.act8 else ''}{g}"
 
 
 def head_rows(layer: nn.Module, idx: Tensor):
@@ -228,11 +326,13 @@ def quantize_head(weight: Tensor, algo: str, group_size: int = 128) -> dict[str,
 
 
 def quantize(w: Tensor, algo: str, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    """(qweight, scales) as an engine stores them; int4_a8 stores int4 weights (the activations are quantized at run
+    time)."""
     if algo == "int8":
         return quantize_int8(w)
-    if algo == "int4":
+    if algo in ("int4", "int4_a8"):
         return quantize_int4(w, group_size)
-    raise ValueError(f"quantization {algo!r}: the torch runtime quantizes int8 or int4 (or none)")
+    raise ValueError(f"quantization {algo!r}: the torch runtime quantizes int8, int4 or int4_a8 (or none)")
 
 
 def quantize_state(state: dict[str, Tensor], algo: str, group_size: int = 128,
@@ -264,31 +364,36 @@ def cast_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor
 
 def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Module:
     """Replace every runtime linear layer of a built Transformer (and its LM head) by a QLinear, in place; bf16 layers
-    tiled at load are quantized from their weights too, and int4 layers are tiled as `build_model` would."""
+    tiled at load are quantized from their weights too, and the new layers are laid out as `build_model` would."""
     if algo == "none":
         return model
-    tiled = False
     for name, mod in list(model.named_modules()):
         plain = isinstance(mod, nn.Linear) or isinstance(mod, QLinear) and mod.algo == "bf16"
         if plain and LINEAR.match(name + ".weight"):
             parent, _, leaf = name.rpartition(".")
             q, s = quantize(mod.weight, algo, group_size)
-            setattr(model.get_submodule(parent) if parent else model, leaf, QLinear(q, s, mod.bias))
-            tiled = tiled or isinstance(mod, QLinear)
-    if tiled and kernels.tiles():
+            layer = QLinear(q, s, mod.bias, act8=algo == "int4_a8")
+            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+    if model.embed.weight.device.type == "cpu" and kernels.available():
         tile_model(model)
     return model
 
 
-def tile_model(model: nn.Module) -> int:
-    """Tile every bf16, int8 and int4 runtime linear layer (and the LM head; a tied one gets its own copy, the
-    embedding stays for lookup) in place, for the CPU kernels; returns the number tiled. Widths that do not fill whole
-    tiles stay row-major."""
+def tile_model(model: nn.Module, tiles: bool | None = None) -> int:
+    """Lay out every runtime linear layer (and the LM head; a tied one gets its own copy, the embedding stays for
+    lookup) in place for the CPU kernels; returns the number changed. W4A8 layers always go to their 16-row blocks
+    (tile_a8: the one layout the kernel reads them in); bf16, int8 and int4 layers are tiled when `tiles` (default
+    `kernels.tiles()`), and widths that do not fill whole tiles stay row-major."""
+    tiles = kernels.tiles() if tiles is None else tiles
     n = 0
     for name, mod in list(model.named_modules()):
         if not LINEAR.match(name + ".weight"):
             continue
-        if isinstance(mod, nn.Linear) and tileable(mod.weight):
+        if isinstance(mod, QLinear) and mod.act8 and not mod.blocks_a8:
+            layer = QLinear(*tile_a8(mod.qweight, mod.scales), mod.bias, out_features=mod.out_features)
+        elif not tiles or isinstance(mod, QLinear) and mod.act8:
+            continue
+        elif isinstance(mod, nn.Linear) and tileable(mod.weight):
             layer = QLinear(tile(mod.weight), None, mod.bias)
         elif isinstance(mod, QLinear) and tileable(mod.qweight):
             layer = QLinear(tile(mod.qweight), mod.scales, mod.bias)
@@ -304,13 +409,14 @@ def tile_model(model: nn.Module) -> int:
 
 def untile_model(model: nn.Module, tie_embeddings: bool = False) -> int:
     """Turn every tiled bf16 layer back into a row-major nn.Linear (with `tie_embeddings`, the head shares the
-    embedding again) and every tiled int8 / int4 one into a row-major QLinear, in place; returns the number untiled."""
+    embedding again) and every tiled int8 / int4 one (W4A8 blocks too) into a row-major QLinear, in place; returns the
+    number untiled."""
     n = 0
     for name, mod in list(model.named_modules()):
         if isinstance(mod, QLinear) and mod.algo in ("int4", "int8") and mod.tiled:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf,
-                    QLinear(untile(mod.qweight), mod.scales, mod.bias))
+                    QLinear(*mod.rowmajor(), mod.bias, act8=mod.act8))
             n += 1
         elif isinstance(mod, QLinear) and mod.algo == "bf16":
             parent, _, leaf = name.rpartition(".")
@@ -340,6 +446,12 @@ def fit_group_size(widths: list[int], group_size: int) -> int | None:
 def quant_config(algo: str, group_size: int) -> dict:
     """`pretrained_config.quantization` as TensorRT-LLM writes it."""
     return {"quant_algo": QUANT_ALGO[algo], "group_size": group_size, "kv_cache_quant_algo": None}
+
+
+def int8_activations(config: dict) -> bool:
+    """Whether an engine config.json asks for int8 activations (`quant_algo` W4A8)."""
+    q = (config.get("pretrained_config") or {}).get("quantization") or {}
+    return q.get("quant_algo") == QUANT_ALGO["int4_a8"]
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -25,9 +25,12 @@
 // The lanes are summed by the same fixed tree; int4 lanes sum a group, then add scale * partial sum.
 // These two weight types run with MXCSR FTZ|DAZ in both builds (set and restored per call and thread).
 //
-// This file is compiled twice: with AVX-512 (+ AVX512_BF16: one zmm per 16 lanes, vdpbf16ps) and with
-// AVX2 (two ymm; the dot product as two FMAs under FTZ|DAZ); both implement the same sequence, so the
-// two builds agree bit for bit as well.
+// W4A8 (int4 weights in blocks of 16 rows, activations quantized to int8 per group): integer dot products, one
+// output row per lane; see tile_a8.
+//
+// This file is compiled twice: with AVX-512 (+ AVX512_BF16: one zmm per 16 lanes, vdpbf16ps; + AVX512_VNNI:
+// vpdpbusd) and with AVX2 (two ymm; the dot product as two FMAs under FTZ|DAZ, vpdpbusd as vpmaddubsw + vpmaddwd);
+// both implement the same sequence, so the two builds agree bit for bit as well.
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -35,7 +38,7 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 
-enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6 };
+enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7 };
 
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -133,6 +136,35 @@ static const int RB_FOR_G[7] = {0, 8, 6, 4, 4, 4, 4};
 // Tiled bf16: the rows of one 4-row tile.
 static const int RT_FOR_G[7] = {0, 4, 4, 4, 4, 4, 4};
 static const int RQ_FOR_G[7] = {0, 8, 5, 3, 3, 2, 2};
+
+// W4A8 (WT_I4A8): int32 lanes, one output row each. vpdpbusd multiplies 4 unsigned weight bytes by 4 signed
+// activation bytes and adds the four products to the lane, exactly.
+#if !defined(__AVX512VNNI__)
+#error "the AVX-512 build needs AVX512_VNNI (-mavx512vnni)"
+#endif
+#define A8_LANES 16
+typedef __m512i vi_t;   // A8_LANES int32 lanes
+typedef __m512 vf_t;    // A8_LANES fp32 lanes
+static inline vi_t vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+static inline vi_t vi_add(vi_t a, vi_t b) { return _mm512_add_epi32(a, b); }
+// 4 A8_LANES bytes of a chunk: weight nibbles of the lanes' rows, low nibbles (columns 8c..8c + 3) and high (8c + 4..)
+static inline void a8_nibbles(const uint8_t *p, vi_t *lo, vi_t *hi) {
+    const __m512i w = _mm512_loadu_si512((const void *)p), m = _mm512_set1_epi8(15);
+    *lo = _mm512_and_si512(w, m);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m);
+}
+static inline vi_t vi_dp(vi_t acc, vi_t u, int32_t x4) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x4)); }
+static inline vf_t vf_cvt(vi_t a) { return _mm512_cvtepi32_ps(a); }
+static inline vf_t vf_bf16(const uint16_t *p) {  // A8_LANES bf16 -> fp32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf_t vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf_t vf_scale(vf_t s, float x) { return _mm512_mul_ps(s, _mm512_set1_ps(x)); }
+static inline vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vf_store(float *y, vf_t v, int n) {
+    if (n >= A8_LANES) _mm512_storeu_ps(y, v);
+    else _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v);
+}
 
 #else
 #define ISA_NAME "avx2"
@@ -249,6 +281,39 @@ static const int RB_FOR_G[7] = {0, 2, 1, 1, 1, 1, 1};
 static const int RT_FOR_G[7] = {0, 2, 1, 1, 1, 1, 1};
 // int4 runs half a block at a time (tile_i4_avx2): a row's partial sums take one ymm per token row.
 static const int RQ_FOR_G[7] = {0, 8, 4, 3, 2, 2, 1};
+
+// W4A8 as in the AVX-512 build, 8 rows per pass: vpdpbusd is vpmaddubsw (u8 x s8 pairs to int16: |sum| <= 2 * 15 *
+// 128, so it never saturates) then vpmaddwd by ones (pairs to int32), exact, so the lanes hold the same integers.
+#define A8_LANES 8
+typedef __m256i vi_t;
+typedef __m256 vf_t;
+static inline vi_t vi_set1(int32_t v) { return _mm256_set1_epi32(v); }
+static inline vi_t vi_add(vi_t a, vi_t b) { return _mm256_add_epi32(a, b); }
+static inline void a8_nibbles(const uint8_t *p, vi_t *lo, vi_t *hi) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p), m = _mm256_set1_epi8(15);
+    *lo = _mm256_and_si256(w, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m);
+}
+static inline vi_t vi_dp(vi_t acc, vi_t u, int32_t x4) {
+    const __m256i p = _mm256_maddubs_epi16(u, _mm256_set1_epi32(x4));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline vf_t vf_cvt(vi_t a) { return _mm256_cvtepi32_ps(a); }
+static inline vf_t vf_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf_t vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf_t vf_scale(vf_t s, float x) { return _mm256_mul_ps(s, _mm256_set1_ps(x)); }
+static inline vf_t vf_fma(vf_t a, vf_t b, vf_t c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vf_store(float *y, vf_t v, int n) {
+    if (n >= A8_LANES) {
+        _mm256_storeu_ps(y, v);
+    } else {
+        float t[8];
+        _mm256_storeu_ps(t, v);
+        for (int i = 0; i < n; i++) y[i] = t[i];
+    }
+}
 
 #endif
 
@@ -549,6 +614,114 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         for (int i = 0; i < G; i++) y[(int64_t)(s0 + i) * N + n + r] = v_hsum(acc[r][i]);
 }
 
+// W4A8 (WT_I4A8): int4 weights, int8 activations, integer dot products. The 0.5B draft's int4 layers are
+// compute-bound under W4A16 once memory is fast (a shift, a lookup and a bf16 dot product per 32 weights, plus a
+// scale per row and group); here a row is one int32 lane, so the group scale is one vector op per 16 rows and a
+// 64-byte load feeds 128 multiply-adds. Hot, the draft's gate/up matmul ran 2.4x as fast as W4A16 (44 vs 110 us).
+//
+// Activations: each row of x is quantized per group of gs columns (x_a8): m = max |x| over the group, q = RN(x *
+// RN(127 / m)) in [-127, 127], s_x = RN(m / 127), and c = -8 * sum q. Weights (quant.tile_a8): blocks of 16 rows,
+// each K / 8 chunks of 64 bytes; byte 4 l + j of chunk c holds u = q_w + 8 of row l's column 8c + j in its low
+// nibble and of column 8c + 4 + j in its high one; bf16 scales [N / 16, K / gs, 16]. Lane l holds, exactly in int32,
+// c + sum over the group of u * q = sum of q_w * q, and then, group after group,
+//     acc = RN(float(lane) * RN(s_w * s_x) + acc)     (one fused multiply-add)
+// so each output element is one fixed sequence whatever the number of rows, the thread count or the build.
+typedef struct {
+    const int8_t *q;   // [S, K]
+    const float *s;    // [S, K / gs]
+    const int32_t *c;  // [S, K / gs]
+} xa8_t;
+
+// Below this max |x| a group counts as zero: 127 / m would overflow near the smallest normal floats.
+#define A8_TINY 1e-30f
+
+// One row x [K] -> q, s, c as above, in AVX2 (both builds run this same code, so they agree bit for bit). A group
+// holding a NaN or an infinity gets s = NaN, so the outputs it feeds are NaN, as a float matmul's would be.
+static void x_a8(const float *x, int K, int gs, int8_t *q, float *s, int32_t *c) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int g = 0; g < K / gs; g++) {
+        const float *xg = x + (int64_t)g * gs;
+        int8_t *qg = q + (int64_t)g * gs;
+        __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int k = 0; k < gs; k += 8) {
+            const __m256 v = _mm256_loadu_ps(xg + k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absm));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float t[8], mx = 0.f;
+        _mm256_storeu_ps(t, m);
+        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
+        if (_mm256_movemask_ps(bad) || mx > 3.4028235e38f || mx < A8_TINY) {
+            memset(qg, 0, (size_t)gs);
+            s[g] = mx < A8_TINY && !_mm256_movemask_ps(bad) ? 0.f : NAN;
+            c[g] = 0;
+            continue;
+        }
+        const __m256 inv = _mm256_set1_ps(127.0f / mx);
+        __m256i sum = _mm256_setzero_si256();
+        for (int k = 0; k < gs; k += 8) {
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), inv));
+            sum = _mm256_add_epi32(sum, qi);
+            const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+            _mm_storel_epi64((__m128i *)(qg + k), _mm_packs_epi16(w16, w16));
+        }
+        int32_t lanes[8], tot = 0;
+        _mm256_storeu_si256((__m256i *)lanes, sum);
+        for (int i = 0; i < 8; i++) tot += lanes[i];
+        s[g] = mx / 127.0f;
+        c[g] = -8 * tot;
+    }
+}
+
+// One block of 16 rows (n % 16 == 0) times G token rows, A8_LANES rows per pass. A token row's lanes sum in two or
+// four chains (the integer sums are exact, so the split never changes a bit): one chain per lane would wait on the
+// latency of each vpdpbusd.
+static inline __attribute__((always_inline)) void tile_a8(const void *xv, const void *w, const float *sc, float *y,
+                                                          int K, int N, int gs, int n, int s0, const int R,
+                                                          const int G, const int wt) {
+    (void)R;
+    (void)wt;
+    const xa8_t *X = (const xa8_t *)xv;
+    const int ng = K / gs, cpg = gs / 8, NCH = G <= 2 ? 4 : 2, c1 = NCH == 4 ? 2 : 0;
+    const uint8_t *blk = (const uint8_t *)w + (int64_t)(n / 16) * (K / 8) * 64;
+    const uint16_t *sb = (const uint16_t *)sc + (int64_t)(n / 16) * ng * 16;
+    for (int h = 0; h < 16 / A8_LANES; h++) {
+        const int left = N - n - A8_LANES * h;
+        if (left <= 0) break;
+        vf_t acc[MAXG];
+        for (int i = 0; i < G; i++) acc[i] = vf_zero();
+        for (int g = 0; g < ng; g++) {
+            vi_t p[4][MAXG];
+            for (int i = 0; i < G; i++) {
+                p[0][i] = vi_set1(X->c[(int64_t)(s0 + i) * ng + g]);
+                for (int j = 1; j < NCH; j++) p[j][i] = vi_set1(0);
+            }
+            const uint8_t *cp = blk + (int64_t)g * cpg * 64 + 4 * A8_LANES * h;
+            for (int cc = 0; cc < cpg; cc += 2) {
+                vi_t l0, h0, l1, h1;
+                a8_nibbles(cp + 64 * cc, &l0, &h0);
+                a8_nibbles(cp + 64 * (cc + 1), &l1, &h1);
+                for (int i = 0; i < G; i++) {
+                    const int8_t *xr = X->q + (int64_t)(s0 + i) * K + (int64_t)g * gs + 8 * cc;
+                    int32_t x4[4];
+                    memcpy(x4, xr, 16);
+                    p[0][i] = vi_dp(p[0][i], l0, x4[0]);
+                    p[1][i] = vi_dp(p[1][i], h0, x4[1]);
+                    p[c1][i] = vi_dp(p[c1][i], l1, x4[2]);
+                    p[c1 + 1][i] = vi_dp(p[c1 + 1][i], h1, x4[3]);
+                }
+            }
+            const vf_t sw = vf_bf16(sb + (int64_t)g * 16 + A8_LANES * h);
+            for (int i = 0; i < G; i++) {
+                vi_t t = vi_add(p[0][i], p[1][i]);
+                if (NCH == 4) t = vi_add(t, vi_add(p[2][i], p[3][i]));
+                acc[i] = vf_fma(vf_cvt(t), vf_scale(sw, X->s[(int64_t)(s0 + i) * ng + g]), acc[i]);
+            }
+        }
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * N + n + A8_LANES * h, acc[i], left);
+    }
+}
+
 #define TILE_FN(NAME, KERNEL, CASES, WT)                                                                         \
     static void NAME(const void *x, const void *w, const float *sc, float *y, int K, int N, int gs, int n,        \
                      int s0, int R, int G) {                                                                     \
@@ -565,6 +738,8 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
 #define T_I4(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4); break;
 #define T_BF16T(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_BF16T); break;
 #define T_I4T(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4T); break;
+#define T_I4A8(R, G) case (R) * 16 + (G): tile_a8(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4A8); break;
+#define TILE_CASES_A8(T) T(16, 1) T(16, 2) T(16, 3) T(16, 4) T(16, 5) T(16, 6)
 TILE_FN(tile_f32, tile, TILE_CASES_F, F32)
 TILE_FN(tile_i8, tile, TILE_CASES_F, I8)
 TILE_FN(tile_bf16, tile_dp, TILE_CASES_B, BF16)
@@ -572,11 +747,13 @@ TILE_FN(tile_i4, tile_dp, TILE_CASES_Q, I4)
 TILE_FN(tile_bf16t, tile_dp, TILE_CASES_T, BF16T)
 TILE_FN(tile_i4t, tile_dp, TILE_CASES_Q, I4T)
 TILE_FN(tile_i8t, tile, TILE_CASES_F, I8T)
+TILE_FN(tile_i4a8, tile_a8, TILE_CASES_A8, I4A8)
 
 typedef void (*tile_fn)(const void *, const void *, const float *, float *, int, int, int, int, int, int, int);
 
 // Weight rows per tile for S token rows (split into groups of at most MAXG).
 static int tile_rows(int S, int wt) {
+    if (wt == WT_I4A8) return 16;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
     return (wt == WT_I4 || wt == WT_I4T ? RQ_FOR_G : wt == WT_BF16 ? RB_FOR_G : wt == WT_BF16T ? RT_FOR_G : R_FOR_G)
         [base + (extra > 0)];
@@ -585,12 +762,12 @@ static int tile_rows(int S, int wt) {
 static void rows(const void *x, const void *w, const float *sc, float *y, int S, int K, int N, int gs, int n0,
                  int n1, int wt) {
     tile_fn f = wt == WT_F32 ? tile_f32 : wt == WT_BF16 ? tile_bf16 : wt == WT_I8 ? tile_i8 : wt == WT_I4 ? tile_i4
-              : wt == WT_BF16T ? tile_bf16t : wt == WT_I4T ? tile_i4t : tile_i8t;
+              : wt == WT_BF16T ? tile_bf16t : wt == WT_I4T ? tile_i4t : wt == WT_I4A8 ? tile_i4a8 : tile_i8t;
     int groups = (S + MAXG - 1) / MAXG, base = S / groups, extra = S % groups;
     int R = tile_rows(S, wt);
     // bf16 dot products flush denormals (vdpbf16ps does, whatever MXCSR says): the AVX2 FMAs must as well,
     // and the rest of both builds' arithmetic (lane sums, int4 group scales) runs under the same mode.
-    const int dp = wt == WT_BF16 || wt == WT_I4 || wt == WT_BF16T || wt == WT_I4T;
+    const int dp = wt == WT_BF16 || wt == WT_I4 || wt == WT_BF16T || wt == WT_I4T || wt == WT_I4A8;
     const unsigned int csr = _mm_getcsr();
     if (dp) _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     for (int n = n0; n < n1;) {
@@ -641,11 +818,18 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
 void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                    int wt, int gs) {
     if (threads < 1) threads = 1;
-    int chunk = (N + threads - 1) / threads;
-    chunk = (chunk + 23) / 24 * 24;
+    const int a8 = wt == WT_I4A8;
+    // W4A8 weights come in blocks of 16 rows (the last one padded), and a thread's share starts on a block.
+    const int Nr = a8 ? (N + 15) & ~15 : N, align = a8 ? 16 : 24;
+    int chunk = (Nr + threads - 1) / threads;
+    chunk = (chunk + align - 1) / align * align;
     const int dp = wt == WT_BF16 || wt == WT_I4 || wt == WT_BF16T || wt == WT_I4T;
-    const int Kp = (K + 31) & ~31;
-    xq_t *xq = dp ? (xq_t *)malloc(sizeof(xq_t) * (size_t)(S < ROW_CHUNK ? S : ROW_CHUNK) * Kp) : NULL;
+    const int Kp = (K + 31) & ~31, rows_max = S < ROW_CHUNK ? S : ROW_CHUNK;
+    xq_t *xq = dp ? (xq_t *)malloc(sizeof(xq_t) * (size_t)rows_max * Kp) : NULL;
+    int8_t *q8 = a8 ? (int8_t *)malloc((size_t)rows_max * K) : NULL;
+    float *s8 = a8 ? (float *)malloc(sizeof(float) * (size_t)rows_max * (K / gs)) : NULL;
+    int32_t *c8 = a8 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)rows_max * (K / gs)) : NULL;
+    const xa8_t xa = {q8, s8, c8};
     share_t *share = threads > 1 ? (share_t *)aligned_alloc(64, sizeof(share_t) * (size_t)threads) : NULL;
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
@@ -655,15 +839,25 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
             for (int s = 0; s < cs; s++) x_round(x + (int64_t)(c0 + s) * K, xq + (int64_t)s * Kp, K, Kp);
             xc = xq;
         }
+        if (a8) {
+            const unsigned int csr = _mm_getcsr();
+            _mm_setcsr(csr | 0x8040);  // FTZ | DAZ, as the tiles run: a denormal activation reads as zero in both
+            for (int s = 0; s < cs; s++)
+                x_a8(x + (int64_t)(c0 + s) * K, K, gs, q8 + (int64_t)s * K, s8 + (int64_t)s * (K / gs),
+                     c8 + (int64_t)s * (K / gs));
+            _mm_setcsr(csr);
+            xc = &xa;
+        }
         if (!share) {
-            rows(xc, w, sc, yc, cs, K, N, gs, 0, N, wt);
+            rows(xc, w, sc, yc, cs, K, N, gs, 0, Nr, wt);
             continue;
         }
         const int R = tile_rows(cs, wt);
         const int64_t per = CLAIM_BYTES / row_bytes(K, wt);
         const int blk = per <= R ? R : (int)((per + R - 1) / R * R);
         for (int t = 0; t < threads; t++) {
-            const uint32_t n0 = t * chunk < N ? t * chunk : N, n1 = n0 + chunk < (uint32_t)N ? n0 + chunk : N;
+            const uint32_t n0 = (uint32_t)(t * chunk < Nr ? t * chunk : Nr);
+            const uint32_t n1 = n0 + chunk < (uint32_t)Nr ? n0 + chunk : (uint32_t)Nr;
             atomic_init(&share[t].v, (uint64_t)n1 << 32 | n0);
         }
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
@@ -679,6 +873,9 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
     }
     free(share);
     free(xq);
+    free(q8);
+    free(s8);
+    free(c8);
 }
 
 // The bandwidth probe: a pure streaming read of n bytes (a multiple of 64) split over the threads, returning an xor
@@ -933,4 +1130,15 @@ void decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos,
     free(q);
     free(o);
     free(h);
+}
+
+// Every decoder layer of a step in one call: layer i reads its plan plans[i] and its K/V at kc / vc + i * layer_stride.
+// The Python loop around 24 decoder_layer calls had cost the 0.5B draft about 1 ms a step (45 us a layer) once the
+// step's weights had streamed by and evicted the interpreter's data (stage timers compiled into the layer, 100 steps).
+void decoder_layers(const layer_t *const *plans, int n, float *x, int B, int S, const int64_t *pos,
+                    const int64_t *slots, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                    int64_t layer_stride, int cache_len, const uint8_t *mask, int kv_len, int threads) {
+    for (int i = 0; i < n; i++)
+        decoder_layer(plans[i], x, B, S, pos, slots, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
+                      cache_len, mask, kv_len, threads);
 }

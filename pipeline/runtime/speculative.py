@@ -99,8 +99,8 @@ def attach_draft_head(model: Transformer, weight: Tensor | QLinear, ids: Tensor)
         head.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         model.lm_head = head
         model.vocab_ids = ids.to(device=weight.device, dtype=torch.long)
-    if model.vocab_ids.device.type == "cpu" and kernels.tiles():
-        quant.tile_model(model)  # the head in the layout the CPU kernels stream fastest, as the model's own layers
+    if model.vocab_ids.device.type == "cpu" and kernels.available():
+        quant.tile_model(model)  # the head in the layout the CPU kernels read, as the model's own layers
     return model
 
 
@@ -114,7 +114,8 @@ def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tu
     if (engine_dir / DRAFT_HEAD_FILE).is_file():
         st = load_file(str(engine_dir / DRAFT_HEAD_FILE))
         dev = model.embed.weight.device
-        head = (QLinear(st["qweight"].to(dev), st["scales"].to(dev)) if "qweight" in st
+        head = (QLinear(st["qweight"].to(dev), st["scales"].to(dev),
+                        act8=quant.int8_activations(cfg) and st["qweight"].dtype == torch.uint8) if "qweight" in st
                 else st["weight"].to(device=dev, dtype=model.embed.weight.dtype))
         attach_draft_head(model, head, st["ids"])
     return model, cfg

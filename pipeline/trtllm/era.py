@@ -67,6 +67,8 @@ QUANT = {
     "int4": {"tool": "convert", "flags": ["--use_weight_only", "--weight_only_precision", "int4"],
              "quant_algo": "W4A16", "weight_bits": 4},
     "int4_awq": {"tool": "quantize", "flags": ["--qformat", "int4_awq"], "quant_algo": "W4A16_AWQ", "weight_bits": 4},
+    # int4 weights with 8-bit activations: the torch runtime's int8, TensorRT-LLM's fp8 (Ada, Hopper, Blackwell).
+    "int4_a8": {"tool": "quantize", "flags": ["--qformat", "w4a8_awq"], "quant_algo": "W4A8_AWQ", "weight_bits": 4},
     "fp8": {"tool": "quantize", "flags": ["--qformat", "fp8"], "quant_algo": "FP8", "weight_bits": 8},
 }
 KV_QUANT_ALGO = {"auto": None, "fp8": "FP8", "int8": "INT8"}

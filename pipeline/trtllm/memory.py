@@ -91,7 +91,7 @@ def weight_bytes(pre: dict, tp: int, pp: int, medusa: tuple[int, int] = (0, 0)) 
     q = pre.get("quantization") or {}
     algo = q.get("quant_algo")
     linear, other, _ = _param_split(pre, tp, pp, medusa)
-    bits = {"W8A16": 8, "W4A16": 4, "W4A16_AWQ": 4, "FP8": 8}.get(algo or "")
+    bits = {"W8A16": 8, "W4A16": 4, "W4A16_AWQ": 4, "W4A8_AWQ": 4, "FP8": 8}.get(algo or "")
     if bits is None:
         return (linear + other) * nbytes
     # Weight-only: one dtype scale per output channel (int8) or per group of group_size inputs (int4).

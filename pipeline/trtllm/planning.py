@@ -132,7 +132,7 @@ def plan(spec: Spec) -> list[Step]:
             argv = [py, str(Path(trt.examples_dir) / ERA.quantize_script), "--model_dir", src, "--output_dir", out,
                     "--dtype", dtype, *q["flags"], "--tp_size", str(tp_), "--pp_size", str(pp_),
                     "--calib_size", "512"]
-            if quant == "int4_awq":
+            if quant in ("int4_awq", "int4_a8"):
                 argv += ["--awq_block_size", str(group)]
             if kv != "auto":
                 argv += ["--kv_cache_dtype", kv]

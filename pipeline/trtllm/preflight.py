@@ -94,8 +94,9 @@ def quantization_problems(role: str, cfg: dict) -> list[str]:
     if kv == "FP8" and paged and algo != "FP8":
         out.append(f"{role} engine: an FP8 KV cache with paged context FMHA needs the FP8 quantization workflow "
                    f"(quant_algo FP8, got {algo}): set the model's quantization to fp8 or kv_cache_dtype auto")
-    if algo in ("W8A16", "W4A16", "W4A16_AWQ") and _pre(cfg, "dtype") == "float32":
-        out.append(f"{role} engine: weight-only {algo} needs float16 or bfloat16 activations, the dtype is float32: "
+    if algo in ("W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ") and _pre(cfg, "dtype") == "float32":
+        kind = "" if algo == "W4A8_AWQ" else "weight-only "
+        out.append(f"{role} engine: {kind}{algo} needs float16 or bfloat16 activations, the dtype is float32: "
                    "convert with --dtype bfloat16")
     return out
 
