@@ -612,6 +612,24 @@ def test_layer_plans_follow_the_weights_through_quantization_huge_pages_and_dtyp
     assert torch.equal(step(widened), step(build_model(cfg, dict(rounded), torch.float32, "cpu")))
 
 
+def test_argmax_prob_is_torchs_argmax_and_softmax_maximum():
+    """The draft's token and confidence per row in one C pass: the first largest logit (ties included) and its softmax
+    probability within 1e-6 of torch's, for peaked, flat and -inf-masked rows of any width."""
+    g = torch.Generator().manual_seed(14)
+    for n in (1, 7, 8, 65536, 151936 + 3):
+        lg = torch.randn(5, n, generator=g) * torch.tensor([0.01, 1.0, 8.0, 30.0, 1.0])[:, None]
+        if n > 8:
+            lg[4, 3] = lg[4, n - 2] = lg[4].max() + 1  # a tie: the first one wins, as torch.argmax picks
+            lg[1, : n // 2] = -float("inf")
+        idx, prob = kernels.argmax_prob(lg)
+        assert torch.equal(idx, lg.argmax(-1)), n
+        assert (prob - torch.softmax(lg, -1).amax(-1)).abs().max() <= 1e-6, n
+    bad = torch.zeros(2, 16)
+    bad[1] = -float("inf")
+    _, prob = kernels.argmax_prob(bad)
+    assert prob[0] == pytest.approx(1 / 16) and prob[1].isnan()
+
+
 def test_the_bandwidth_probe_reads_every_byte(threads):
     """stream_read (the bench's bandwidth probe) xors every word on every thread: flipping any byte changes it."""
     x = torch.zeros(3 * 64 * 1001, dtype=torch.uint8)

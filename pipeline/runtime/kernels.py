@@ -121,6 +121,8 @@ def bind(so: Path) -> ctypes.CDLL:
               lib.decoder_layers):
         f.restype = None
     lib.skinny_isa.restype = ctypes.c_char_p
+    lib.argmax_prob.argtypes = [P, Int, Int, P, P]
+    lib.argmax_prob.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
     return lib
@@ -317,6 +319,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     K = x.shape[-1]
     _lib.rmsnorm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // K, K)
     return out
+
+
+def argmax_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax, its softmax probability) per row of fp32 logits [B, N]: torch's argmax (the first largest value) and
+    softmax(...).amax(-1), in one C pass on CPU (the probability through the kernels' exp, within 1e-6 of torch's)."""
+    if _load() is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return logits.argmax(-1), torch.softmax(logits, -1).amax(-1)
+    lg = logits.contiguous()
+    idx = torch.empty(lg.shape[0], dtype=torch.long)
+    prob = torch.empty(lg.shape[0], dtype=torch.float32)
+    _lib.argmax_prob(lg.data_ptr(), lg.shape[0], lg.shape[1], idx.data_ptr(), prob.data_ptr())
+    return idx, prob
 
 
 def stream_read(x: torch.Tensor) -> int:

@@ -1010,6 +1010,37 @@ static inline __m256 exp_neg8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+// Per row of logits [B, N]: idx = the first index of the largest value (torch.argmax's choice) and prob = its softmax
+// probability, 1 / sum exp(l - max), by exp_neg8, in one call: a draft step's argmax and confidence (torch's argmax,
+// softmax and amax over 65536 logits) had taken 0.3 ms of a 7.7 ms step. Rows whose max is not finite get prob NaN.
+void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
+    for (int b = 0; b < B; b++) {
+        const float *l = logits + (int64_t)b * N;
+        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        int k = 0;
+        for (; k + 8 <= N; k += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(l + k));
+        float t[8], mx = -INFINITY;
+        _mm256_storeu_ps(t, m8);
+        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
+        for (; k < N; k++) mx = l[k] > mx ? l[k] : mx;
+        int64_t at = 0;
+        while (at < N - 1 && !(l[at] == mx)) at++;
+        idx[b] = at;
+        if (!(mx > -INFINITY && mx < INFINITY)) {
+            prob[b] = NAN;
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 s8 = _mm256_setzero_ps();
+        for (k = 0; k + 8 <= N; k += 8) s8 = _mm256_add_ps(s8, exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(l + k), vm)));
+        _mm256_storeu_ps(t, s8);
+        float sum = 0.f;
+        for (int i = 0; i < 8; i++) sum += t[i];
+        for (; k < N; k++) sum += expf(l[k] - mx);
+        prob[b] = 1.0f / sum;
+    }
+}
+
 // q . k over D columns: 8 lanes k = l, l + 8, ... by FMA, a fixed lane sum, the D % 8 tail in order.
 static inline float dot_d(const float *q, const float *k, int D) {
     __m256 acc = _mm256_setzero_ps();

@@ -239,7 +239,7 @@ class _ModelDrafter:
         fed = 0
         for i in range(k):
             logits = m.logits(h)
-            d = logits.argmax(-1)
+            d, top = kernels.argmax_prob(logits)
             for b in qs:
                 q = warp(logits[b], self.params[b])
                 d[b] = sample(q, gens[b])
@@ -249,7 +249,7 @@ class _ModelDrafter:
             drafts[:, i] = d
             if self.confidence > 0:
                 # stop a row after the first draft token the draft itself doubts (dynamic draft length)
-                low = (torch.softmax(logits, -1).amax(-1) < self.confidence).tolist()
+                low = (top < self.confidence).tolist()
                 for b in range(B):
                     if going[b] and low[b]:
                         going[b], limit[b] = False, i + 1
