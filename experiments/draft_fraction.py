@@ -4,9 +4,10 @@ times them too, but a single number here is quicker to compare across two checko
     PYTHONPATH=. .venv/bin/python experiments/draft_fraction.py build/qwen_coder.yaml [rounds] [--both]
 
 Each round: 2 target steps, 8 draft steps, 2 target steps (one token after a 64-token prefill, head and
-argmax included); the fraction is the median over rounds of median draft / median target. `--both` (an int4 or
-int4_a8 draft) loads the same draft weights a second time with the other activations (W4A16 / W4A8) and times the
-two alternately in each round, 4 steps at a time, with their paired ratio.
+argmax included, and for the draft its confidence as the drafting loop computes it); the fraction is the median over
+rounds of median draft / median target. `--both` (an int4 or int4_a8 draft) loads the same draft weights a second time
+with the other activations (W4A16 / W4A8) and times the two alternately in each round, 4 steps at a time, with their
+paired ratio.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from pipeline import spec as specmod
 from pipeline.common import setup_threads
-from pipeline.runtime import quant
+from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import load_bundle
 from pipeline.runtime.speculative import load_draft
 
@@ -56,7 +57,8 @@ def main(path: str, rounds: int, both: bool) -> None:
     def step(name: str) -> float:
         m = models[name]
         t = time.perf_counter()
-        m.logits(m(tok, pos, caches[name])[:, 0]).argmax(-1)
+        logits = m.logits(m(tok, pos, caches[name])[:, 0])
+        kernels.argmax_prob(logits) if name != "target" else logits.argmax(-1)
         return time.perf_counter() - t
 
     drafts = [n for n in models if n != "target"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.runtime import kernels
 from pipeline.runtime.generate import Request
 from pipeline.runtime.model import Transformer
 
@@ -60,15 +61,16 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
 
 @torch.inference_mode()
 def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5) -> dict:
-    """Seconds for one draft step (incl. its head and argmax) and for target verification of 1..max_k+1 tokens."""
+    """Seconds for one draft step (incl. its head, argmax and confidence) and for target verification of 1..max_k+1
+    tokens."""
     V = target.cfg.vocab_size
     ctx = torch.randint(0, V, (1, context))
     dc = draft.new_cache(1, context + 8)
     draft(ctx, torch.arange(context)[None], dc)
     one = torch.tensor([[context]])
 
-    def draft_step():
-        draft.logits(draft(ctx[:, :1], one, dc)[:, 0]).argmax(-1)
+    def draft_step():  # a drafting step as _ModelDrafter runs it: body, head, argmax and confidence
+        kernels.argmax_prob(draft.logits(draft(ctx[:, :1], one, dc)[:, 0]))
 
     # Draft steps are timed between the verify rounds: this machine's memory bandwidth drifts by tens of percent
     # within a minute, and a draft timed before the target put that drift into the step fraction.
