@@ -398,6 +398,9 @@ def validate(spec: Spec) -> Spec:
             _check(q in ("none", "int8", "int4", "int4_a8"), f"{key}.quantization", q,
                    "the torch backend quantizes none, int8, int4 or int4_a8 (int4_awq and fp8 need "
                    "backend: tensorrt_llm)")
+            _check(q != "int4_a8" or spec.device != "cuda", f"{key}.quantization", q,
+                   "int8 activations run in the CPU kernels (on CUDA torch would only emulate them, slowly): use "
+                   "int4 on device: cuda, or backend: tensorrt_llm, which builds int4_a8 as W4A8_AWQ")
         if q in ("int4", "int4_a8", "int4_awq"):
             _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
     if spec.backend == "torch" and spec.device == "cpu":

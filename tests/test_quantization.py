@@ -367,6 +367,7 @@ def test_generate_rows_of_a_batch_equal_their_solo_runs_quantized():
     ({"target": {"source": "x", "quantization": "int4", "group_size": 48}}, None, None, "target.group_size"),
     ({"draft": {"source": "train", "quantization": "int4", "group_size": 100}}, None, None, "draft.group_size"),
     ({"draft": {"source": "train", "quantization": "int4_a8", "group_size": 16}}, None, None, "draft.group_size"),
+    ({"device": "cuda", "draft": {"source": "train", "quantization": "int4_a8"}}, None, None, "draft.quantization"),
     ({"draft": {"source": "none", "quantization": "int8"}}, None, None, "draft.quantization"),
 ])
 def test_spec_refuses_bad_precision_settings_naming_the_key(tmp_path, section, key, value, path):
