@@ -623,6 +623,8 @@ def test_argmax_prob_is_torchs_argmax_and_softmax_maximum():
             lg[1, : n // 2] = -float("inf")
         idx, prob = kernels.argmax_prob(lg)
         assert torch.equal(idx, lg.argmax(-1)), n
+        alone, none = kernels.argmax_prob(lg, with_prob=False)
+        assert torch.equal(alone, idx) and none is None
         assert (prob - torch.softmax(lg, -1).amax(-1)).abs().max() <= 1e-6, n
     bad = torch.zeros(2, 16)
     bad[1] = -float("inf")

@@ -321,15 +321,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def argmax_prob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_prob(logits: torch.Tensor, with_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(argmax, its softmax probability) per row of fp32 logits [B, N]: torch's argmax (the first largest value) and
-    softmax(...).amax(-1), in one C pass on CPU (the probability through the kernels' exp, within 1e-6 of torch's)."""
+    softmax(...).amax(-1), in one C pass on CPU (the probability through the kernels' exp, within 1e-6 of torch's);
+    without `with_prob` the probability is None and its exp pass is skipped."""
     if _load() is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
-        return logits.argmax(-1), torch.softmax(logits, -1).amax(-1)
+        return logits.argmax(-1), torch.softmax(logits, -1).amax(-1) if with_prob else None
     lg = logits.contiguous()
     idx = torch.empty(lg.shape[0], dtype=torch.long)
-    prob = torch.empty(lg.shape[0], dtype=torch.float32)
-    _lib.argmax_prob(lg.data_ptr(), lg.shape[0], lg.shape[1], idx.data_ptr(), prob.data_ptr())
+    prob = torch.empty(lg.shape[0], dtype=torch.float32) if with_prob else None
+    _lib.argmax_prob(lg.data_ptr(), lg.shape[0], lg.shape[1], idx.data_ptr(), None if prob is None else prob.data_ptr())
     return idx, prob
 
 

@@ -239,7 +239,7 @@ class _ModelDrafter:
         fed = 0
         for i in range(k):
             logits = m.logits(h)
-            d, top = kernels.argmax_prob(logits)
+            d, top = kernels.argmax_prob(logits, with_prob=self.confidence > 0)
             for b in qs:
                 q = warp(logits[b], self.params[b])
                 d[b] = sample(q, gens[b])
