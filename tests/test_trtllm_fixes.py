@@ -12,9 +12,8 @@ import yaml
 
 from pipeline import spec as specmod
 from pipeline import trtllm
-from pipeline.triton import trtllm_repo
+from pipeline.trtllm import engine_repo, runner
 from pipeline.trtllm import memory as trtmem
-from pipeline.trtllm import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 DTM = ROOT / "build" / "llama70b_draft1b_tp4.yaml"
@@ -38,7 +37,7 @@ def load(path: Path, root: Path | None = None, **changes) -> specmod.Spec:
 
 
 def configs(spec: specmod.Spec) -> dict:
-    return {n: trtllm_repo.parse_config(t) for n, t in trtllm_repo.build_configs(spec).items()}
+    return {n: engine_repo.parse_config(t) for n, t in engine_repo.build_configs(spec).items()}
 
 
 def params(cfg) -> dict[str, str]:
@@ -127,7 +126,7 @@ def test_7_our_draft_target_bls_leaves_the_prompt_out_by_default():
     assert "exclude_input_in_output" in names(bls.input)
     # The LLM models still return the prompt, as the BLS loop needs (NVIDIA's and ours).
     assert params(cfg["tensorrt_llm"])["exclude_input_in_output"] == "false"
-    assert (trtllm_repo.MODELS_DIR / "bls.py").read_text().count('"exclude_input_in_output", np.array([[False]])') == 1
+    assert (engine_repo.MODELS_DIR / "bls.py").read_text().count('"exclude_input_in_output", np.array([[False]])') == 1
 
 
 def test_8_ensemble_takes_the_era_names_random_seed_and_min_length():
@@ -146,7 +145,7 @@ def test_9_the_draft_target_ensemble_refuses_draft_tokens_before_running():
     assert {"num_draft_tokens", "use_draft_logits"} <= set(step["request_check"].input_map)
     assert "num_draft_tokens" not in step["tensorrt_llm"].input_map
     assert params(cfg["request_check"])["draft_model"] == "true"
-    assert "cannot do draft-target in an ensemble" in (trtllm_repo.MODELS_DIR / "request_check.py").read_text()
+    assert "cannot do draft-target in an ensemble" in (engine_repo.MODELS_DIR / "request_check.py").read_text()
 
 
 def test_10_decoupled_llm_models_are_refused_with_a_draft():
@@ -283,17 +282,17 @@ def test_repository_refuses_a_built_engine_of_another_release_or_missing_ranks(t
     spec = load(MEDUSA, tmp_path)
     _engine(spec, "medusa", "0.17.0", 1)
     with pytest.raises(trtllm.PlanError, match="built by TensorRT-LLM 0.17.0.*0.18.0"):
-        trtllm_repo.write_repo(spec, container_models_dir=tmp_path / "none")
+        engine_repo.write_repo(spec, container_models_dir=tmp_path / "none")
     _engine(spec, "medusa", "0.18.0", 0)
     with pytest.raises(trtllm.PlanError, match=r"lacks rank0.engine"):
-        trtllm_repo.write_repo(spec, container_models_dir=tmp_path / "none")
+        engine_repo.write_repo(spec, container_models_dir=tmp_path / "none")
     _engine(spec, "medusa", "0.18.0", 1)
-    trtllm_repo.write_repo(spec, container_models_dir=tmp_path / "none")
+    engine_repo.write_repo(spec, container_models_dir=tmp_path / "none")
     assert trtllm.preflight(spec, None) == []
     # Not built at all: the repository is written, serve says what to build.
     dtm = load(DTM, tmp_path)
-    trtllm_repo.write_repo(dtm, container_models_dir=tmp_path / "none")
-    assert any("does not exist; build it" in p for p in trtllm_repo.engine_todo(dtm))
+    engine_repo.write_repo(dtm, container_models_dir=tmp_path / "none")
+    assert any("does not exist; build it" in p for p in engine_repo.engine_todo(dtm))
 
 
 def test_preflight_reads_rejected_quantization_from_an_engine_config():

@@ -3,7 +3,7 @@
 Each spec (build/llama70b_draft1b_tp4.yaml, build/vicuna7b_medusa.yaml, build/qwen_coder_trtllm.yaml)
 gets tiny random checkpoints of the same structure (untied target, tied draft, GQA or MHA as the
 real models, four Medusa heads with the spec's 31-node tree), its repository written by
-trtllm_repo and the container-only models replaced by our stand-ins (pipeline.triton.trtllm_harness).
+engine_repo and the container-only models replaced by our stand-ins (pipeline.trtllm.harness).
 The project's client and a client written the way NVIDIA's end_to_end_grpc_client.py is must get the
 torch runtime's greedy text through the ensemble, our tensorrt_llm_bls and NVIDIA's BLS.
 """
@@ -24,8 +24,8 @@ import yaml
 from pipeline import spec as specmod
 from pipeline.client import RequestError, generate
 from pipeline.triton import server as srvmod
-from pipeline.triton import trtllm_repo
-from pipeline.triton.trtllm_harness import install_standins
+from pipeline.trtllm import engine_repo
+from pipeline.trtllm.harness import install_standins
 from tests.conftest import make_model_dir, prompts, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def start_harness(path: Path, root: Path, tiny_tokenizer) -> Harness:
     data["tensorrt_llm"].update(target_arch="auto", draft_arch="auto")
     spec = specmod.parse(data, root)
     pp = _python_path()
-    repo, _ = trtllm_repo.write_repo(spec, container_models_dir=root / "no-container", python_path=pp)
+    repo, _ = engine_repo.write_repo(spec, container_models_dir=root / "no-container", python_path=pp)
     install_standins(spec, repo, engines, pp, medusa_heads=heads, nvidia_bls_as=NVIDIA_BLS if spec.has_draft else None)
     srvmod.start(spec, log=lambda *a: None)
     return Harness(spec, engines, AutoTokenizer.from_pretrained(str(root / "models" / "target")))

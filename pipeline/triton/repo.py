@@ -18,8 +18,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from pipeline.contract import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from pipeline.spec import Spec
-from pipeline.triton.trtllm_repo import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
@@ -29,7 +29,7 @@ MODELS = (ENSEMBLE, BLS)
 STEP_LOCK = ".step.lock"  # pipeline.triton.gate.LOCK_NAME (gate.py is not imported here: it is the served side's)
 
 # The client contract is written once, as tensorrtllm_backend's ensemble (reference/trtllm.md 4.4) in
-# trtllm_repo. The torch backend declares every one of its inputs, and the older era's names next to them, so
+# engine_repo. The torch backend declares every one of its inputs, and the older era's names next to them, so
 # none is "unexpected" to Triton: the parser (pipeline/triton/parse.py) honours each or refuses it with an error
 # naming it. `stop` is tensorrt_llm's: stop the running request with this request id.
 EXTRA_INPUTS: list[tuple[str, str, list[int]]] = [
@@ -66,7 +66,7 @@ OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUT
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:
-    """(inputs, outputs) of the client contract the `ensemble` model serves (trtllm_repo's table), as (name,
+    """(inputs, outputs) of the client contract the `ensemble` model serves (pipeline/contract.py), as (name,
     data_type, dims) lists. Its config declares INPUTS / OUTPUTS: these plus EXTRA_INPUTS."""
     shared = {t[0] for t in ENSEMBLE_INPUTS} | {t[0] for t in ENSEMBLE_OUTPUTS}
     return ([(n, t, list(d)) for n, t, d in INPUTS if n in shared],

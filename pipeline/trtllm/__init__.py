@@ -6,10 +6,12 @@ NGC `tritonserver:<yy.mm>-trtllm-python-py3` container). The checks run from the
 `config.json` when they exist, otherwise from the plan itself, so a bad spec fails here before a
 GPU hour is spent. Every name that changed between TensorRT-LLM releases lives in `era.ERA`.
 
-Stages, one module each: `era` (the pinned release's names and tables), `plan` (commands and the
-config.json they would write), `memory` (per-GPU memory plan), `preflight` (checks), `runner`
-(running the plan, writing the repository, launching). This package re-exports the first four;
-the runner is imported where it is used (`pipeline.trtllm.runner`).
+Stages, one module each: `era` (the pinned release's names and tables), `planning` (commands and the
+config.json they would write), `memory` (per-GPU memory plan), `preflight` (checks), `engine_repo` (the
+engine era's Triton repository, tensorrtllm_backend's layout, with our python models in `engine_models/`),
+`harness` (the CPU stand-ins of `standins/` installed into a generated repository, so the real tritonserver
+loads it here), `runner` (running the plan, writing the repository, launching). This package re-exports the
+first four; the others are imported where they are used.
 """
 
 from pipeline.trtllm.era import ARCH_PATTERNS, CONVERTER_FAMILY, DTYPE_BYTES, ERA, KNOWN_ARCHS, Arch, Era, PlanError

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from pipeline.spec import Spec
+from pipeline.trtllm.engine_repo import write_repo
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
 from pipeline.trtllm.planning import (
@@ -124,7 +125,6 @@ def engine_command(spec: Spec, dry_run: bool, force: bool = False) -> int:
 
 def repo_command(spec: Spec) -> int:
     """`python -m pipeline repo SPEC` for backend tensorrt_llm: write triton_repo/<name>/."""
-    from pipeline.triton.trtllm_repo import write_repo
 
     try:
         out, copies = write_repo(spec)

@@ -1,6 +1,6 @@
 """request_check: the ensemble's first step; folds the project's names into the era's and refuses what it cannot do.
 
-Written into the repository by pipeline.triton.trtllm_repo. tensorrtllm_backend v0.18's tensorrt_llm
+Written into the repository by pipeline.trtllm.engine_repo. tensorrtllm_backend v0.18's tensorrt_llm
 model reads `random_seed` and `min_length`; the project's clients (and later backends) send `seed`
 and `min_tokens`. Either name works here; both with different values is an error. It also answers,
 before any engine runs, a `method` this ensemble does not serve (naming the model that does),

@@ -1,6 +1,6 @@
 """Stand-in for tensorrtllm_backend's `tensorrt_llm` / `tensorrt_llm_draft` model, backed by the torch runtime.
 
-Installed by pipeline.triton.trtllm_harness into a generated repository in place of the C++
+Installed by pipeline.trtllm.harness into a generated repository in place of the C++
 backend (only `backend:` changes in its config.pbtxt, plus `standin_*` parameters), so the
 repository's own I/O declarations are what tritonserver enforces. It honours what the v0.18
 backend does with them (inflight_batcher_llm/src/utils.cc, model_instance_state.cc):

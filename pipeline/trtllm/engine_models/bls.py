@@ -1,6 +1,6 @@
 """tensorrt_llm_bls (ours): draft-target that streams, batches and reports acceptance, over the era's models.
 
-Written into the repository by pipeline.triton.trtllm_repo when `tensorrt_llm.bls: pipeline` (the
+Written into the repository by pipeline.trtllm.engine_repo when `tensorrt_llm.bls: pipeline` (the
 default). It talks to the same models as NVIDIA's v0.18 BLS, with the same tensors:
 `preprocessing` (QUERY ... -> INPUT_ID ...), `tensorrt_llm_draft` and `tensorrt_llm` (input_ids,
 request_output_len, draft_input_ids, draft_logits, ... -> output_ids, sequence_length,

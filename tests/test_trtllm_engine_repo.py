@@ -11,7 +11,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from pipeline import spec as specmod
-from pipeline.triton import trtllm_repo
+from pipeline.trtllm import engine_repo
 
 ROOT = Path(__file__).resolve().parent.parent
 DTM = ROOT / "build" / "llama70b_draft1b_tp4.yaml"
@@ -26,7 +26,7 @@ CONTRACT_OUTPUTS = {"text_output", "acceptance_rate", "total_accepted_draft_toke
 def written(path: Path, tmp_path: Path) -> tuple[specmod.Spec, dict[str, model_config_pb2.ModelConfig], Path]:
     """Write the spec's repository under tmp_path and parse every config.pbtxt from disk."""
     spec = specmod.parse(yaml.safe_load(path.read_text()), tmp_path)
-    repo, _ = trtllm_repo.write_repo(spec, container_models_dir=tmp_path / "no-container")
+    repo, _ = engine_repo.write_repo(spec, container_models_dir=tmp_path / "no-container")
     configs = {}
     for f in sorted(repo.glob("*/config.pbtxt")):
         text = f.read_text()
@@ -51,24 +51,24 @@ def test_every_config_parses_with_tritons_schema(path, tmp_path):
     assert configs["tensorrt_llm"].backend == "tensorrtllm"
     assert all(configs[m].backend == "python" for m in ("preprocessing", "postprocessing", "tensorrt_llm_bls"))
     # Our models are the linted module files, copied as they are.
-    for model, module in {**trtllm_repo.OUR_MODELS, "tensorrt_llm_bls": "bls.py"}.items():
-        assert (repo / model / "1" / "model.py").read_text() == (trtllm_repo.MODELS_DIR / module).read_text()
+    for model, module in {**engine_repo.OUR_MODELS, "tensorrt_llm_bls": "bls.py"}.items():
+        assert (repo / model / "1" / "model.py").read_text() == (engine_repo.MODELS_DIR / module).read_text()
     # NVIDIA's python models come from the container: without it, the cp commands are written out.
     script = (repo.parent / f"{repo.name}.copy.sh").read_text()
     for m in ("preprocessing", "postprocessing"):
-        assert f"{trtllm_repo.ERA.all_models}/{m}/1 {repo}/{m}/" in script
+        assert f"{engine_repo.ERA.all_models}/{m}/1 {repo}/{m}/" in script
     assert "tensorrt_llm_bls" not in script  # ours by default (tensorrt_llm.bls: pipeline)
 
 
 def test_container_models_are_copied_when_present(tmp_path):
     container = tmp_path / "all_models"
-    for m in trtllm_repo.CONTAINER_MODELS:
+    for m in engine_repo.CONTAINER_MODELS:
         (container / m / "1").mkdir(parents=True)
         (container / m / "1" / "model.py").write_text(f"# {m}\n")
     data = yaml.safe_load(MEDUSA.read_text())
     data["tensorrt_llm"]["bls"] = "nvidia"
     spec = specmod.parse(data, tmp_path)
-    repo, copies = trtllm_repo.write_repo(spec, container_models_dir=container)
+    repo, copies = engine_repo.write_repo(spec, container_models_dir=container)
     assert all(done for *_, done in copies) and len(copies) == 3
     assert (repo / "tensorrt_llm_bls" / "1" / "model.py").read_text() == "# tensorrt_llm_bls\n"
     assert not (repo.parent / f"{repo.name}.copy.sh").exists()
@@ -127,7 +127,7 @@ def test_nvidia_bls_leaves_out_exclude_input_with_a_draft(tmp_path):
     data = yaml.safe_load(DTM.read_text())
     data["tensorrt_llm"]["bls"] = "nvidia"
     spec = specmod.parse(data, tmp_path)
-    bls = trtllm_repo.parse_config(trtllm_repo.build_configs(spec)["tensorrt_llm_bls"])
+    bls = engine_repo.parse_config(engine_repo.build_configs(spec)["tensorrt_llm_bls"])
     names = {t.name for t in bls.input}
     assert "exclude_input_in_output" not in names and "return_perf_metrics" in names
     assert {"method", "seed"}.isdisjoint(names)  # NVIDIA's BLS would ignore them silently
@@ -148,7 +148,7 @@ def test_medusa_is_configured_through_decoding_mode_and_brace_choices(tmp_path):
 
 def test_ensemble_io_is_the_written_ensemble_and_covers_the_client_contract(tmp_path):
     spec, configs, _ = written(DTM, tmp_path)
-    ins, outs = trtllm_repo.ensemble_io(spec)
+    ins, outs = engine_repo.ensemble_io(spec)
     ens = configs["ensemble"]
     as_tuples = lambda ts: [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in ts]
     assert as_tuples(ens.input) == ins and as_tuples(ens.output) == outs
@@ -169,7 +169,7 @@ def test_ensemble_io_matches_the_torch_backend():
     if not hasattr(torch_repo, "ensemble_io"):
         pytest.skip("pipeline.triton.repo.ensemble_io() does not exist yet (the lead wires it)")
     torch_in, torch_out = torch_repo.ensemble_io()
-    ours_in, ours_out = trtllm_repo.ensemble_io(None)
+    ours_in, ours_out = engine_repo.ensemble_io(None)
     mine = {n: (_norm(t), list(d)) for n, t, d in ours_in + ours_out}
     for name, dtype, dims in list(torch_in) + list(torch_out):
         assert name in mine, f"torch ensemble exposes {name}, the tensorrt_llm ensemble does not"
@@ -180,8 +180,8 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
     data = yaml.safe_load(DTM.read_text())
     data["draft"]["source"] = "train"
     spec = specmod.parse(data, tmp_path)
-    with pytest.raises(trtllm_repo.PlanError, match="draft.source"):
-        trtllm_repo.write_repo(spec)
+    with pytest.raises(engine_repo.PlanError, match="draft.source"):
+        engine_repo.write_repo(spec)
     assert not spec.repo_dir.exists()
 
 
@@ -210,7 +210,7 @@ def test_configs_declare_what_the_containers_python_models_exchange(tmp_path):
     pre = configs["preprocessing"]
     assert PREPROCESSING_INIT_LOOKS_UP <= {t.name for t in pre.input} | {t.name for t in pre.output}
     # preprocessing's initialize() indexes these parameters unconditionally (name differs by release).
-    assert {"tokenizer_dir", *trtllm_repo.ERA.preprocessing_model_path_keys} <= set(params(pre))
+    assert {"tokenizer_dir", *engine_repo.ERA.preprocessing_model_path_keys} <= set(params(pre))
     assert params(pre)["tokenizer_dir"] == "/models/Llama-3.1-70B-Instruct"
     assert {"OUTPUT"} == {t.name for t in configs["postprocessing"].output}
 

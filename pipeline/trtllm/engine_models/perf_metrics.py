@@ -1,6 +1,6 @@
 """perf_metrics: per-response token counts and speculation statistics for the ensemble.
 
-Written into the repository by pipeline.triton.trtllm_repo. tensorrtllm_backend v0.18 reports no
+Written into the repository by pipeline.trtllm.engine_repo. tensorrtllm_backend v0.18 reports no
 per-request acceptance: with a Medusa engine the ensemble speculates but the three statistics are
 -1 ("not reported"); elsewhere the ensemble runs the target alone, so they are 0.
 num_input_tokens and num_output_tokens are exact.

@@ -1,7 +1,7 @@
 """The CPU harness of the tensorrt_llm backend: a generated repository loaded whole by the real tritonserver here.
 
-`install_standins` takes a repository written by `trtllm_repo.write_repo` and puts our stand-ins
-(pipeline/triton/trtllm_standins/) where NVIDIA's container would provide the models: the C++
+`install_standins` takes a repository written by `engine_repo.write_repo` and puts our stand-ins
+(pipeline/trtllm/standins/) where NVIDIA's container would provide the models: the C++
 `tensorrt_llm` / `tensorrt_llm_draft` backend (torch runtime engines instead of TensorRT ones) and
 NVIDIA's python preprocessing, postprocessing and (for `bls: nvidia`) tensorrt_llm_bls. Every
 config.pbtxt keeps the I/O the writer generated; only `backend:` of the LLM models changes and
@@ -21,13 +21,13 @@ import shutil
 from pathlib import Path
 
 from pipeline.spec import Spec
-from pipeline.triton import trtllm_repo
+from pipeline.trtllm import engine_repo
 
-STANDINS = Path(__file__).resolve().parent / "trtllm_standins"
+STANDINS = Path(__file__).resolve().parent / "standins"
 
 
 def _with_params(text: str, params: dict[str, str]) -> str:
-    return text + trtllm_repo._params_text(params)
+    return text + engine_repo._params_text(params)
 
 
 def install_standins(spec: Spec, repo: Path, engines: dict[str, Path], python_path: str,
@@ -51,7 +51,7 @@ def install_standins(spec: Spec, repo: Path, engines: dict[str, Path], python_pa
         text = _with_params(text.replace('backend: "tensorrtllm"', 'backend: "python"', 1), {
             "standin_engine_dir": str(engines["target" if role == "medusa" else role]),
             "standin_mode": mode, "standin_medusa_dir": str(medusa_heads or ""), "python_path": python_path})
-        trtllm_repo.parse_config(text)
+        engine_repo.parse_config(text)
         cfg.write_text(text)
         shutil.copyfile(STANDINS / "llm.py", repo / name / "1" / "model.py")
         installed.append(name)
@@ -65,9 +65,9 @@ def install_standins(spec: Spec, repo: Path, engines: dict[str, Path], python_pa
         installed.append("tensorrt_llm_bls")
     elif nvidia_bls_as:
         other = dataclasses.replace(spec, tensorrt_llm=dataclasses.replace(spec.tensorrt_llm, bls="nvidia"))
-        text = trtllm_repo.build_configs(other)["tensorrt_llm_bls"]
+        text = engine_repo.build_configs(other)["tensorrt_llm_bls"]
         text = text.replace('name: "tensorrt_llm_bls"', f'name: "{nvidia_bls_as}"', 1)
-        trtllm_repo.parse_config(text)
+        engine_repo.parse_config(text)
         (repo / nvidia_bls_as / "1").mkdir(parents=True, exist_ok=True)
         (repo / nvidia_bls_as / "config.pbtxt").write_text(text)
         shutil.copyfile(STANDINS / "nvidia_bls.py", repo / nvidia_bls_as / "1" / "model.py")
