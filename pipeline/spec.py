@@ -124,8 +124,9 @@ class TritonSpec:
     instance_count: int = 1
     max_queue_delay_us: int = 2000
     startup_timeout_s: float = 180.0
-    # torch backend: the served models stream (decoupled; gRPC streams and HTTP generate_stream), or answer
-    # one response per request (false; unary gRPC infer and HTTP infer/generate).
+    # The served models stream (decoupled; gRPC streams and HTTP generate_stream), or answer one response per
+    # request (false; unary gRPC infer and HTTP infer/generate): the torch backend's two models, and the
+    # tensorrt_llm engine era's tensorrt_llm_bls when it is ours (`tensorrt_llm.bls: pipeline`).
     decoupled: bool = True
     # torch backend: the models served, each its own process with its own copy of the weights (they take turns
     # at decoding steps). Both by default: the names tensorrtllm_backend's clients use.

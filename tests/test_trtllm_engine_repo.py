@@ -120,7 +120,21 @@ def test_draft_target_is_wired_through_the_bls(tmp_path):
     # Ours slices the prompt off itself: the project's client may send exclude_input_in_output.
     assert {"num_draft_tokens", "use_draft_logits", "exclude_input_in_output", "return_perf_metrics"} <= bls_inputs
     assert configs["tensorrt_llm_bls"].instance_group[0].count == spec.triton.instance_count
-    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled  # ours streams
+    # Ours follows triton.decoupled (the shipped engine-era specs answer unary infer: false).
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled == spec.triton.decoupled is False
+
+
+@pytest.mark.parametrize("bls", ["pipeline", "nvidia"])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_bls_transaction_policy_follows_the_spec(tmp_path, bls, decoupled):
+    """Ours is decoupled as triton.decoupled says (stream rounds, or answer tritonclient's unary infer); NVIDIA's
+    follows the LLM models (tensorrt_llm.decoupled, false with a draft), as in tensorrtllm_backend."""
+    data = yaml.safe_load(DTM.read_text())
+    data["tensorrt_llm"]["bls"] = bls
+    data["triton"]["decoupled"] = decoupled
+    spec = specmod.parse(data, tmp_path)
+    cfg = engine_repo.parse_config(engine_repo.build_configs(spec)["tensorrt_llm_bls"])
+    assert cfg.model_transaction_policy.decoupled == (decoupled if bls == "pipeline" else False)
 
 
 def test_nvidia_bls_leaves_out_exclude_input_with_a_draft(tmp_path):

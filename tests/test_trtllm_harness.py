@@ -185,10 +185,17 @@ def test_our_bls_streams_batches_and_reports_acceptance(harness):
 
     prompt = _prompts()[0]
     _, want = harness.greedy(prompt)
-    s = generate(harness.url, "tensorrt_llm_bls", prompt, N, stream=True, end_id=UNUSED_END, method="draft_target",
-                 num_draft_tokens=3)
-    assert s["responses"] >= 2, "a streamed draft-target request answers once per round"
-    assert s["text"] == harness.text(want) and s["total_draft_tokens"] > 0
+    client = grpcclient.InferenceServerClient(harness.url)
+    assert client.get_model_config("tensorrt_llm_bls").config.model_transaction_policy.decoupled \
+        == harness.spec.triton.decoupled, "our BLS is decoupled or not as triton.decoupled says"
+    if harness.spec.triton.decoupled:
+        s = generate(harness.url, "tensorrt_llm_bls", prompt, N, stream=True, end_id=UNUSED_END,
+                     method="draft_target", num_draft_tokens=3)
+        assert s["responses"] >= 2, "a streamed draft-target request answers once per round"
+        assert s["text"] == harness.text(want) and s["total_draft_tokens"] > 0
+    else:
+        with pytest.raises(RequestError, match="triton.decoupled: true"):
+            generate(harness.url, "tensorrt_llm_bls", prompt, N, stream=True, end_id=UNUSED_END)
     # Concurrent requests are answered together (they run side by side through the LLM models).
     texts: dict[int, str] = {}
 
@@ -210,8 +217,46 @@ def test_our_bls_streams_batches_and_reports_acceptance(harness):
     rows = out[0]["text_output"].reshape(-1).tolist()
     assert [r.decode() for r in rows] == [harness.text(harness.greedy(p)[1]) for p in ps]
     assert (out[0]["total_draft_tokens"].reshape(-1) > 0).all()
-    client = grpcclient.InferenceServerClient(harness.url)
-    assert client.get_model_config("tensorrt_llm_bls").config.model_transaction_policy.decoupled
+
+
+def test_a_non_decoupled_bls_answers_tritonclient_infer_with_the_whole_text(harness):
+    """Issue 29: a unary ModelInfer (tritonclient's `infer`) to tensorrt_llm_bls works where the spec says
+    triton.decoupled: false (the shipped engine-era specs), and a bad request in the same moment fails alone."""
+    if harness.spec.triton.decoupled:
+        pytest.skip("this spec's tensorrt_llm_bls is decoupled (streams); unary infer needs triton.decoupled: false")
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    def infer(**values):
+        client = grpcclient.InferenceServerClient(harness.url)
+        ins = []
+        for name, v in values.items():
+            t = grpcclient.InferInput(name, v.shape, np_to_triton_dtype(v.dtype))
+            t.set_data_from_numpy(v)
+            ins.append(t)
+        return client.infer("tensorrt_llm_bls", ins)
+
+    prompt = _prompts()[0]
+    _, want = harness.greedy(prompt)
+    good = {"text_input": np.array([[prompt.encode()]], dtype=object), "max_tokens": np.array([[N]], np.int32),
+            "end_id": np.array([[UNUSED_END]], np.int32), "return_perf_metrics": np.array([[True]])}
+    results: dict[str, object] = {}
+
+    def bad():
+        try:
+            infer(**{**good, "max_tokens": np.array([[0]], np.int32)})
+        except InferenceServerException as e:
+            results["bad"] = str(e)
+
+    t = threading.Thread(target=bad)
+    t.start()
+    r = infer(**good)
+    t.join(timeout=120)
+    assert r.as_numpy("text_output").reshape(-1)[0].decode() == harness.text(want)
+    assert int(r.as_numpy("num_output_tokens").reshape(-1)[0]) == N
+    drafted = int(r.as_numpy("total_draft_tokens").reshape(-1)[0])
+    assert drafted > 0 if harness.spec.has_draft else drafted == -1
+    assert "max_tokens: got 0" in results.get("bad", ""), results
 
 
 # ------------------------------------------------------------------------------------------------

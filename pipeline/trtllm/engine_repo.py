@@ -483,10 +483,11 @@ def build_configs(spec: Spec, python_path: str = "") -> dict[str, str]:
         "tensorrt_llm": render(spec, "tensorrt_llm", 'backend: "tensorrtllm"', llm_inputs(), LLM_OUTPUTS,
                                params=_llm_params(spec, llm_role, mem), instances=1, decoupled=decoupled,
                                batching=queue),
-        # Ours is decoupled so it can stream draft-target rounds; NVIDIA's follows the LLM models.
+        # Ours is decoupled (streams draft-target rounds) or not (answers unary infer) as triton.decoupled says, the
+        # key that makes the torch backend's served models stream; NVIDIA's follows the LLM models.
         "tensorrt_llm_bls": render(spec, "tensorrt_llm_bls", 'backend: "python"', bls_inputs(spec), bls_outputs,
                                    params={**bls_params(spec), **({"python_path": python_path} if ours else {})},
-                                   instances=tr.instance_count, decoupled=True if ours else decoupled),
+                                   instances=tr.instance_count, decoupled=tr.decoupled if ours else decoupled),
     }
     if spec.has_draft:
         out["tensorrt_llm_draft"] = render(spec, "tensorrt_llm_draft", 'backend: "tensorrtllm"', llm_inputs(),

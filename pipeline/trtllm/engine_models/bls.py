@@ -6,8 +6,10 @@ default). It talks to the same models as NVIDIA's v0.18 BLS, with the same tenso
 request_output_len, draft_input_ids, draft_logits, ... -> output_ids, sequence_length,
 generation_logits) and `postprocessing` (TOKENS_BATCH, SEQUENCE_LENGTH -> OUTPUT). What differs:
 
-- streaming: the model is decoupled; a draft-target request with `stream` gets one response per
-  round (the tokens that round accepted), NVIDIA's refuses it;
+- streaming: decoupled or not as the spec's `triton.decoupled` says (the key that makes the torch backend's
+  served models stream). Decoupled, a draft-target request with `stream` gets one response per round (the tokens
+  that round accepted; NVIDIA's refuses it); not decoupled, every request gets one response with the whole text,
+  so tritonclient's unary `infer` works, and `stream: true` is refused with an error naming the key;
 - batching: requests run concurrently in a thread pool (max_concurrency), and the rows of a
   request with batch > 1 too, so the LLM models' in-flight batching sees them together; NVIDIA's
   refuses batch > 1 with a draft;
@@ -69,6 +71,10 @@ def _scalar(arr, i=0, default=None):
     return default if arr is None else arr.reshape(arr.shape[0], -1)[i][0]
 
 
+def _error(e: Exception):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e)))
+
+
 def _exec(name: str, tensors: list, outputs: list[str]):
     resp = pb_utils.InferenceRequest(model_name=name, inputs=tensors, requested_output_names=outputs).exec()
     if resp.has_error():
@@ -94,6 +100,7 @@ class TritonPythonModel:
         self.jobs = ThreadPoolExecutor(max_workers=n, thread_name_prefix="bls-job")
         self.rows = ThreadPoolExecutor(max_workers=n, thread_name_prefix="bls-row")
         self.logger = pb_utils.Logger
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -129,6 +136,10 @@ class TritonPythonModel:
             raise BadRequest("return_context_logits: not available with draft_target (the target sees the prompt "
                              "once per round); send false")
         stream = bool(_scalar(ins.get("stream"), default=False))
+        if stream and not self.decoupled:
+            raise BadRequest("stream: true, but this tensorrt_llm_bls is not decoupled (spec triton.decoupled: false): "
+                             "it answers one response per request; send stream false, or set triton.decoupled: true "
+                             "for streaming")
         if stream and rows > 1:
             raise BadRequest(f"stream: a streamed request has one row; got {rows} (send the rows as separate "
                              "requests: they are batched together)")
@@ -143,32 +154,53 @@ class TritonPythonModel:
                 "perf": bool(_scalar(ins.get("return_perf_metrics"), default=False)), "use_logits": bool(use_logits)}
 
     def execute(self, requests):
+        if not self.decoupled:
+            return self._execute_unary(requests)
         for request in requests:
             sender = request.get_response_sender()
             try:
                 ins = _inputs(request)
                 plan = self._plan(ins)
             except BadRequest as e:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))),
-                            flags=FINAL)
+                sender.send(_error(e), flags=FINAL)
                 continue
             self.jobs.submit(self._answer, ins, plan, sender)
         return None
 
+    def _execute_unary(self, requests) -> list:
+        """Not decoupled: one response per request, returned from execute; the requests of a call still run
+        concurrently (the LLM models' in-flight batching sees them together), and a bad one fails alone."""
+        pending = []
+        for request in requests:
+            try:
+                ins = _inputs(request)
+                pending.append(self.jobs.submit(self._whole, ins, self._plan(ins)))
+            except BadRequest as e:
+                pending.append(_error(e))
+        return [p if isinstance(p, pb_utils.InferenceResponse) else p.result() for p in pending]
+
     def _answer(self, ins: dict, plan: dict, sender) -> None:
+        if not plan["stream"]:
+            sender.send(self._whole(ins, plan), flags=FINAL)
+            return
         try:
             pre = self._preprocess(ins)
-            if plan["stream"]:
-                self._row(ins, plan, pre, 0, sender)
-                sender.send(flags=FINAL)
-                return
-            futures = [self.rows.submit(self._row, ins, plan, pre, i, None) for i in range(plan["rows"])]
-            results = [f.result() for f in futures]
-            sender.send(self._response([r[0] for r in results], [r[1] for r in results], plan), flags=FINAL)
+            self._row(ins, plan, pre, 0, sender)
+            sender.send(flags=FINAL)
         except Exception as e:  # noqa: BLE001 - any failure is this request's error, the model keeps serving
             self.logger.log_error(f"tensorrt_llm_bls: {type(e).__name__}: {e}")
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))),
-                        flags=FINAL)
+            sender.send(_error(e), flags=FINAL)
+
+    def _whole(self, ins: dict, plan: dict):
+        """A request's rows, generated concurrently, as one response (an error response when anything fails)."""
+        try:
+            pre = self._preprocess(ins)
+            futures = [self.rows.submit(self._row, ins, plan, pre, i, None) for i in range(plan["rows"])]
+            results = [f.result() for f in futures]
+            return self._response([r[0] for r in results], [r[1] for r in results], plan)
+        except Exception as e:  # noqa: BLE001 - any failure is this request's error, the model keeps serving
+            self.logger.log_error(f"tensorrt_llm_bls: {type(e).__name__}: {e}")
+            return _error(e)
 
     # -- the models ----------------------------------------------------------------------------------
 
