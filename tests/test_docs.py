@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.readme import BEGIN, END
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MAX_LINES = 260  # issue 31: "at most about 250 lines"
@@ -37,6 +39,8 @@ def test_the_readme_is_a_front_door_of_at_most_260_lines_with_its_sections():
     positions = [text.index(s) for s in SECTIONS]
     assert positions == sorted(positions), f"sections out of order: {SECTIONS}"
     assert "make all" in _section(text, "## The two commands") and "make test" in _section(text, "## The two commands")
+    results = _section(text, "## Measured results")
+    assert results.count(BEGIN) == 1 and results.count(END) == 1, "the rendered figures belong under Measured results"
 
 
 def _code_map_rows() -> list[str]:
