@@ -105,10 +105,9 @@ def test_missing_markers_are_an_error_that_says_what_to_add(demo):
     assert md.read_text() == "# no markers\n"
 
 
-# Settings the README states (a polling period, a kill timeout, a training budget), not measurements.
-SETTINGS = ("checked every 20 ms", "SIGKILL after 30 s", "4x the drafter training budget", "at most 250 ms",
-            "every step (20 ms)", "more than 5% below", "32 mixed clients for 120 s", "`--request-timeout`,\n  120 s",
-            "15 s past that")
+# Budgets and requirements the README states (the test loops' time budgets, the disk and memory a user needs), not
+# figures of a run.
+SETTINGS = ("kept under 90 s", "kept under 6 minutes", "about 14 GB", "24 GiB", "passes 10 GB resident")
 
 
 def test_the_readme_types_no_measured_figure_outside_the_rendered_block():

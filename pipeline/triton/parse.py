@@ -1,7 +1,7 @@
 """Request parsing for the served model: Triton inputs -> runtime Requests, or a BadRequest naming the input.
 
 No Triton import: `RequestParser.parse(get, request_id)` reads inputs through `get(name) -> numpy array
-| None`, so tests call it with a dict. The rules (README "What the server guarantees"):
+| None`, so tests call it with a dict. The rules (docs/serving.md, "What the server guarantees"):
 
 - every input tensorrtllm_backend's ensemble declares is either honoured or refused with an error
   naming the input, the value and what to send instead (`NVIDIA_INPUTS`);
