@@ -27,6 +27,7 @@ V018_PREPROC_OUTPUTS = ["INPUT_ID", "DECODER_INPUT_ID", "REQUEST_INPUT_LEN", "RE
 
 def load(path: Path, root: Path | None = None, **changes) -> specmod.Spec:
     data = yaml.safe_load(path.read_text())
+    data.setdefault("tensorrt_llm", {})["era"] = "engine"  # these are the engine era's checks (llmapi: test_trtllm_llmapi)
     for key, value in changes.items():
         *parents, last = key.split("__")
         d = data
