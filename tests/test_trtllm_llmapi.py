@@ -125,7 +125,7 @@ def test_preflight_finds_draft_length_tokenizer_and_modelopt_problems(tmp_path, 
 
 def test_repository_declares_the_pinned_tensors_and_model_yaml(tmp_path):
     spec = load(tmp_path)
-    repo, copies = write_llmapi_repo(spec, container_model_dir=tmp_path / "no-container")
+    repo, copies = write_llmapi_repo(spec)  # the container path does not exist here
     cfg = parse_config((repo / LLM_MODEL / "config.pbtxt").read_text())  # Triton's own ModelConfig schema
     assert cfg.backend == "python" and cfg.max_batch_size == 0
     from tritonclient.grpc import model_config_pb2 as mc

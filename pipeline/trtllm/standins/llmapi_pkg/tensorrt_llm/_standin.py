@@ -340,5 +340,6 @@ def _engine(model_dir: str, max_seq_len: int, max_input_len: int, k: int):
     root = Path(os.environ.get("TRTLLM_STANDIN_CACHE", Path(tempfile.gettempdir()) / "trtllm-standin")) / key
     spec = specmod.parse({"name": "standin", "target": {"source": str(src)},
                           "limits": {"max_batch_size": 8, "max_input_len": min(int(max_input_len), seq - 1),
-                                     "max_seq_len": seq, "max_draft_len": max(k, 1)}}, root)
+                                     "max_seq_len": seq, "max_draft_len": max(k, 1)},
+                          "speculation": {"num_draft_tokens": max(k, 1), "prompt_lookup_num_tokens": max(k, 1)}}, root)
     return load_engine(build_target(spec, log=lambda *a: None)).model
