@@ -90,7 +90,8 @@ def test_speculative_config_per_method_uses_only_pinned_keys():
     eagle = llmapi.speculative_config(load(draft__source="none", tensorrt_llm__eagle3_model="/heads/eagle3"))
     assert eagle["decoding_type"] == "Eagle3" and eagle["speculative_model"] == "/heads/eagle3"
     assert llmapi.speculative_config(load(tensorrt_llm__speculative="none")) is None
-    for spec in (load(), load(draft__source="none"), load(target__quantization="fp8", tensorrt_llm__kv_cache_dtype="fp8")):
+    fp8 = load(target__quantization="fp8", tensorrt_llm__kv_cache_dtype="fp8")
+    for spec in (load(), load(draft__source="none"), fp8):
         args = llmapi.llm_args(spec)
         assert set(args) <= set(LLMAPI_ERA.llm_keys)
         assert set(args["kv_cache_config"]) <= set(LLMAPI_ERA.kv_cache_keys)
@@ -173,7 +174,8 @@ class Served:
         self.url = srvmod.grpc_url(spec)
 
     def greedy_text(self, prompt: str, n: int = N) -> str:
-        from pipeline.runtime.generate import Request, generate as run
+        from pipeline.runtime.generate import Request
+        from pipeline.runtime.generate import generate as run
 
         ids = self.tok.encode(prompt, add_special_tokens=True)
         (res,) = run(self.model, [Request(list(ids), n, end_ids=tuple(self.model.cfg.eos_token_id or ()))])
