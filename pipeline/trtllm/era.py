@@ -148,10 +148,10 @@ class LlmapiEra:
       TENSORRTLLM_VER=1.2.1 on nvcr.io/nvidia/tritonserver:25.12-py3-min and copies
       tensorrt_llm/triton_backend/{scripts,all_models,tools} to /app/{scripts,all_models,tools};
       docs/llmapi.md there (the request and perf-metrics example).
-    - [M] NVIDIA/TensorRT-LLM @ b35ac1b6 (tensorrt_llm/version.py: 1.2.0rc2, the release/1.2 line):
-      triton_backend/all_models/llmapi/tensorrt_llm/1/model.py (auto_complete_config, _convert_request,
-      _create_response), 1/model.yaml, config.pbtxt (input/output names and types; the stored copy at
-      0a71057 adds only the optional `image_url` input).
+    - [M] NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/: 1/model.py @ b35ac1b6
+      (tensorrt_llm/version.py there: 1.2.0rc2, the release/1.2 line; auto_complete_config, _convert_request,
+      _create_response); config.pbtxt and 1/model.yaml @ c8c6df08 (exactly the tensors below; a later stored
+      config.pbtxt @ 0a71057 adds the optional `image_url` and LoRA inputs, which we neither send nor declare).
     - [H] NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py @ 0df60f9
       (get_sampling_params_from_request: the sampling_param_* names and their defaults).
     - [A] NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py, the release/1.2 form (pydantic
