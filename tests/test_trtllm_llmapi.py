@@ -287,3 +287,22 @@ def test_plain_tritonclient_streams_from_the_llmapi_model_with_the_pinned_names(
         result, error = q.get(timeout=120)
         c.stop_stream()
     assert error is None and result.as_numpy("text_output")[0].decode() == want
+
+
+def test_serve_dry_run_prints_the_triton_launch_and_trtllm_serve():
+    r = subprocess.run([sys.executable, "-m", "pipeline", "serve", str(QWEN), "--dry-run"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"{LLMAPI_ERA.launch_script} --model_repo=" in r.stdout and "--world_size=1" in r.stdout
+    assert "trtllm-serve " in r.stdout and "http://127.0.0.1:8000/v1" in r.stdout
+
+
+def test_gpu_check_without_a_gpu_fails_clearly(tmp_path):
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: `make gpu-check` runs for real here")
+    r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PY": sys.executable})
+    assert r.returncode == 3
+    assert "no NVIDIA GPU here" in r.stdout and "tensorrt-llm==1.2.1" in r.stdout

@@ -159,7 +159,11 @@ class LlmapiEra:
       speculative_model_dir), DraftTargetDecodingConfig "Draft_Target" (needs max_draft_len > 0 and
       speculative_model), NGramDecodingConfig "NGram" (max_draft_len, max_matching_ngram_size,
       is_keep_all, is_use_oldest, is_public_pool), Eagle3DecodingConfig "Eagle3" (speculative_model,
-      eagle3_one_model), MedusaDecodingConfig.supports_backend: not "pytorch".
+      eagle3_one_model), MedusaDecodingConfig.supports_backend: not "pytorch"; BaseLlmArgs (StrictBaseModel,
+      extra="forbid"): model, tokenizer, tensor_parallel_size, pipeline_parallel_size, dtype, kv_cache_config,
+      speculative_config (discriminator decoding_type), max_batch_size, max_input_len, max_seq_len,
+      max_num_tokens; KvCacheConfig: enable_block_reuse, free_gpu_memory_fraction, dtype ("PyTorch backend
+      only"), tokens_per_block. (model.yaml's `backend: "pytorch"` is [M]'s.)
     - [S] NVIDIA/TensorRT-LLM tensorrt_llm/commands/serve.py: `@click.option("--config",
       "--extra_llm_api_options", ...)` (the alias pair; 1.0-1.2 releases document --extra_llm_api_options).
     Moving to another release means editing this object only, after reading that release's files.
