@@ -182,7 +182,7 @@ class Served:
         return self.tok.decode(res.tokens, skip_special_tokens=True)
 
 
-@pytest.fixture(scope="module", params=["draft_target", "ngram"])
+@pytest.fixture(scope="module", params=["draft_target", "ngram", "unary"])
 def served(request, tmp_path_factory, tiny_tokenizer):
     from transformers import AutoTokenizer
 
@@ -202,8 +202,9 @@ def served(request, tmp_path_factory, tiny_tokenizer):
     changes = {"target__source": str(root / "models" / "target"), "tensorrt_llm__target_arch": "auto",
                "tensorrt_llm__draft_arch": "auto", "limits__max_seq_len": 256, "limits__max_input_len": 128,
                "triton": {**ports, "host": "127.0.0.1", "startup_timeout_s": 300}}
-    if request.param == "draft_target":
+    if request.param in ("draft_target", "unary"):
         changes["draft__source"] = str(root / "models" / "draft")
+        changes["triton"]["decoupled"] = request.param != "unary"
     else:
         changes.update(draft__source="none", speculation__prompt_lookup_num_tokens=3)
     spec = load(root, **changes)
@@ -212,15 +213,22 @@ def served(request, tmp_path_factory, tiny_tokenizer):
     install_llmapi_standins(repo, pp)
     import os
 
-    os.environ["TRTLLM_STANDIN_CACHE"] = str(root / "standin-cache")
-    srvmod.start(spec, log=lambda *a: None)
+    before = os.environ.get("TRTLLM_STANDIN_CACHE")
+    os.environ["TRTLLM_STANDIN_CACHE"] = str(root / "standin-cache")  # the server inherits it: engines stay here
     try:
+        srvmod.start(spec, log=lambda *a: None)
         yield Served(spec, AutoTokenizer.from_pretrained(str(root / "models" / "target")), target)
     finally:
         srvmod.stop(spec)
+        if before is None:
+            os.environ.pop("TRTLLM_STANDIN_CACHE", None)
+        else:
+            os.environ["TRTLLM_STANDIN_CACHE"] = before
 
 
 def test_project_client_gets_the_torch_greedy_text_streamed_and_whole_with_acceptance(served):
+    if not served.spec.triton.decoupled:
+        pytest.skip("streams need triton.decoupled: true (the unary case is tested below)")
     for prompt in prompts()[:2]:
         want = served.greedy_text(prompt)
         whole = generate(served.url, "ensemble", prompt, N, exclude_input_in_output=True)
@@ -236,14 +244,25 @@ def test_project_client_gets_the_torch_greedy_text_streamed_and_whole_with_accep
         assert whole["total_draft_tokens"] > 0, "Draft_Target proposed drafts every round"
 
 
+def test_unary_infer_answers_the_whole_text_when_triton_decoupled_is_false(served):
+    if served.spec.triton.decoupled:
+        pytest.skip("triton.decoupled: false only")
+    prompt = prompts()[0]
+    for model in served.spec.triton.models:
+        r = generate(served.url, model, prompt, N, unary=True, exclude_input_in_output=True)
+        assert r["text"] == served.greedy_text(prompt) and r["responses"] == 1
+        assert 0 < r["total_draft_tokens"] and r["num_output_tokens"] > 0
+
+
 def test_a_request_for_another_method_or_draft_length_is_refused_naming_the_served_one(served):
+    unary = not served.spec.triton.decoupled
     served_method = "draft_target" if llmapi.method(served.spec) == "draft_target" else "prompt_lookup"
     other = "prompt_lookup" if served_method == "draft_target" else "draft_target"
     with pytest.raises(RequestError, match=f"method: got '{other}'; this deployment's LLM runs '{served_method}'"):
-        generate(served.url, "ensemble", "hi", N, method=other)
+        generate(served.url, "ensemble", "hi", N, method=other, unary=unary)
     with pytest.raises(RequestError, match="num_draft_tokens: got 1; the LLM was loaded with max_draft_len"):
-        generate(served.url, "ensemble", "hi", N, num_draft_tokens=1)
-    assert generate(served.url, "ensemble", "hi", 2, method=served_method)["complete"]
+        generate(served.url, "ensemble", "hi", N, num_draft_tokens=1, unary=unary)
+    assert generate(served.url, "ensemble", "hi", 2, method=served_method, unary=unary)["complete"]
 
 
 def test_plain_tritonclient_streams_from_the_llmapi_model_with_the_pinned_names(served):
