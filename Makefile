@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test lint all clean
+.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test lint all clean gpu-check
 
 all: setup engine repo validate
 
@@ -57,6 +57,10 @@ readme: setup
 
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
+
+# The llmapi era end to end on an NVIDIA GPU with tensorrt-llm==1.2.1 (docs/tensorrt_llm.md); fails clearly without.
+gpu-check: setup
+	SPEC=build/qwen_coder_trtllm.yaml bash scripts/gpu_check.sh
 
 lint: setup
 	$(VENV)/bin/ruff check pipeline tests experiments

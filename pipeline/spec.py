@@ -139,6 +139,15 @@ class TritonSpec:
 class TensorRTLLMSpec:
     """Settings only the tensorrt_llm backend reads."""
 
+    # Which TensorRT-LLM: "llmapi" (1.x, the LLM API on the PyTorch backend: Hugging Face checkpoints load
+    # directly, Triton's llmapi python model or trtllm-serve; pinned in pipeline.trtllm.era.LLMAPI_ERA) or
+    # "engine" (legacy: 0.18's convert_checkpoint.py -> trtllm-build -> inflight_batcher_llm, era.ERA).
+    era: Literal["llmapi", "engine"] = "llmapi"
+    # llmapi era: the speculative_config. auto: Draft_Target with draft.source, Eagle3 with eagle3_model, else
+    # NGram (prompt lookup, speculation.prompt_lookup_*); none: no speculation.
+    speculative: Literal["auto", "draft_target", "ngram", "eagle3", "none"] = "auto"
+    # llmapi era: an EAGLE-3 head directory (Hugging Face layout) for speculative: eagle3 / auto.
+    eagle3_model: str = "none"
     gpu_memory_gib: float = 80.0
     gpus: int = 1
     # TensorRT-LLM's examples/ directory (<family>/convert_checkpoint.py, quantization/quantize.py); the
@@ -321,9 +330,49 @@ def _validate_budget(b: TrainBudget, path: str) -> None:
     _check(0 < b.lr < 1, f"{path}.lr", b.lr, "must be in (0, 1), e.g. 1e-3")
 
 
+def _validate_llmapi(spec: Spec) -> None:
+    """llmapi-era checks: what TensorRT-LLM 1.x's LLM API (PyTorch backend) would reject later."""
+    trt = spec.tensorrt_llm
+    _check(not spec.has_medusa, "medusa.source", spec.medusa.source,
+           "Medusa exists only in the engine era (TensorRT-LLM 0.18 engines; the LLM API's PyTorch backend has no "
+           "Medusa): set tensorrt_llm.era: engine, or use draft.source / tensorrt_llm.eagle3_model for the llmapi "
+           "era")
+    method = trt.speculative
+    _check(method != "draft_target" or spec.has_draft, "tensorrt_llm.speculative", method,
+           "Draft_Target needs draft.source (a Hugging Face directory of the draft)")
+    _check(method != "eagle3" or trt.eagle3_model != "none", "tensorrt_llm.speculative", method,
+           "Eagle3 needs tensorrt_llm.eagle3_model (the EAGLE-3 head directory)")
+    _check(not (spec.has_draft and trt.eagle3_model != "none" and method == "auto"), "tensorrt_llm.speculative",
+           method, "draft.source and tensorrt_llm.eagle3_model are both set: say which one speculates "
+           "(draft_target or eagle3)")
+    roles = [("target.quantization", spec.target.quantization)]
+    if spec.has_draft:
+        roles.append(("draft.quantization", spec.draft.quantization))
+    for key, q in roles:
+        _check(q not in ("int8", "int4"), key, q,
+               "the llmapi era (PyTorch backend) loads quantized weights from ModelOpt checkpoints only (fp8, "
+               "int4_awq, int4_a8 = W4A8_AWQ); weight-only int8/int4 are engine-era: use one of those or none, or "
+               "tensorrt_llm.era: engine")
+    _check(trt.kv_cache_dtype != "int8", "tensorrt_llm.kv_cache_dtype", trt.kv_cache_dtype,
+           "the llmapi era's KV cache is auto or fp8")
+    fp8 = trt.kv_cache_dtype == "fp8" or any(q in ("fp8", "int4_a8") for _, q in roles)
+    _check(not fp8 or trt.gpu_arch in ("auto", "ada", "hopper", "blackwell"), "tensorrt_llm.gpu_arch", trt.gpu_arch,
+           "FP8 (also the fp8 activations of int4_a8, W4A8_AWQ) needs an Ada, Hopper or Blackwell GPU: use "
+           "int4_awq or none and kv_cache_dtype: auto")
+    _check(not trt.fast_logits, "tensorrt_llm.fast_logits", trt.fast_logits,
+           "fast logits is an engine-era orchestrator setting: set it to false (or tensorrt_llm.era: engine)")
+
+
 def _validate_trtllm(spec: Spec) -> None:
     """tensorrt_llm-only checks: what the era's builder or backend would reject later."""
     trt = spec.tensorrt_llm
+    if trt.era == "llmapi":
+        _validate_llmapi(spec)
+        return
+    _check(trt.speculative in ("auto", "draft_target", "none") and trt.eagle3_model == "none",
+           "tensorrt_llm.speculative", trt.speculative,
+           "NGram and EAGLE-3 are planned for tensorrt_llm.era: llmapi; the engine era speculates with draft.source "
+           "(draft_tokens_external) or medusa.source")
     _check(not (trt.decoupled and spec.has_draft), "tensorrt_llm.decoupled", trt.decoupled,
            "draft-target calls the draft and target models in turn and needs them non-decoupled: set it to false "
            "(tensorrt_llm_bls with bls: pipeline streams to the client anyway)")

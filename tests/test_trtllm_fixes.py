@@ -27,6 +27,7 @@ V018_PREPROC_OUTPUTS = ["INPUT_ID", "DECODER_INPUT_ID", "REQUEST_INPUT_LEN", "RE
 
 def load(path: Path, root: Path | None = None, **changes) -> specmod.Spec:
     data = yaml.safe_load(path.read_text())
+    data.setdefault("tensorrt_llm", {})["era"] = "engine"  # the engine era's checks (llmapi: test_trtllm_llmapi)
     for key, value in changes.items():
         *parents, last = key.split("__")
         d = data
@@ -240,7 +241,7 @@ def test_memory_plan_counts_quantized_weight_and_kv_bytes():
 
 
 def test_qwen_pair_plans_on_one_gpu_from_the_torch_builds_hf_directories():
-    spec = load(QWEN)
+    spec = load(QWEN, draft__quantization="int8")  # the engine era's W8A16 draft (the shipped spec is llmapi)
     steps = trtllm.plan(spec)
     assert [s.name for s in steps] == ["convert-target", "convert-draft", "build-draft", "build-target"]
     ct, cd = flags(steps[0].argv), flags(steps[1].argv)

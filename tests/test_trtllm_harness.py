@@ -121,7 +121,7 @@ def start_harness(path: Path, root: Path, tiny_tokenizer) -> Harness:
     ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
     data["triton"] = {**data.get("triton", {}), **ports, "host": "127.0.0.1", "instance_count": 1,
                       "startup_timeout_s": 300}
-    data["tensorrt_llm"].update(target_arch="auto", draft_arch="auto")
+    data["tensorrt_llm"].update(target_arch="auto", draft_arch="auto", era="engine")  # this file: the engine era
     spec = specmod.parse(data, root)
     pp = _python_path()
     repo, _ = engine_repo.write_repo(spec, container_models_dir=root / "no-container", python_path=pp)

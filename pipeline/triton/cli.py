@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from pipeline import spec as specmod
 
@@ -65,6 +66,10 @@ def _tokenizer(s: specmod.Spec):
     from pipeline.engine import load_tokenizer
 
     d = s.engine_dir / "target"
+    if s.backend == "tensorrt_llm" and s.tensorrt_llm.era == "llmapi":  # no engine: the checkpoint's tokenizer
+        from pipeline.trtllm.planning import source
+
+        d = Path(source(s, "target"))
     if not (d / "tokenizer_config.json").is_file():
         return None
     return load_tokenizer(d)

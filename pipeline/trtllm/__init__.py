@@ -6,7 +6,13 @@ NGC `tritonserver:<yy.mm>-trtllm-python-py3` container). The checks run from the
 `config.json` when they exist, otherwise from the plan itself, so a bad spec fails here before a
 GPU hour is spent. Every name that changed between TensorRT-LLM releases lives in `era.ERA`.
 
-Stages, one module each: `era` (the pinned release's names and tables), `planning` (commands and the
+Two eras (spec key `tensorrt_llm.era`): `llmapi` (default; TensorRT-LLM 1.2.1's LLM API on the PyTorch backend:
+`llmapi` plans the LLM(...) arguments, trtllm-serve's command and YAML, and the GPU-free checks; `llmapi_repo`
+writes the Triton repository around the container's llmapi model, with our client-contract model in
+`llmapi_models/`; `harness.install_llmapi_standins` runs it here over `standins/llmapi_pkg`, a CPU `tensorrt_llm`)
+and `engine` (legacy 0.18 engines, below). The names of both are pinned in `era` (ERA, LLMAPI_ERA).
+
+Engine-era stages, one module each: `era` (the pinned release's names and tables), `planning` (commands and the
 config.json they would write), `memory` (per-GPU memory plan), `preflight` (checks), `engine_repo` (the
 engine era's Triton repository, tensorrtllm_backend's layout, with our python models in `engine_models/`),
 `harness` (the CPU stand-ins of `standins/` installed into a generated repository, so the real tritonserver

@@ -131,3 +131,130 @@ ARCH_PATTERNS = [
 class PlanError(ValueError):
     """A spec this backend cannot plan; the message names the key and the fix."""
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The llmapi era: TensorRT-LLM 1.x, PyTorch backend, HF checkpoints loaded directly (no engine build)
+
+
+@dataclass(frozen=True)
+class LlmapiEra:
+    """Every name the llmapi era relies on, each with where it was read (repository, version, path).
+
+    Sources (read, never copied):
+    - [W] PyPI `tensorrt-llm` 1.2.1 (2026-04), the newest release in this project's package lists.
+    - [D] triton-inference-server/tensorrtllm_backend @ 0b9d7d5 (2026-07-14, main after v1.0.0):
+      dockerfile/Dockerfile.triton.trt_llm_backend builds TENSORRTLLM_REPO_TAG=release/1.2.1,
+      TENSORRTLLM_VER=1.2.1 on nvcr.io/nvidia/tritonserver:25.12-py3-min and copies
+      tensorrt_llm/triton_backend/{scripts,all_models,tools} to /app/{scripts,all_models,tools};
+      docs/llmapi.md there (the request and perf-metrics example).
+    - [M] NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/: 1/model.py @ b35ac1b6
+      (tensorrt_llm/version.py there: 1.2.0rc2, the release/1.2 line; auto_complete_config, _convert_request,
+      _create_response); config.pbtxt and 1/model.yaml @ c8c6df08 (exactly the tensors below; a later stored
+      config.pbtxt @ 0a71057 adds the optional `image_url` and LoRA inputs, which we neither send nor declare).
+    - [H] NVIDIA/TensorRT-LLM triton_backend/all_models/llmapi/tensorrt_llm/1/helpers.py @ 0df60f9
+      (get_sampling_params_from_request: the sampling_param_* names and their defaults).
+    - [A] NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py, the release/1.2 form (pydantic
+      `decoding_type: Literal[...]`): DecodingBaseConfig.max_draft_len, .speculative_model (alias
+      speculative_model_dir), DraftTargetDecodingConfig "Draft_Target" (needs max_draft_len > 0 and
+      speculative_model), NGramDecodingConfig "NGram" (max_draft_len, max_matching_ngram_size,
+      is_keep_all, is_use_oldest, is_public_pool), Eagle3DecodingConfig "Eagle3" (speculative_model,
+      eagle3_one_model), MedusaDecodingConfig.supports_backend: not "pytorch"; BaseLlmArgs (StrictBaseModel,
+      extra="forbid"): model, tokenizer, tensor_parallel_size, pipeline_parallel_size, dtype, kv_cache_config,
+      speculative_config (discriminator decoding_type), max_batch_size, max_input_len, max_seq_len,
+      max_num_tokens; KvCacheConfig: enable_block_reuse, free_gpu_memory_fraction, dtype ("PyTorch backend
+      only"), tokens_per_block. (model.yaml's `backend: "pytorch"` is [M]'s.)
+    - [S] NVIDIA/TensorRT-LLM tensorrt_llm/commands/serve.py: `@click.option("--config",
+      "--extra_llm_api_options", ...)` (the alias pair; 1.0-1.2 releases document --extra_llm_api_options).
+    Moving to another release means editing this object only, after reading that release's files.
+    """
+
+    tensorrt_llm: str = "1.2.1"  # [W]
+    wheel: str = "tensorrt-llm==1.2.1"  # [W]
+    # The Triton container: tensorrtllm_backend's Dockerfile at [D] (no NGC tag was read that names 1.2.1).
+    backend_repo: str = "triton-inference-server/tensorrtllm_backend"
+    backend_commit: str = "0b9d7d5"  # [D]
+    dockerfile: str = "dockerfile/Dockerfile.triton.trt_llm_backend"  # [D]
+    base_image: str = "nvcr.io/nvidia/tritonserver:25.12-py3-min"  # [D] ARG BASE_IMAGE
+    image: str = "tritonserver-trtllm:1.2.1"  # the tag our docs build [D]'s Dockerfile under
+    # Inside that container [D]: the llmapi model and the launcher.
+    model_dir: str = "/app/all_models/llmapi/tensorrt_llm/1"  # [D] COPY ... all_models all_models
+    model_files: tuple[str, ...] = ("model.py", "helpers.py")  # [M] model.py imports helpers
+    launch_script: str = "/app/scripts/launch_triton_server.py"  # [D] COPY ... scripts scripts
+    # 1/model.yaml [M]: every key but triton_config goes to LLM(...); triton_config sets the Triton config.
+    yaml_name: str = "model.yaml"
+    yaml_env: str = "LLM_CONFIG_PATH"  # [M] os.environ.get('LLM_CONFIG_PATH', 'model.yaml')
+    triton_config_key: str = "triton_config"
+    triton_config_keys: tuple[str, ...] = ("max_batch_size", "decoupled")  # [M] auto_complete_config reads both
+    backend_value: str = "pytorch"  # [M] model.yaml `backend: "pytorch"`
+    # LLM(...) argument names used in model.yaml and trtllm-serve's config [A].
+    llm_keys: tuple[str, ...] = ("model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
+                                 "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens",
+                                 "kv_cache_config", "speculative_config", "tokenizer")
+    kv_cache_keys: tuple[str, ...] = ("free_gpu_memory_fraction", "enable_block_reuse", "dtype", "tokens_per_block")
+    # speculative_config [A]: the decoding_type values and the keys each takes.
+    draft_target: str = "Draft_Target"
+    ngram: str = "NGram"
+    eagle3: str = "Eagle3"
+    spec_keys: tuple[str, ...] = ("decoding_type", "max_draft_len", "speculative_model", "max_matching_ngram_size",
+                                  "is_keep_all", "is_use_oldest", "is_public_pool", "eagle3_one_model")
+    # The triton model's tensors [M] config.pbtxt: (name, data type, dims, optional).
+    inputs: tuple[tuple[str, str, tuple[int, ...], bool], ...] = (
+        ("text_input", "TYPE_STRING", (-1,), False),
+        ("streaming", "TYPE_BOOL", (1,), True),
+        ("sampling_param_best_of", "TYPE_INT32", (1,), True),
+        ("sampling_param_temperature", "TYPE_FP32", (1,), True),
+        ("sampling_param_top_k", "TYPE_INT32", (1,), True),
+        ("sampling_param_top_p", "TYPE_FP32", (1,), True),
+        ("sampling_param_frequency_penalty", "TYPE_FP32", (1,), True),
+        ("sampling_param_presence_penalty", "TYPE_FP32", (1,), True),
+        ("sampling_param_max_tokens", "TYPE_INT32", (1,), True),
+        ("sampling_param_stop", "TYPE_STRING", (-1,), True),
+        ("sampling_param_seed", "TYPE_UINT64", (1,), True),
+        ("sampling_param_exclude_input_from_output", "TYPE_BOOL", (1,), True),
+        ("sampling_param_return_perf_metrics", "TYPE_BOOL", (1,), True),
+        ("return_finish_reason", "TYPE_BOOL", (1,), True),
+        ("return_stop_reason", "TYPE_BOOL", (1,), True),
+        ("return_cumulative_logprob", "TYPE_BOOL", (1,), True),
+        ("stop", "TYPE_BOOL", (1,), True),
+    )
+    outputs: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+        ("text_output", "TYPE_STRING", (-1,)),
+        ("finish_reason", "TYPE_STRING", (-1,)),
+        ("stop_reason", "TYPE_STRING", (-1,)),
+        ("cumulative_logprob", "TYPE_FP32", (-1,)),
+        ("kv_cache_reused_block", "TYPE_INT32", (-1,)),
+        ("kv_cache_missed_block", "TYPE_INT32", (-1,)),
+        ("kv_cache_alloc_new_blocks", "TYPE_INT32", (-1,)),
+        ("kv_cache_alloc_total_blocks", "TYPE_INT32", (-1,)),
+        ("kv_cache_hit_rate", "TYPE_FP32", (-1,)),
+        ("arrival_time_ns", "TYPE_INT64", (1,)),
+        ("first_scheduled_time_ns", "TYPE_INT64", (1,)),
+        ("first_token_time_ns", "TYPE_INT64", (1,)),
+        ("last_token_time_ns", "TYPE_INT64", (1,)),
+        ("acceptance_rate", "TYPE_FP32", (1,)),
+        ("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
+        ("total_draft_tokens", "TYPE_INT32", (1,)),
+    )
+    # [M] _create_response: each streamed response carries `output.text`, the text so far (cumulative), and
+    # every perf output is sent with text_output's dtype (strings; docs/llmapi.md at [D] shows
+    # "acceptance_rate": "0.0"), only when sampling_param_return_perf_metrics is true.
+    streamed_text: str = "cumulative"
+    perf_outputs_as_strings: bool = True
+    # [M] _execute_single_request: "Streaming is only supported in decoupled mode."
+    streaming_needs_decoupled: bool = True
+    # trtllm-serve [S].
+    serve_cli: str = "trtllm-serve"
+    serve_config_flag: str = "--extra_llm_api_options"
+    serve_flags: tuple[str, ...] = ("--host", "--port", "--backend")
+    openai_path: str = "/v1"
+    # Methods the PyTorch backend has (docs/source/features/speculative-decoding.md; [A] Medusa refuses pytorch).
+    engine_only_methods: tuple[str, ...] = ("medusa", "redrafter", "eagle1/2", "lookahead")
+    # Quantization: the PyTorch backend reads it from a ModelOpt checkpoint (hf_quant_config.json quant_algo).
+    quant_algo: tuple[tuple[str, str | None], ...] = (("none", None), ("fp8", "FP8"), ("int4_awq", "W4A16_AWQ"),
+                                                      ("int4_a8", "W4A8_AWQ"))
+    quant_config_file: str = "hf_quant_config.json"
+
+
+LLMAPI_ERA = LlmapiEra()
+ERAS = ("llmapi", "engine")

@@ -73,3 +73,29 @@ def install_standins(spec: Spec, repo: Path, engines: dict[str, Path], python_pa
         shutil.copyfile(STANDINS / "nvidia_bls.py", repo / nvidia_bls_as / "1" / "model.py")
         installed.append(nvidia_bls_as)
     return installed
+
+
+LLMAPI_PACKAGE = STANDINS / "llmapi_pkg"
+
+
+def install_llmapi_standins(repo: Path, python_path: str) -> list[str]:
+    """The llmapi era: our stand-in of the container's llmapi model.py in `tensorrt_llm/1/`, the stand-in
+    `tensorrt_llm` package on its path, and `python_path` on every python model of the repository.
+
+    The generated config.pbtxt files keep their I/O; only a `python_path` parameter is added.
+    """
+    from pipeline.trtllm.era import LLMAPI_ERA
+    from pipeline.trtllm.llmapi_repo import LLM_MODEL, parse_config, to_pbtxt
+
+    installed = []
+    for cfg_path in sorted(repo.glob("*/config.pbtxt")):
+        cfg = parse_config(cfg_path.read_text())
+        extra = f"{LLMAPI_PACKAGE}:{python_path}" if cfg.name == LLM_MODEL else python_path
+        cfg.parameters["python_path"].string_value = extra
+        cfg_path.write_text(to_pbtxt(cfg))
+    dest = repo / LLM_MODEL / "1"
+    shutil.copyfile(STANDINS / "llmapi_model.py", dest / "model.py")
+    for f in LLMAPI_ERA.model_files[1:]:
+        (dest / f).unlink(missing_ok=True)
+    installed.append(LLM_MODEL)
+    return installed

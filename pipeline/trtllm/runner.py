@@ -79,8 +79,43 @@ def run_plan(spec: Spec, steps: list[Step], force: bool = False) -> int:
     return 0
 
 
+def llmapi_engine_command(spec: Spec, dry_run: bool) -> int:
+    """`python -m pipeline engine SPEC` in the llmapi era: the plan (no build), its checks, trtllm-serve's YAML."""
+    from pipeline.trtllm import llmapi
+
+    try:
+        print(llmapi.format_plan(spec))
+        mem = memory_plan(spec, planned_engine_configs(spec))
+        problems = llmapi.preflight(spec)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n" + mem.summary())
+    if problems:
+        print("\npreflight found problems; fix them before serving:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print("\n# dry run: nothing was written. Next: make repo SPEC=... (Triton) or run the trtllm-serve line above")
+        return 0
+    missing = [f"{r}.source {source(spec, r)}" for r in (["target"] + (["draft"] if llmapi.method(spec) ==
+               "draft_target" else [])) if not Path(source(spec, r)).is_dir()]
+    if missing:
+        print(f"error: checkpoint directories not found: {', '.join(missing)} (engines/<name>/*_hf directories are "
+              "written by the torch build of the same pair: `make engine SPEC=build/qwen_coder.yaml`)", file=sys.stderr)
+        return 2
+    path = llmapi.serve_config_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(llmapi.dump_yaml(llmapi.serve_config(spec)))
+    print(f"\nwrote {path} (trtllm-serve --extra_llm_api_options); nothing to build in the llmapi era")
+    return 0
+
+
 def engine_command(spec: Spec, dry_run: bool, force: bool = False) -> int:
     """`python -m pipeline engine SPEC [--dry-run]` for backend tensorrt_llm."""
+    if spec.tensorrt_llm.era == "llmapi":
+        return llmapi_engine_command(spec, dry_run)
     try:
         steps = plan(spec)
     except PlanError as e:
@@ -125,7 +160,20 @@ def engine_command(spec: Spec, dry_run: bool, force: bool = False) -> int:
 
 def repo_command(spec: Spec) -> int:
     """`python -m pipeline repo SPEC` for backend tensorrt_llm: write triton_repo/<name>/."""
+    if spec.tensorrt_llm.era == "llmapi":
+        from pipeline.trtllm.llmapi_repo import LLMAPI_COPY, write_llmapi_repo
 
+        try:
+            out, copies = write_llmapi_repo(spec)
+        except PlanError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {out} (llmapi era: tensorrt_llm = Triton's llmapi model, model.yaml from the spec)")
+        for src, dst, done in copies:
+            print(f"  copied {src} -> {dst}" if done else f"  to do inside {LLMAPI_COPY}: cp {src} {dst}")
+        if not all(done for *_, done in copies):
+            print(f"  (the same commands are in {out.parent / (out.name + '.copy.sh')})")
+        return 0
     try:
         out, copies = write_repo(spec)
     except PlanError as e:
@@ -195,6 +243,8 @@ def launch_plan(spec: Spec) -> tuple[list[str], dict[str, str], str]:
 
 def serve_command(spec: Spec, dry_run: bool) -> int:
     """`python -m pipeline serve SPEC [--dry-run]` for backend tensorrt_llm."""
+    if spec.tensorrt_llm.era == "llmapi":
+        return llmapi_serve_command(spec, dry_run)
     try:
         argv, env, launcher = launch_plan(spec)
     except PlanError as e:
@@ -234,3 +284,30 @@ def serve_command(spec: Spec, dry_run: bool) -> int:
         return 2
     return subprocess.call(argv, env={**os.environ, **env})
 
+
+
+def llmapi_serve_command(spec: Spec, dry_run: bool) -> int:
+    """The llmapi era's launch: tritonserver through the container's launcher, and the trtllm-serve alternative."""
+    from pipeline.trtllm import llmapi
+    from pipeline.trtllm.era import LLMAPI_ERA
+
+    repo = spec.repo_dir.resolve()
+    tr = spec.triton
+    world = spec.parallel.tp * spec.parallel.pp
+    launcher = [sys.executable if not dry_run else "python3", LLMAPI_ERA.launch_script, f"--model_repo={repo}",
+                f"--world_size={world}", f"--grpc_port={tr.grpc_port}", f"--http_port={tr.http_port}",
+                f"--metrics_port={tr.metrics_port}"]
+    print(f"# {LLMAPI_ERA.image}: serve {repo} (Triton, llmapi tensorrt_llm model + our ensemble)")
+    print(" ".join(shlex.quote(a) for a in launcher))
+    print(f"# or the OpenAI-compatible server (base URL {llmapi.openai_base_url(spec)}):")
+    print(" ".join(shlex.quote(a) for a in llmapi.serve_argv(spec)))
+    if dry_run:
+        return 0
+    if not (spec.repo_dir / "tensorrt_llm" / "1" / "model.yaml").is_file():
+        print(f"error: {spec.repo_dir} has no llmapi repository; run `make repo SPEC=...` first", file=sys.stderr)
+        return 2
+    if not Path(LLMAPI_ERA.launch_script).is_file():
+        print(f"error: {LLMAPI_ERA.launch_script} not found; serve inside {LLMAPI_ERA.image} (or use --dry-run)",
+              file=sys.stderr)
+        return 3
+    return subprocess.call(launcher)
