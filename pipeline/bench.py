@@ -245,7 +245,7 @@ def verify_cost_curve(model, max_s: int) -> list[dict]:
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
-    from pipeline.engine import load_model_dir
+    from pipeline.runtime.engine_io import load_model_dir
     from pipeline.runtime.generate import Request, generate
 
     model16, _ = load_model_dir(spec.engine_dir / "target", spec.device, dtype="bfloat16", verify=False)

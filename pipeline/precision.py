@@ -158,7 +158,7 @@ def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.T
     """
     from safetensors.torch import load_file
 
-    from pipeline.engine import read_config
+    from pipeline.runtime.engine_io import read_config
 
     cfg = read_config(engine_dir, verify=False)
     mcfg = ModelConfig(**cfg["runtime"]["model"])

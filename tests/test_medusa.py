@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.engine import load_engine
+from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import (
     MedusaHeads,
@@ -242,8 +242,9 @@ def write_med_spec(root: Path, med: dict) -> Path:
 
 def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
     from pipeline import spec as specmod
-    from pipeline.engine import build_target, read_config
+    from pipeline.engine import build_target
     from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.engine_io import read_config
     from pipeline.train.medusa import build_medusa
 
     med = {"source": "train", "num_heads": 2, "num_layers": 1, "choices": "auto",

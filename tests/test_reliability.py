@@ -261,7 +261,8 @@ def _kill_mid_write(root: Path, *extra: str) -> None:
 
 
 def test_a_build_killed_midway_leaves_no_engine_and_a_rerun_completes(big_root):
-    from pipeline.engine import EngineError, build_target, load_engine, read_config
+    from pipeline.engine import build_target
+    from pipeline.runtime.engine_io import EngineError, load_engine, read_config
 
     target = big_root / "engines" / "kill" / "target"
     _kill_mid_write(big_root)
@@ -282,8 +283,8 @@ def test_a_build_killed_midway_leaves_no_engine_and_a_rerun_completes(big_root):
 def test_a_damaged_engine_file_is_named_at_load(tiny_engine, tmp_path, damage):
     import shutil
 
-    from pipeline.engine import EngineError, read_config
     from pipeline.runtime.decode import load_bundle
+    from pipeline.runtime.engine_io import EngineError, read_config
 
     eng = tmp_path / "e" / "target"
     shutil.copytree(tiny_engine, eng)

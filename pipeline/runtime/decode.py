@@ -48,7 +48,7 @@ class Bundle:
 def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] = METHODS,
                 verify: bool = True) -> Bundle:
     """Load engines/<name>/{target,draft,medusa} as far as they exist."""
-    from pipeline.engine import load_engine
+    from pipeline.runtime.engine_io import load_engine
 
     eng = load_engine(engine_dir / "target", device, verify=verify)
     b = Bundle(eng.model, eng.tokenizer, eng.config)

@@ -222,7 +222,7 @@ def load_medusa_engine(engine_dir: Path, target: Transformer, verify: bool = Tru
     """Load engines/<name>/medusa: heads.safetensors (runtime layout) + config.json (tree, thresholds)."""
     from safetensors.torch import load_file
 
-    from pipeline.engine import read_config
+    from pipeline.runtime.engine_io import read_config
 
     engine_dir = Path(engine_dir)
     cfg = read_config(engine_dir, verify=verify)

@@ -108,7 +108,7 @@ def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tu
     """Load engines/<name>/draft, with its reduced-vocabulary head when the build made one."""
     from safetensors.torch import load_file
 
-    from pipeline.engine import load_model_dir
+    from pipeline.runtime.engine_io import load_model_dir
 
     model, cfg = load_model_dir(engine_dir, device, verify=verify)
     if (engine_dir / DRAFT_HEAD_FILE).is_file():

@@ -25,19 +25,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.engine import (
-    DTYPES,
-    ENGINE_FORMAT,
-    EngineError,
-    engine_config,
-    input_hash,
-    is_current,
-    load_engine,
-    read_config,
-    save_hf,
-    write_atomic,
-)
+from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, save_hf, write_atomic
 from pipeline.runtime import quant
+from pipeline.runtime.engine_io import DTYPES, EngineError, load_engine, read_config
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import (
     ModelConfig,

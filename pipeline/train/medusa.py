@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, load_engine, write_atomic
+from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, write_atomic
+from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import MedusaHeads, heads_to_state, load_heads_dir
 from pipeline.runtime.model import Transformer

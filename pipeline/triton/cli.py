@@ -62,7 +62,7 @@ def cmd_stop(args) -> int:
 
 
 def _tokenizer(s: specmod.Spec):
-    from pipeline.engine import load_tokenizer
+    from pipeline.runtime.engine_io import load_tokenizer
 
     d = s.engine_dir / "target"
     if not (d / "tokenizer_config.json").is_file():
