@@ -16,6 +16,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
+
 
 class SpecError(ValueError):
     """A spec that cannot be used; the message says which key and how to fix it."""
@@ -431,28 +433,12 @@ def validate(spec: Spec) -> Spec:
         except ValueError as e:
             raise SpecError(f"medusa.choices: {e}") from None
     k = spec.speculation.num_draft_tokens
-    if isinstance(k, int):
-        _check(1 <= k, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
-        if spec.has_draft or spec.backend == "torch":
-            _check(k <= lim.max_draft_len, "speculation.num_draft_tokens", k,
-                   f"must be at most limits.max_draft_len ({lim.max_draft_len}); raise max_draft_len or lower k")
-    _check(spec.speculation.disable_at_batch >= 0, "speculation.disable_at_batch", spec.speculation.disable_at_batch,
-           "must be 0 (never switch speculation off) or the batch size from which to decode plainly")
-    _check(spec.speculation.prompt_lookup_max_ngram >= 1, "speculation.prompt_lookup_max_ngram",
-           spec.speculation.prompt_lookup_max_ngram, "must be 1 or more")
+    _check(k == "auto" or k >= 1, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
     conf = spec.speculation.draft_confidence
-    _check(0 <= conf < 1, "speculation.draft_confidence", conf,
-           "must be 0 (always draft num_draft_tokens) or a probability below 1")
-    _check(conf == 0 or isinstance(spec.speculation.num_draft_tokens, int), "speculation.draft_confidence", conf,
+    _check(conf == 0 or isinstance(k, int), "speculation.draft_confidence", conf,
            "needs speculation.num_draft_tokens set to the maximum draft length (an integer such as 4): 'auto' picks "
            "a fixed k, which leaves nothing for the confidence rule to shorten")
-    _check(0 <= spec.speculation.draft_lookup_min_ngram <= spec.speculation.prompt_lookup_max_ngram,
-           "speculation.draft_lookup_min_ngram", spec.speculation.draft_lookup_min_ngram,
-           f"must be 0 (the draft alone) or between 1 and prompt_lookup_max_ngram "
-           f"({spec.speculation.prompt_lookup_max_ngram})")
-    _check(1 <= spec.speculation.prompt_lookup_num_tokens <= max(lim.max_draft_len, 1),
-           "speculation.prompt_lookup_num_tokens", spec.speculation.prompt_lookup_num_tokens,
-           f"must be between 1 and limits.max_draft_len ({lim.max_draft_len})")
+    decode_config(spec)  # the speculation limits, checked where the runtime and the server check them
     tr = spec.triton
     ports = {"triton.http_port": tr.http_port, "triton.grpc_port": tr.grpc_port, "triton.metrics_port": tr.metrics_port}
     for key, port in ports.items():
@@ -480,6 +466,16 @@ def validate(spec: Spec) -> Spec:
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,
            "temperatures must be 0 or more")
     return spec
+
+
+def decode_config(spec: Spec, measured_k: int | None = None) -> SpecDecodeConfig:
+    """The spec's speculation settings as the runtime carries them (its limits checked; SpecError names the
+    field). On the tensorrt_llm backend without a draft engine no request drafts k tokens, so k is left out."""
+    try:
+        return SpecDecodeConfig.from_speculation(spec.speculation, spec.limits.max_draft_len, measured_k,
+                                                 k_bounded=spec.has_draft or spec.backend == "torch")
+    except SpeculationError as e:
+        raise SpecError(str(e)) from None
 
 
 def parse(data: Any, root: str | Path = ".") -> Spec:

@@ -6,6 +6,7 @@ models with near-ties), exact multi-row prefill, and the spec refusals."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -341,7 +342,7 @@ def test_quantized_engines_decode_greedy_identically_with_every_method(quant_eng
 
     b = load_bundle(quant_engines["int8"].parent)
     b.draft = load_engine(quant_engines["int4"]).model  # an int4 draft for the int8 target
-    b.options.update(num_draft_tokens=4, prompt_lookup_num_tokens=4)
+    b.spec = replace(b.spec, num_draft_tokens=4, prompt_lookup_num_tokens=4)
     reqs = [Request(b.tokenizer.encode(t), 20, end_ids=b.end_ids) for t in
             ("Why is the sky blue?", "Write a haiku about rain.", "List three colours.", "What is 2+2?",
              "Describe the water cycle.", "Name a fruit.", "How do plants grow?")]
@@ -527,7 +528,7 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     assert b.draft.layers[0].w13.act8 == b.draft.lm_head.act8 == (algo == "int4_a8")
     assert b.draft.lm_head.blocks_a8 == (algo == "int4_a8" and kernels.available())
     assert not getattr(b.target.layers[0].w13, "act8", False)
-    b.options["num_draft_tokens"] = 3
+    b.spec = replace(b.spec, num_draft_tokens=3)
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
 

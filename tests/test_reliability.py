@@ -76,7 +76,7 @@ BAD_REQUESTS = {
     "top_p above 1": (GOOD + [_tensor("top_p", [[1.5]], np.float32)], r"top_p: got 1.5"),
     "negative temperature": (GOOD + [_tensor("temperature", [[-0.5]], np.float32)], r"temperature: got -0.5"),
     "num_draft_tokens above max_draft_len": (GOOD + [_tensor("num_draft_tokens", [[9]], np.int32)],
-                                             r"num_draft_tokens: got 9; .*max_draft_len=4"),
+                                             r"num_draft_tokens: got 9; .*max_draft_len \(4\)"),
     "unknown method": (GOOD + [_tensor("method", [[b"beam"]], object)], r"method: got 'beam'; .*baseline"),
     "negative disable_at_batch": (GOOD + [_tensor("disable_at_batch", [[-2]], np.int32)],
                                   r"disable_at_batch: got -2; send 0"),

@@ -36,8 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from pipeline.runtime.engine_io import read_config
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
@@ -177,8 +179,6 @@ def read_heads_dir(path: Path) -> tuple[dict[str, Tensor], dict]:
     if (path / "medusa_lm_head.pt").is_file():
         state = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
     elif (path / "medusa_lm_head.safetensors").is_file():
-        from safetensors.torch import load_file
-
         state = load_file(str(path / "medusa_lm_head.safetensors"))
     else:
         raise ValueError(f"{path}: neither medusa_lm_head.pt nor medusa_lm_head.safetensors exists")
@@ -220,10 +220,6 @@ def make_engine(heads: MedusaHeads, choices: list[list[int]], max_draft_len: int
 
 def load_medusa_engine(engine_dir: Path, target: Transformer, verify: bool = True) -> MedusaEngine:
     """Load engines/<name>/medusa: heads.safetensors (runtime layout) + config.json (tree, thresholds)."""
-    from safetensors.torch import load_file
-
-    from pipeline.runtime.engine_io import read_config
-
     engine_dir = Path(engine_dir)
     cfg = read_config(engine_dir, verify=verify)
     med = cfg["medusa"]
@@ -476,3 +472,19 @@ def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:
     elif spec.limits.max_draft_len < 1:
         raise ValueError("limits.max_draft_len: got 0 but medusa.choices is auto; set it to the largest tree size")
     return lines
+
+
+class Medusa:
+    """`decode`'s medusa: the heads propose a tree of candidates, verified in one tree-attention pass (its own
+    loop, `medusa_generate`: tree verification does not fit the chain drafters' shared loop)."""
+
+    name, resumable = "medusa", True
+
+    def available(self, b) -> bool:
+        return b.medusa is not None
+
+    def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
+        return medusa_generate(b.target, b.medusa, reqs, on_emit, **opts)
+
+
+MEDUSA = Medusa()

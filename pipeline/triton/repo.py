@@ -18,7 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from pipeline.spec import Spec
+from pipeline.spec import Spec, decode_config
 from pipeline.triton.trtllm_repo import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -125,20 +125,13 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
     g = c.instance_group.add()
     g.count = spec.triton.instance_count
     g.kind = mc.ModelInstanceGroup.KIND_CPU
-    k = spec.speculation.num_draft_tokens
     params = {
         "max_rows": str(spec.limits.max_batch_size),
         "engine_dir": str(Path(engine_dir).resolve()),
         "device": spec.device,
         "threads": str(spec.threads),
         "default_method": ",".join(default_methods(spec)),
-        "num_draft_tokens": str(k) if isinstance(k, int) else "auto",
-        "prompt_lookup_num_tokens": str(spec.speculation.prompt_lookup_num_tokens),
-        "prompt_lookup_max_ngram": str(spec.speculation.prompt_lookup_max_ngram),
-        "use_draft_logits": str(spec.speculation.use_draft_logits).lower(),
-        "disable_at_batch": str(spec.speculation.disable_at_batch),
-        "draft_lookup_min_ngram": str(spec.speculation.draft_lookup_min_ngram),
-        "draft_confidence": str(spec.speculation.draft_confidence),
+        **decode_config(spec).to_params(),  # read back by SpecDecodeConfig.from_params in model.py
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
         "step_lock": "true",

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
+from pipeline.runtime.decode import RESUMABLE, decode
+from pipeline.runtime.generate import Handoff, Sequence, finish
 from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
 
@@ -106,8 +108,6 @@ class Row:
 
 def _resumable_method(method: str) -> bool:
     """Rows of this method can step aside into the continuous batch and speculate again (`resume=`)."""
-    from pipeline.runtime.decode import RESUMABLE
-
     return method in RESUMABLE or method == "medusa_typical"
 
 
@@ -241,13 +241,11 @@ class Scheduler:
     def _busy(self, key: tuple, rows: int) -> bool:
         """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
         (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
-        from pipeline.runtime.decode import speculation_off
-
         self._collect()
         if not self.waiting:
             return False
         method, disable_at_batch = key[0], key[3]
-        if speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
+        if self.bundle.spec.off_at(method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
             return True
         return _resumable_method(method) and any(
             self._group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
@@ -255,8 +253,6 @@ class Scheduler:
 
     def _schedule(self) -> None:
         """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
-        from pipeline.runtime.decode import speculation_off
-
         pending = self.waiting
         every = max(self.queued_check_s, len(pending) / QUEUED_POLLS_PER_S)
         for job in [j for j in pending if self._is_cancelled(j, every)]:
@@ -270,7 +266,7 @@ class Scheduler:
         load = len(self.pool.rows) + sum(len(j.reqs) for j in pending)
         spec = []
         for j in pending:
-            j.plain = j.method != "baseline" and speculation_off(self.bundle, j.method, load, j.p.disable_at_batch)
+            j.plain = j.method != "baseline" and self.bundle.spec.off_at(j.method, load, j.p.disable_at_batch)
             if j.method != "baseline" and not j.plain:
                 spec.append(j)
         if spec and not self.pool.rows:
@@ -332,10 +328,8 @@ class Scheduler:
     def _resumable(self, key: tuple, rows: int) -> bool:
         """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
         (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
-        from pipeline.runtime.decode import speculation_off
-
         return (_resumable_method(key[0]) and all(self._group(t.job) == key for t in self.pool.tags())
-                and not speculation_off(self.bundle, key[0], rows, key[3]))
+                and not self.bundle.spec.off_at(key[0], rows, key[3]))
 
     def _resume(self) -> bool:
         """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
@@ -491,9 +485,6 @@ class Scheduler:
         """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
         Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
         to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
-        from pipeline.runtime.decode import decode
-        from pipeline.runtime.generate import Handoff
-
         method, k, use_logits, disable_at_batch = key
         reqs = [r.job.reqs[r.index] for r in rows]
 
@@ -551,8 +542,6 @@ class Scheduler:
     def _recover(self, rows: list[Row]) -> None:
         """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
         alone: the row whose fault it was fails by itself, the others finish (greedy: the same tokens)."""
-        from pipeline.runtime.generate import Sequence, finish
-
         for row in rows:
             job = row.job
             if job.failed:
