@@ -278,7 +278,7 @@ def test_preflight_reads_head_directories_strictly_and_checks_tree_depth_against
     import yaml
 
     from pipeline import spec as specmod
-    from pipeline.runtime.medusa import medusa_preflight
+    from pipeline.train.medusa import medusa_preflight
 
     model = target.model
     state = heads_to_state(random_heads(model, n=2), model.lm_head.weight)

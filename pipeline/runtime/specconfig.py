@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from pipeline.runtime.decode import Bundle
     from pipeline.runtime.generate import Handoff, Request, Result
 
 DEFAULT_K = 4  # draft length for `num_draft_tokens: auto` before a measured k is stored (at most max_draft_len)
@@ -166,14 +165,15 @@ class Drafter(Protocol):
 
 
 class Method(Protocol):
-    """One decoding method as `decode` runs it."""
+    """One decoding method as `decode` runs it (`b` is the loaded pipeline.runtime.decode.Bundle; not imported
+    here, which would make a circle)."""
 
     name: str
     resumable: bool  # can continue rows handed off mid-request (`resume=`)
 
-    def available(self, b: Bundle) -> bool:
+    def available(self, b: Any) -> bool:
         """Whether the loaded deployment can run it (its draft, heads or max_draft_len are there)."""
 
-    def run(self, b: Bundle, reqs: list[Request], k: int, on_emit: Emit | None,
+    def run(self, b: Any, reqs: list[Request], k: int, on_emit: Emit | None,
             **opts) -> list[Result | Handoff]:
         """Decode `reqs` as one batch drafting at most `k` tokens a step (checked against b.spec already)."""
