@@ -37,7 +37,7 @@ from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import MedusaHeads, heads_from_state, heads_to_state, load_heads_dir, read_heads_dir
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.sources import read_prompts
+from pipeline.sources import Source, read_prompts
 from pipeline.spec import Spec
 from pipeline.speedpick import verify_costs
 from pipeline.tree import build_tree, grow_tree, validate_choices
@@ -240,15 +240,10 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
         raise FileNotFoundError(f"{tdir} is not built; build the target engine first (`make engine`)")
     tcfg = json.loads((tdir / "config.json").read_text())
     prompts_path = spec.path(spec.validate.prompts)
-    src_fp = None
-    if med.source != "train":
-        from pipeline.sources import Source
-
-        src_dir = spec.path(med.source)
-        if not src_dir.is_dir():
-            raise FileNotFoundError(f"medusa.source: {src_dir} is not a directory; give a FasterDecoding head "
-                                    "directory (medusa_lm_head.pt/.safetensors + config.json) or 'train'")
-        src_fp = Source("hf", src_dir, str(src_dir)).fingerprint()
+    src_dir = None if med.source == "train" else spec.path(med.source)
+    if src_dir is not None and not src_dir.is_dir():
+        medusa_preflight(spec, tcfg)  # names medusa.source and the fix
+    src_fp = None if src_dir is None else Source("hf", src_dir, str(src_dir)).fingerprint()
     train_path = spec.path(med.train.prompts)
     want = input_hash(FORMAT, ENGINE_FORMAT, tcfg.get("input_hash"), asdict(med), src_fp, spec.limits.max_draft_len,
                       prompts_path.read_bytes().decode() if prompts_path.is_file() else "",
@@ -256,6 +251,8 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"medusa engine {dest} is up to date")
         return dest
+    for line in medusa_preflight(spec, tcfg):  # heads readable and strict, tree within heads and max_draft_len
+        log(line)
     t_start = time.perf_counter()
     eng = load_engine(tdir)
     model, tok = eng.model, eng.tokenizer
