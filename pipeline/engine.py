@@ -21,6 +21,7 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import Tensor
 
+from pipeline import sources
 from pipeline.runtime import quant
 from pipeline.runtime.engine_io import DTYPES, EngineError, sha256
 from pipeline.runtime.model import ARCHITECTURES, ModelConfig, hf_to_runtime
@@ -118,7 +119,7 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
 def save_hf(dest: Path, hf_cfg: dict, state: dict[str, Tensor], tokenizer, dtype: str, tied: bool) -> None:
     """An ordinary Hugging Face checkpoint of the draft's family (Llama, Mistral, Qwen2), written to a
     temporary dir and renamed into place."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # heavy (transformers): only save_hf pays it
 
     cfg = dict(hf_cfg)
     model_type = cfg.pop("model_type", "llama")
@@ -164,8 +165,6 @@ def end_ids(mcfg: ModelConfig, tok) -> list[int]:
 
 def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/target from the spec's target source (a no-op when inputs are unchanged)."""
-    from pipeline import sources
-
     dest = spec.engine_dir / "target"
     src = sources.resolve(spec.target.source, Path(spec.root))
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -361,8 +362,6 @@ def _validate_trtllm(spec: Spec) -> None:
 
 def validate(spec: Spec) -> Spec:
     """Cross-field checks that types alone cannot express."""
-    import re
-
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name)), "name", spec.name,
            "use letters, digits, '.', '_' or '-' (it names engines/<name>/ and triton_repo/<name>/)")
     _check(spec.threads >= 0, "threads", spec.threads, "must be 0 (all cores) or a positive count")
@@ -426,7 +425,7 @@ def validate(spec: Spec) -> Spec:
     _check(0 < med.posterior_threshold < 1, "medusa.posterior_threshold", med.posterior_threshold, "must be in (0, 1)")
     _check(0 < med.posterior_alpha < 1, "medusa.posterior_alpha", med.posterior_alpha, "must be in (0, 1)")
     if isinstance(med.choices, list):
-        from pipeline.tree import validate_choices
+        from pipeline.tree import validate_choices  # pipeline.tree imports torch; the spec stays light
 
         try:
             validate_choices(med.choices, med.num_heads, lim.max_draft_len)

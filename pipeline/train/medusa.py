@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
+from pipeline.common import chat_ids, split_prompts
 from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, write_atomic
 from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Request, generate
@@ -231,8 +232,6 @@ def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:
 
 def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/medusa (+ medusa_hf) from spec.medusa: train heads, or load FasterDecoding ones."""
-    from pipeline.common import chat_ids, split_prompts
-
     med = spec.medusa
     dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
     tdir = spec.engine_dir / "target"

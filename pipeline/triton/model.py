@@ -92,6 +92,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         cfg = json.loads(args["model_config"])
         _add_paths(_param(cfg, "python_path").split(":"))
+        # Imported here, not at the top: the stub reaches the project and its venv only after _add_paths.
         from pipeline.runtime import kernels
         from pipeline.runtime.decode import load_bundle
         from pipeline.runtime.specconfig import SpecDecodeConfig
@@ -108,7 +109,7 @@ class TritonPythonModel:
 
         def setup() -> Scheduler:  # on the decode thread: it alone runs torch's and the kernels' OpenMP teams
             kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # spec `threads`
-            import torch
+            import torch  # after _add_paths (the venv's torch)
 
             threads.append(f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}")
             bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
@@ -160,7 +161,7 @@ class TritonPythonModel:
             self.counters[key].increment(float(value))
 
     def execute(self, requests):
-        from pipeline.triton.parse import BadRequest
+        from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
 
         for request in requests:
             out = TritonResponder(request.get_response_sender())

@@ -98,7 +98,7 @@ def python_path() -> list[str]:
 
 
 def _io(msg_list, entries, required=()):
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     for name, dtype, dims in entries:
         m = msg_list.add()
@@ -111,7 +111,7 @@ def _io(msg_list, entries, required=()):
 
 def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
     """ModelConfig of one served model (`ensemble` or `tensorrt_llm_bls`: the same python model)."""
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     # The batch dimension is explicit (max_batch_size 0, dims [-1, ...]): with Triton's own batching (max_batch_size
     # > 0) a request of batch size 0 got Triton core's "input byte size mismatch" and never reached the model; this
@@ -147,15 +147,15 @@ def bls_config(spec: Spec, engine_dir: Path):
 
 
 def to_pbtxt(config) -> str:
-    from google.protobuf import text_format
+    from google.protobuf import text_format  # with tritonclient's protobufs
 
     return text_format.MessageToString(config)
 
 
 def parse_pbtxt(text: str):
     """Parse a config.pbtxt with Triton's schema (raises on anything Triton would reject as syntax)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
+    from google.protobuf import text_format  # with tritonclient's protobufs
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     return text_format.Parse(text, mc.ModelConfig())
 
