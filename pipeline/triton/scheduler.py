@@ -366,56 +366,8 @@ class Scheduler:
             for j in self.waiting)
 
     def _run(self, key: tuple, rows: list[Row], resume: list | None = None) -> None:
-        """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
-        Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
-        to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
-        method, k, use_logits, disable_at_batch = key
-        reqs = [r.job.reqs[r.index] for r in rows]
-
-        def on_emit(b: int, toks: list[int]) -> None:
-            row = rows[b]
-            row.tokens.extend(toks)
-            job = row.job
-            if job.failed or self.replies.is_cancelled(job):
-                # The runtime finishes this row at its next step; its batch-mates run on untouched.
-                job.reqs[row.index].max_new_tokens = min(job.reqs[row.index].max_new_tokens, len(row.tokens) + 1)
-                if all(r.job.cancelled or r.job.failed for r in rows):
-                    raise Cancelled()
-                return
-            if job.stream:
-                self.replies.stream(job, row)
-
-        answered: set[int] = set()
-
-        def busy() -> bool:
-            self.gate.pause()  # between rounds: the other served model takes its step if it waits
-            # Also yield once half the batch has finished, so the rest resume without the finished rows:
-            # they would otherwise ride along in every verify pass until the longest row ends.
-            return self._busy(key, len(rows) - len(answered)) or (
-                _resumable_method(method) and bool(answered) and 2 * len(answered) >= len(rows))
-
-        def on_finish(b: int, result) -> None:
-            answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
-            self._finished([(rows[b], result)])
-
-        runtime_method, opts = _runtime_options(method, use_logits, resume)
-        try:
-            results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
-                             disable_at_batch=disable_at_batch, yield_to=busy, on_finish=on_finish, **opts)
-        except Cancelled:
-            for j in {id(r.job): r.job for r in rows}.values():
-                if j.cancelled:
-                    self.replies.cancel(j)  # no-op for a job already answered
-            return
-        except Exception as e:  # noqa: BLE001 - recover row by row, keep serving
-            self.log("error", f"speculative batch failed ({method}, k={k}, {len(rows)} rows): {type(e).__name__}: "
-                     f"{e}; continuing its rows one by one in the continuous batch")
-            self._recover([r for b, r in enumerate(rows) if b not in answered])
-            return
-        handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
-        self.pool.adopt([h for _, h in handed], [row for row, _ in handed])
-        self._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
-                        if not isinstance(r, Handoff) and b not in answered])
+        """Decode `rows` (one speculative group) as a batch (`SpeculativeBatch`)."""
+        SpeculativeBatch(self, key, rows).run(resume)
 
     def _recover(self, rows: list[Row]) -> None:
         """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
@@ -474,3 +426,62 @@ class Scheduler:
         for job in jobs.values():
             if not job.done:
                 self.replies.fail(job, msg)
+
+
+class SpeculativeBatch:
+    """One speculative batch of the scheduler: `rows` of group `key` decoded together through `decode`, from
+    their prompts or, with `resume`, from the Handoffs the continuous batch released. Each row is answered as
+    it finishes; rows still running when requests arrive that bring the load to disable_at_batch (or that can
+    join the batch) move to the continuous batch; a failure continues the unanswered rows there one by one."""
+
+    def __init__(self, sched: Scheduler, key: tuple, rows: list[Row]):
+        self.sched, self.key, self.rows = sched, key, rows
+        self.answered: set[int] = set()
+
+    def on_emit(self, b: int, toks: list[int]) -> None:
+        row = self.rows[b]
+        row.tokens.extend(toks)
+        job = row.job
+        if job.failed or self.sched.replies.is_cancelled(job):
+            # The runtime finishes this row at its next step; its batch-mates run on untouched.
+            job.reqs[row.index].max_new_tokens = min(job.reqs[row.index].max_new_tokens, len(row.tokens) + 1)
+            if all(r.job.cancelled or r.job.failed for r in self.rows):
+                raise Cancelled()
+            return
+        if job.stream:
+            self.sched.replies.stream(job, row)
+
+    def yield_to(self) -> bool:
+        """Between rounds: should the running rows step aside into the continuous batch?"""
+        self.sched.gate.pause()  # the other served model takes its step if it waits
+        # Also yield once half the batch has finished, so the rest resume without the finished rows:
+        # they would otherwise ride along in every verify pass until the longest row ends.
+        done, n = len(self.answered), len(self.rows)
+        return self.sched._busy(self.key, n - done) or (_resumable_method(self.key[0]) and done > 0 and 2 * done >= n)
+
+    def on_finish(self, b: int, result) -> None:
+        self.answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
+        self.sched._finished([(self.rows[b], result)])
+
+    def run(self, resume: list | None = None) -> None:
+        sched, rows = self.sched, self.rows
+        method, k, use_logits, disable_at_batch = self.key
+        runtime_method, opts = _runtime_options(method, use_logits, resume)
+        try:
+            results = decode(sched.bundle, runtime_method, [r.job.reqs[r.index] for r in rows], self.on_emit,
+                             num_draft_tokens=k or None, disable_at_batch=disable_at_batch, yield_to=self.yield_to,
+                             on_finish=self.on_finish, **opts)
+        except Cancelled:
+            for j in {id(r.job): r.job for r in rows}.values():
+                if j.cancelled:
+                    sched.replies.cancel(j)  # no-op for a job already answered
+            return
+        except Exception as e:  # noqa: BLE001 - recover row by row, keep serving
+            sched.log("error", f"speculative batch failed ({method}, k={k}, {len(rows)} rows): {type(e).__name__}: "
+                      f"{e}; continuing its rows one by one in the continuous batch")
+            sched._recover([r for b, r in enumerate(rows) if b not in self.answered])
+            return
+        handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
+        sched.pool.adopt([h for _, h in handed], [row for row, _ in handed])
+        sched._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
+                         if not isinstance(r, Handoff) and b not in self.answered])
