@@ -7,11 +7,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline import spec as specmod
+from pipeline.runtime import decode as decode_mod
 from pipeline.runtime.decode import METHOD_NAMES, METHODS, Bundle, apply_spec, decode
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.specconfig import DEFAULT_K, SpecDecodeConfig, SpeculationError
+from pipeline.runtime.speculative import speculate
 from pipeline.triton.parse import BadRequest, Limits, RequestParser
 from tests.test_speculative import prompts, tiny
 
@@ -135,3 +138,45 @@ def test_the_methods_table_lists_each_method_once_and_availability_follows_what_
     assert b.methods() == ["baseline", "prompt_lookup"]
     with pytest.raises(ValueError, match="'draft_target' is not available here"):
         decode(b, "draft_target", [Request([3, 4], 2)])
+
+
+class _RepeatDrafter:
+    """A new chain drafter for the test: proposes the context's last token k times (a Drafter)."""
+
+    def __init__(self, k: int, dev):
+        self.width, self.dev = k, dev
+
+    def prefill(self, prompts):
+        pass
+
+    def resume(self, handoffs):
+        pass
+
+    def hand_off(self):
+        return None
+
+    def propose(self, ctx, pos, gens):
+        drafts = torch.tensor([[c[-1]] * self.width for c in ctx], device=self.dev)
+        return drafts, None, [self.width] * len(ctx)
+
+
+class _Repeat:
+    name, resumable = "repeat", False
+
+    def available(self, b) -> bool:
+        return True
+
+    def run(self, b, reqs, k, on_emit, **opts):
+        return speculate(b.target, reqs, k, on_emit, _RepeatDrafter(k, b.target.embed.weight.device))
+
+
+def test_a_new_method_is_its_drafter_and_one_entry_in_the_methods_table(monkeypatch):
+    """The interface is enough for a method that did not exist: decode serves it, with the deployment's k, and
+    the shared verify loop keeps greedy output identical to plain decoding."""
+    monkeypatch.setattr(decode_mod, "METHODS", (*METHODS, _Repeat()))
+    b = _bundle(4, num_draft_tokens=3)
+    assert b.methods()[-1] == "repeat"
+    reqs = [Request(p, 10) for p in prompts(3, 48, seed=25)]
+    got = decode(b, "repeat", reqs)
+    assert [r.tokens for r in got] == [r.tokens for r in generate(b.target, reqs)]
+    assert all(r.draft_proposed > 0 and r.draft_proposed % 3 == 0 for r in got)  # k = 3 from the config

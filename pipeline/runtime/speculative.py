@@ -305,9 +305,9 @@ class _LookupDrafter:  # a Drafter
         return _padded(found, self.dev), None, [len(f) for f in found]
 
 
-def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter: Drafter,
-               residual_fn: Residual = residual, yield_to: YieldTo | None = None,
-               resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
+def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter: Drafter,
+              residual_fn: Residual = residual, yield_to: YieldTo | None = None,
+              resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
     Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
@@ -412,7 +412,7 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
+    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
 
 
 @torch.inference_mode()
@@ -422,7 +422,7 @@ def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emi
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
-    return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
+    return speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
                       yield_to=yield_to, resume=resume, on_finish=on_finish)
 
 
