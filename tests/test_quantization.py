@@ -22,6 +22,7 @@ from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.engine_io import EngineError, load_engine
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
+from pipeline.runtime.specconfig import SpecDecodeConfig
 from tests.conftest import np_unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -257,7 +258,7 @@ def test_greedy_speculative_equals_baseline_past_32_rows_on_a_near_tie_model(alg
     target = near_tie_model(algo, seed=1)
     draft = near_tie_model(algo, seed=5)
     b = Bundle(target, None, {"build_config": {"max_draft_len": 8}}, draft=draft,
-               options={"num_draft_tokens": 4, "prompt_lookup_num_tokens": 7})
+               spec=SpecDecodeConfig(max_draft_len=8, num_draft_tokens=4, prompt_lookup_num_tokens=7))
     reqs = [Request(p, 30) for p in _prompts(8, seed=3)]
     base = decode(b, "baseline", reqs)
     # The model has the near-ties (top-2 logit margins of a few 1e-6) that a path difference would flip.
