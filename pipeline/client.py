@@ -32,8 +32,8 @@ class RequestTimeout(RequestError):
 
 
 def _tensor(name: str, value, dtype) -> object:
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
+    import tritonclient.grpc as grpcclient  # heavy (grpc): only a call that sends pays it
+    from tritonclient.utils import np_to_triton_dtype  # with tritonclient.grpc above
 
     arr = np.asarray(value, dtype=dtype)
     if arr.ndim == 0:
@@ -85,8 +85,8 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
     `disconnect` the connection is dropped without a word (as a client that dies would).
     `stream_timeout` is the stream's gRPC deadline (the server sees it expire as a cancellation).
     """
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
+    import tritonclient.grpc as grpcclient  # heavy (grpc): only a call that sends pays it
+    from tritonclient.utils import InferenceServerException  # with tritonclient.grpc above
 
     c = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
@@ -139,8 +139,8 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
 
 def infer_unary(url: str, model: str, inputs: list, timeout: float = 300.0, request_id: str = "") -> object:
     """One ModelInfer call (models served with `triton.decoupled: false`); the result, or RequestError."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException
+    import tritonclient.grpc as grpcclient  # heavy (grpc): only a call that sends pays it
+    from tritonclient.utils import InferenceServerException  # with tritonclient.grpc above
 
     with grpcclient.InferenceServerClient(url) as c:
         try:

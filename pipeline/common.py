@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def setup_threads(spec: Spec) -> None:
     """One setting for torch's threads and the C kernels' (spec `threads`; 0 leaves the defaults)."""
-    from pipeline.runtime import kernels
+    from pipeline.runtime import kernels  # heavy (torch, the C kernels): only when threads are set
 
     if spec.threads:
         kernels.configure_threads(spec.threads)

@@ -1,4 +1,4 @@
-"""Engine build and load for the torch backend.
+"""Engine build for the torch backend (loading is pipeline/runtime/engine_io.py, below the runtime).
 
 An engine directory holds `config.json` (modelled on TensorRT-LLM's: `version`,
 `pretrained_config`, `build_config`) and the weights in the runtime's layout. It is written to a
@@ -15,32 +15,19 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
+from pipeline import sources
 from pipeline.runtime import quant
-from pipeline.runtime.model import ARCHITECTURES, ModelConfig, Transformer, build_model, hf_to_runtime
+from pipeline.runtime.engine_io import DTYPES, EngineError, sha256
+from pipeline.runtime.model import ARCHITECTURES, ModelConfig, hf_to_runtime
 from pipeline.spec import Spec
 
 ENGINE_FORMAT = "pipeline-torch-engine/1"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class EngineError(RuntimeError):
-    """An engine that is missing, incomplete or damaged; the message names the file."""
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def input_hash(*parts: Any) -> str:
@@ -82,26 +69,6 @@ def write_atomic(dest: Path, write: Callable[[Path], dict]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def read_config(engine_dir: Path, verify: bool = True) -> dict:
-    """Read an engine's config.json; with `verify`, check every recorded file's hash."""
-    cfg_path = engine_dir / "config.json"
-    if not cfg_path.is_file():
-        raise EngineError(f"{engine_dir} is not a built engine (no config.json); run `make engine`")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{cfg_path} is not valid JSON ({e}); rebuild with `make engine`") from None
-    if verify:
-        for name, digest in cfg.get("files", {}).items():
-            f = engine_dir / name
-            if not f.is_file():
-                raise EngineError(f"{f} is missing; the engine is incomplete, rebuild with `make engine`")
-            if sha256(f) != digest:
-                raise EngineError(f"{f} does not match the sha256 in {cfg_path} (truncated or altered); "
-                                  "rebuild with `make engine`")
-    return cfg
 
 
 def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draft_len: int,
@@ -152,7 +119,7 @@ def engine_config(mcfg: ModelConfig, spec: Spec, dtype: str, mode: str, max_draf
 def save_hf(dest: Path, hf_cfg: dict, state: dict[str, Tensor], tokenizer, dtype: str, tied: bool) -> None:
     """An ordinary Hugging Face checkpoint of the draft's family (Llama, Mistral, Qwen2), written to a
     temporary dir and renamed into place."""
-    from transformers import CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING  # heavy (transformers): only save_hf pays it
 
     cfg = dict(hf_cfg)
     model_type = cfg.pop("model_type", "llama")
@@ -198,8 +165,6 @@ def end_ids(mcfg: ModelConfig, tok) -> list[int]:
 
 def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/target from the spec's target source (a no-op when inputs are unchanged)."""
-    from pipeline import sources
-
     dest = spec.engine_dir / "target"
     src = sources.resolve(spec.target.source, Path(spec.root))
     mode = "draft_tokens_external" if spec.limits.max_draft_len > 0 else "none"
@@ -248,49 +213,3 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     write_atomic(dest, write)
     log(f"target engine built in {time.perf_counter() - t0:.1f}s: {dest}")
     return dest
-
-
-@dataclass
-class Engine:
-    """A loaded engine: the model, its tokenizer and its config.json."""
-
-    model: Transformer
-    tokenizer: Any
-    config: dict
-    path: Path
-
-    @property
-    def max_draft_len(self) -> int:
-        return int(self.config["build_config"]["max_draft_len"])
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EngineError("device: cuda was asked for but torch sees no CUDA GPU; set device: cpu or auto")
-    return torch.device(device)
-
-
-def load_model_dir(engine_dir: Path, device: str = "cpu", dtype: str | None = None,
-                   verify: bool = True) -> tuple[Transformer, dict]:
-    cfg = read_config(engine_dir, verify=verify)
-    mcfg = ModelConfig(**cfg["runtime"]["model"])
-    state = load_file(str(engine_dir / "model.safetensors"))
-    int4 = any(k.endswith(".qweight") and v.dtype == torch.uint8 for k, v in state.items())
-    if int4 and cfg["runtime"].get("quant_format") != quant.FORMAT:
-        raise EngineError(f"{engine_dir}: int4 weights in layout {cfg['runtime'].get('quant_format')!r}, this "
-                          f"runtime reads {quant.FORMAT!r}; rebuild with `python -m pipeline engine SPEC --force`")
-    dt = DTYPES[dtype or cfg["pretrained_config"]["dtype"]]
-    return build_model(mcfg, state, dt, resolve_device(device), act8=quant.int8_activations(cfg)), cfg
-
-
-def load_tokenizer(engine_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(engine_dir))
-
-
-def load_engine(engine_dir: Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> Engine:
-    model, cfg = load_model_dir(engine_dir, device, dtype, verify)
-    return Engine(model, load_tokenizer(engine_dir), cfg, engine_dir)

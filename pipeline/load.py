@@ -94,7 +94,7 @@ def _prompts(spec: specmod.Spec, num_prompts: int, chat: bool) -> list[str]:
     prompts = spec_prompts(spec, num_prompts)
     if chat:
         from pipeline.client import chat_text
-        from pipeline.engine import load_tokenizer
+        from pipeline.runtime.engine_io import load_tokenizer
 
         tok_dir = spec.engine_dir / "target"
         if (tok_dir / "tokenizer_config.json").is_file():

@@ -8,6 +8,7 @@ install (`make peers`), never a test dependency. Its bindings offer prompt-looku
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ def llama_cpp_available() -> bool:
 
 def gguf_of(spec) -> Path | None:
     """The target's GGUF file, when the spec's target comes from one."""
-    from pipeline import sources
+    from pipeline import sources  # imports torch (via runtime.model)
 
     try:
         src = sources.resolve(spec.target.source, Path(spec.root))
@@ -34,11 +35,11 @@ def llama_cpp_peer(gguf: Path, prompts: list[list[int]], new: int, threads: int,
                    log=print) -> dict:
     """Greedy tokens/s of llama.cpp on `gguf` for exactly `new` tokens per prompt (batch 1, prefill included),
     the median over prompts; with `lookup_tokens`, through the bindings' prompt-lookup decoding."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # optional (`make peers`) and heavy
 
     kw = {}
     if lookup_tokens:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # optional (`make peers`) and heavy
 
         kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
     ctx = max(len(p) for p in prompts) + new + 16
@@ -67,8 +68,6 @@ def gguf_peers(spec, ids: list[list[int]], new: int, log=print, lookup: tuple[in
     """`peers.llama_cpp` (and with `lookup` = (prompts, tokens), `peers.llama_cpp_prompt_lookup` on that many
     prompts and new tokens) on the target's own GGUF file, when the target comes from one; a note, not a
     figure, when `make peers` has not installed llama-cpp-python."""
-    import os
-
     gguf = gguf_of(spec)
     if gguf is None:
         return {}

@@ -28,12 +28,16 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from pipeline import sources
 from pipeline.runtime import kernels, quant
+from pipeline.runtime.engine_io import read_config
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.model import ModelConfig, Transformer, build_model
+from pipeline.runtime.model import ModelConfig, Transformer, build_model, hf_to_runtime
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int4_a8")
 FLOAT32_MAX_BYTES = 4 << 30  # a float32 copy of a larger model is left out (memory on small machines)
@@ -156,20 +160,11 @@ def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.T
 
     A quantized engine no longer holds float weights: they are read again from `target.source`.
     """
-    from safetensors.torch import load_file
-
-    from pipeline.engine import read_config
-
     cfg = read_config(engine_dir, verify=False)
     mcfg = ModelConfig(**cfg["runtime"]["model"])
     ref = cfg["pretrained_config"]["dtype"]
     state = load_file(str(engine_dir / "model.safetensors"))
     if any(k.endswith(".qweight") for k in state):
-        from pathlib import Path
-
-        from pipeline import sources
-        from pipeline.runtime.model import hf_to_runtime
-
         hf_cfg, hf_state, _ = sources.load_hf(sources.resolve(spec.target.source, Path(spec.root)))
         state = hf_to_runtime(hf_state, mcfg)
     if mcfg.tie_embeddings:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from pipeline.spec import Spec
+from pipeline.runtime.specconfig import SpeculationError
+from pipeline.spec import Spec, SpecError, decode_config
 
 PAD_TOKEN = re.compile(r"^(?:<\|?|\[)(?:pad|extra|unused|reserved|dummy|madeupword|placeholder)[\w\-]*(?:\|?>|\])$",
                        re.IGNORECASE)
@@ -79,13 +80,10 @@ def compare_vocab_sizes(target_vocab: int, draft_vocab: int, tokenizer_len: int)
 def check_draft_len(spec: Spec, target_config: dict | None = None, draft_config: dict | None = None) -> list[str]:
     """max_draft_len agrees across the spec, the target engine and the stored k; raise PreflightError naming the key."""
     lim = spec.limits.max_draft_len
-    k = spec.speculation.num_draft_tokens
-    if isinstance(k, int) and k > lim:
-        raise PreflightError(f"speculation.num_draft_tokens: {k} exceeds limits.max_draft_len ({lim}); "
-                             "lower k or raise max_draft_len")
-    if spec.speculation.prompt_lookup_num_tokens > lim:
-        raise PreflightError(f"speculation.prompt_lookup_num_tokens: {spec.speculation.prompt_lookup_num_tokens} "
-                             f"exceeds limits.max_draft_len ({lim}); lower it or raise max_draft_len")
+    try:
+        cfg = decode_config(spec)  # k and prompt lookup's k within max_draft_len (the one place they are checked)
+    except SpecError as e:
+        raise PreflightError(str(e)) from None
     if (spec.has_draft or spec.has_medusa) and lim < 1:
         raise PreflightError("limits.max_draft_len: got 0 but the spec speculates (draft or medusa); set it to at "
                              "least speculation.num_draft_tokens")
@@ -98,7 +96,10 @@ def check_draft_len(spec: Spec, target_config: dict | None = None, draft_config:
         notes.append(f"max_draft_len {lim} in the spec and the target engine")
     if draft_config is not None:
         stored = (draft_config.get("speculation") or {}).get("num_draft_tokens")
-        if isinstance(stored, int) and stored > lim:
-            raise PreflightError(f"the draft engine stores num_draft_tokens {stored} above limits.max_draft_len "
-                                 f"({lim}); rebuild the draft or run `python -m pipeline pick-k SPEC --write`")
+        if isinstance(stored, int):
+            try:
+                cfg.check_k(stored, "draft/config.json speculation.num_draft_tokens (the k 'auto' measured)",
+                            "rebuild the draft or run `python -m pipeline pick-k SPEC --write`")
+            except SpeculationError as e:
+                raise PreflightError(str(e)) from None
     return notes

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline import spec as specmod
+
 if TYPE_CHECKING:
     from pipeline.spec import Spec
 
@@ -150,8 +152,6 @@ def update(readme: Path, block: str) -> bool:
 
 
 def cmd_readme(args) -> int:
-    from pipeline import spec as specmod
-
     specs = [(specmod.load(p), p) for p in args.specs]
     readme = Path(args.readme)
     changed = update(readme, render(specs))

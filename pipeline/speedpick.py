@@ -16,9 +16,14 @@ from pathlib import Path
 
 import torch
 
+from pipeline import spec as specmod
+from pipeline.common import chat_ids, setup_threads, split_prompts
 from pipeline.runtime import kernels
+from pipeline.runtime.decode import load_bundle
 from pipeline.runtime.generate import Request
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.speculative import draft_target
+from pipeline.sources import read_prompts
 
 
 def _time(fn, reps: int) -> float:
@@ -88,8 +93,6 @@ def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[li
                        max_new: int = 48, emitted: list[int] | None = None) -> list[float]:
     """P(draft position i is accepted) for i < max_k, greedy, over the given prompts; the target's tokens
     are appended to `emitted` when given."""
-    from pipeline.runtime.speculative import draft_target
-
     acc, prop = [0] * max_k, [0] * max_k
     for r in draft_target(target, draft, [Request(p, max_new) for p in prompts], max_k):
         acc = [a + b for a, b in zip(acc, r.accepted_per_position)]
@@ -177,11 +180,6 @@ def store(engine_dir: Path, speculation: dict) -> None:
 
 
 def cmd_pick_k(args) -> int:
-    from pipeline import spec as specmod
-    from pipeline.common import chat_ids, setup_threads, split_prompts
-    from pipeline.runtime.decode import load_bundle
-    from pipeline.sources import read_prompts
-
     s = specmod.load(args.spec)
     setup_threads(s)
     b = load_bundle(s.engine_dir, s.device, methods=("draft_target",))

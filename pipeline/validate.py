@@ -73,7 +73,7 @@ def tokens_of(tok, text: str) -> list[int]:
 
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     from pipeline.bench import _hf_generate, environment, hf_model
-    from pipeline.runtime.decode import apply_spec, decode, default_k, load_bundle
+    from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.sources import spec_prompts
     from pipeline.triton import server
@@ -158,7 +158,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
             from transformers import AutoModelForCausalLM
 
             d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype).eval()
-            k = default_k(bundle, "draft_target")
+            k = bundle.spec.k_for("draft_target")
             report["peers"]["hf_assisted"] = {"tokens_per_s": statistics.median(
                 [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
                 "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}

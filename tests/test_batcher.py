@@ -6,6 +6,7 @@ import torch
 from pipeline.runtime.batcher import ContinuousBatch
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.specconfig import SpecDecodeConfig
 from tests.test_speculative import prompts, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,7 +160,8 @@ def test_rows_go_speculative_plain_and_speculative_again_with_their_solo_tokens(
 def test_resume_is_refused_where_it_cannot_continue_the_rows(target):
     from pipeline.runtime.decode import Bundle, decode
 
-    b = Bundle(target, None, {"build_config": {"max_draft_len": 4}}, options={"disable_at_batch": 1})
+    b = Bundle(target, None, {"build_config": {"max_draft_len": 4}},
+               spec=SpecDecodeConfig(max_draft_len=4, disable_at_batch=1))
     with pytest.raises(ValueError, match="resume: 'baseline' cannot continue handed-off rows"):
         decode(b, "baseline", [Request([3, 4], 4)], resume=[object()])
     with pytest.raises(ValueError, match="resume: 'prompt_lookup' cannot continue"):

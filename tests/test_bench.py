@@ -40,7 +40,7 @@ def bench(tmp_path_factory, tiny_tokenizer):
 def _prompt_ids(spec) -> list[list[int]]:
     """What bench decodes in quick mode: prompts 2 and 3 of the set (the first warms up), chat template on."""
     from pipeline.common import chat_ids
-    from pipeline.engine import load_engine
+    from pipeline.runtime.engine_io import load_engine
     from pipeline.sources import spec_prompts
 
     tok = load_engine(spec.engine_dir / "target").tokenizer
@@ -73,7 +73,7 @@ def _lookup_replay(base: list[int], prompt: list[int], new: int) -> tuple[int, i
 
 
 def test_bench_figures_have_their_known_answers(bench):
-    from pipeline.engine import load_engine
+    from pipeline.runtime.engine_io import load_engine
     from pipeline.runtime.generate import Request, generate
 
     spec, r = bench
@@ -118,7 +118,7 @@ def test_bench_ratios_are_recomputed_from_its_per_prompt_figures(bench):
     assert m["draft_target"]["vs_hf_assisted"] == pytest.approx(
         m["draft_target"]["tokens_per_s"] / statistics.median(peers["hf_assisted"]["per_prompt_tokens_per_s"]))
     rf = r["roofline"]
-    from pipeline.engine import load_engine
+    from pipeline.runtime.engine_io import load_engine
 
     target = load_engine(spec.engine_dir / "target").model
     weights = {id(p): p.numel() * p.element_size() for p in target.parameters()}

@@ -77,7 +77,7 @@ def test_unchanged_rebuild_is_a_no_op(trained, tiny_root):
 def test_decode_with_the_trained_draft_equals_baseline(trained, tiny_tokenizer):
     s, _, _ = trained
     b = load_bundle(s.engine_dir)
-    assert b.options["num_draft_tokens"] == 3
+    assert b.spec.num_draft_tokens == b.measured_k == 3
     reqs = [Request(tiny_tokenizer("Write a short poem about the sea.")["input_ids"], 20),
             Request(tiny_tokenizer("Why is the sky blue?")["input_ids"], 12)]
     base = decode(b, "baseline", reqs)
@@ -98,7 +98,7 @@ def test_reduced_vocab_bf16_draft_with_auto_k(tiny_root, tiny_tokenizer):
     assert len(spec_block["table"]) == 8 and any("auto -> k =" in m for m in logs)
     b = load_bundle(s.engine_dir)
     assert b.draft.vocab_ids.shape == (96,) and b.draft.lm_head.weight.shape[0] == 96
-    assert b.options["num_draft_tokens"] == spec_block["num_draft_tokens"]
+    assert b.spec.num_draft_tokens == spec_block["num_draft_tokens"]
     reqs = [Request(tiny_tokenizer("How do vaccines work?")["input_ids"], 16)]
     assert decode(b, "draft_target", reqs)[0].tokens == decode(b, "baseline", reqs)[0].tokens
 
@@ -129,4 +129,4 @@ def test_pick_k_verb_prints_the_table_and_stores_the_choice(trained, capsys):
     assert "E[tok/step]" in printed and "auto -> k =" in printed
     block = json.loads((out / "config.json").read_text())["speculation"]
     assert block["chosen_by"] == "measured" and 1 <= block["num_draft_tokens"] <= 3 and len(block["table"]) == 3
-    assert load_bundle(s.engine_dir).options["num_draft_tokens"] == block["num_draft_tokens"]
+    assert load_bundle(s.engine_dir).spec.num_draft_tokens == block["num_draft_tokens"]

@@ -8,6 +8,7 @@ import pytest
 from pipeline import engine as E
 from pipeline import spec as specmod
 from pipeline.cli import main
+from pipeline.runtime.engine_io import EngineError, load_engine, read_config
 
 
 def test_config_json_has_tensorrt_llm_shape(tiny_engine):
@@ -46,8 +47,8 @@ def test_stale_temp_dirs_are_never_loaded_as_engines(tmp_path):
     stale = tmp_path / ".target.tmp-abc"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(E.EngineError, match="not a built engine"):
-        E.read_config(tmp_path / "target")
+    with pytest.raises(EngineError, match="not a built engine"):
+        read_config(tmp_path / "target")
 
 
 def test_bf16_engine_stores_bf16_weights_and_generates(tmp_path, tiny_root):
@@ -60,7 +61,7 @@ def test_bf16_engine_stores_bf16_weights_and_generates(tmp_path, tiny_root):
     p.write_text(yaml.safe_dump(data))
     s = specmod.load(p)
     d = E.build_target(s, log=lambda *a: None)
-    eng = E.load_engine(d)
+    eng = load_engine(d)
     assert eng.model.embed.weight.dtype.is_floating_point and str(eng.model.embed.weight.dtype) == "torch.bfloat16"
     assert main(["generate", str(p), "--prompt", "Why is the sky blue?", "--max-tokens", "5"]) == 0
 

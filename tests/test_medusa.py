@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.engine import load_engine
+from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.medusa import (
     MedusaHeads,
@@ -242,8 +242,9 @@ def write_med_spec(root: Path, med: dict) -> Path:
 
 def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
     from pipeline import spec as specmod
-    from pipeline.engine import build_target, read_config
+    from pipeline.engine import build_target
     from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.runtime.engine_io import read_config
     from pipeline.train.medusa import build_medusa
 
     med = {"source": "train", "num_heads": 2, "num_layers": 1, "choices": "auto",
@@ -271,13 +272,21 @@ def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
     build_medusa(s2, log=logs.append)
     loaded = read_config(s2.engine_dir / "medusa")["medusa"]
     assert loaded["choices"] == [[0], [1], [0, 0]] and loaded["head_accuracy_topk"] == info["head_accuracy_topk"]
+    assert any("2 heads x 1 layers, keys strict OK" in ln for ln in logs)  # the build ran medusa_preflight
+
+    # The spec allows 3 heads, the head directory has 2: the build stops at its preflight, before any work.
+    s3 = specmod.load(write_med_spec(tiny_root, {**med2, "num_heads": 3, "choices": [[0], [0, 0], [0, 0, 0]]}))
+    before = len(logs)
+    with pytest.raises(ValueError, match=r"depth 3 but there are only 2 Medusa heads"):
+        build_medusa(s3, force=True, log=logs.append)
+    assert not any("built" in ln or "head 0" in ln for ln in logs[before:])
 
 
 def test_preflight_reads_head_directories_strictly_and_checks_tree_depth_against_their_head_count(target, tmp_path):
     import yaml
 
     from pipeline import spec as specmod
-    from pipeline.runtime.medusa import medusa_preflight
+    from pipeline.train.medusa import medusa_preflight
 
     model = target.model
     state = heads_to_state(random_heads(model, n=2), model.lm_head.weight)

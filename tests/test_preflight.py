@@ -93,7 +93,8 @@ def test_max_draft_len_must_match_the_target_engine():
 
 def test_stored_k_above_max_draft_len_is_refused():
     s = _spec(speculation={"num_draft_tokens": "auto"})
-    with pytest.raises(PreflightError, match="num_draft_tokens 12 above limits.max_draft_len"):
+    with pytest.raises(PreflightError, match=r"num_draft_tokens \(the k 'auto' measured\): got 12; "
+                       r"must be between 1 and limits.max_draft_len \(8\).*pick-k"):
         check_draft_len(s, None, {"speculation": {"num_draft_tokens": 12}})
 
 

@@ -6,6 +6,7 @@ models with near-ties), exact multi-row prefill, and the spec refusals."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,8 +19,10 @@ from pipeline import engine as E
 from pipeline import spec as specmod
 from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import Bundle, decode
+from pipeline.runtime.engine_io import EngineError, load_engine
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
+from pipeline.runtime.specconfig import SpecDecodeConfig
 from tests.conftest import np_unpack_int4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -255,7 +258,7 @@ def test_greedy_speculative_equals_baseline_past_32_rows_on_a_near_tie_model(alg
     target = near_tie_model(algo, seed=1)
     draft = near_tie_model(algo, seed=5)
     b = Bundle(target, None, {"build_config": {"max_draft_len": 8}}, draft=draft,
-               options={"num_draft_tokens": 4, "prompt_lookup_num_tokens": 7})
+               spec=SpecDecodeConfig(max_draft_len=8, num_draft_tokens=4, prompt_lookup_num_tokens=7))
     reqs = [Request(p, 30) for p in _prompts(8, seed=3)]
     base = decode(b, "baseline", reqs)
     # The model has the near-ties (top-2 logit margins of a few 1e-6) that a path difference would flip.
@@ -318,7 +321,7 @@ def test_engine_config_records_quant_algo_the_tensorrt_llm_way(quant_engines, ti
         st = load_file(str(quant_engines[algo] / "model.safetensors"))
         assert st["layers.0.wqkv.qweight"].dtype == (torch.int8 if algo == "int8" else torch.uint8)
         assert "lm_head.qweight" in st and "embed.weight" in st and "layers.0.wqkv.weight" not in st
-        eng = E.load_engine(quant_engines[algo])
+        eng = load_engine(quant_engines[algo])
         assert isinstance(eng.model.lm_head, quant.QLinear) and eng.model.lm_head.algo == algo
     plain = json.loads((tiny_engine / "config.json").read_text())
     assert plain["pretrained_config"]["quantization"]["quant_algo"] is None
@@ -339,8 +342,8 @@ def test_quantized_engines_decode_greedy_identically_with_every_method(quant_eng
     from pipeline.runtime.decode import load_bundle
 
     b = load_bundle(quant_engines["int8"].parent)
-    b.draft = E.load_engine(quant_engines["int4"]).model  # an int4 draft for the int8 target
-    b.options.update(num_draft_tokens=4, prompt_lookup_num_tokens=4)
+    b.draft = load_engine(quant_engines["int4"]).model  # an int4 draft for the int8 target
+    b.spec = replace(b.spec, num_draft_tokens=4, prompt_lookup_num_tokens=4)
     reqs = [Request(b.tokenizer.encode(t), 20, end_ids=b.end_ids) for t in
             ("Why is the sky blue?", "Write a haiku about rain.", "List three colours.", "What is 2+2?",
              "Describe the water cycle.", "Name a fruit.", "How do plants grow?")]
@@ -432,8 +435,8 @@ def test_an_engine_in_another_quantized_layout_is_refused_not_misread(quant_engi
     assert cfg["runtime"]["quant_format"] == quant.FORMAT
     cfg["runtime"]["quant_format"] = "qlinear/1"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(E.EngineError, match="--force"):
-        E.load_engine(d)
+    with pytest.raises(EngineError, match="--force"):
+        load_engine(d)
 
 
 def test_weights_moved_to_huge_pages_keep_values_ties_and_save(tmp_path, monkeypatch):
@@ -526,14 +529,14 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     assert b.draft.layers[0].w13.act8 == b.draft.lm_head.act8 == (algo == "int4_a8")
     assert b.draft.lm_head.blocks_a8 == (algo == "int4_a8" and kernels.available())
     assert not getattr(b.target.layers[0].w13, "act8", False)
-    b.options["num_draft_tokens"] = 3
+    b.spec = replace(b.spec, num_draft_tokens=3)
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
 
 
 def test_int4_group_size_that_does_not_divide_the_model_is_an_engine_error_naming_the_key(tiny_root):
     # The tiny target is 64 wide: group_size 128 cannot divide it.
-    with pytest.raises(E.EngineError, match="^target.group_size: group_size 128"):
+    with pytest.raises(EngineError, match="^target.group_size: group_size 128"):
         E.build_target(_spec(tiny_root, "tiny-int4-128", quantization="int4", group_size=128), log=lambda *a: None)
 
 
@@ -580,5 +583,5 @@ def test_int8_engines_from_before_the_layout_version_still_load_and_keep_their_h
     cfg = json.loads((d / "config.json").read_text())
     del cfg["runtime"]["quant_format"]
     (d / "config.json").write_text(json.dumps(cfg))
-    assert isinstance(E.load_engine(d).model.lm_head, quant.QLinear)
+    assert isinstance(load_engine(d).model.lm_head, quant.QLinear)
     assert quant.layout_tag("int8") == () and quant.layout_tag("int4") == (quant.FORMAT,)

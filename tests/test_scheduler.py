@@ -65,19 +65,16 @@ def bundle(tiny_engine):
     from pipeline.runtime.decode import load_bundle
 
     b = load_bundle(tiny_engine.parent, "cpu")
-    b.options["disable_at_batch"] = 0
+    assert b.spec.disable_at_batch == 0
     return b
 
 
 @pytest.fixture(scope="module")
 def parser(bundle):
-    from pipeline.runtime.decode import default_k
-
     bc = bundle.config["build_config"]
     lim = Limits(max_batch_size=4, max_input_len=int(bc["max_input_len"]), max_seq_len=int(bc["max_seq_len"]),
-                 max_draft_len=bundle.max_draft_len, vocab=int(bundle.target.cfg.vocab_size),
-                 end_ids=tuple(bundle.end_ids), methods=bundle.methods(), default_method="baseline",
-                 default_k=lambda m: default_k(bundle, m))
+                 vocab=int(bundle.target.cfg.vocab_size), end_ids=tuple(bundle.end_ids), methods=bundle.methods(),
+                 default_method="baseline", spec=bundle.spec)
     return RequestParser(bundle.tokenizer, lim)
 
 

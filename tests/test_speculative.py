@@ -9,6 +9,7 @@ import torch
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
 from pipeline.runtime.sampling import SamplingParams, warp
+from pipeline.runtime.specconfig import SpecDecodeConfig
 from pipeline.runtime.speculative import attach_draft_head, draft_target, prompt_lookup, residual
 
 
@@ -303,11 +304,11 @@ def test_residual_is_normalised_positive_part():
 
 def test_speculation_switches_off_at_disable_at_batch():
     """At or above disable_at_batch a batch runs the baseline code itself: same tokens, nothing proposed."""
-    from pipeline.runtime.decode import Bundle, decode, speculation_off
+    from pipeline.runtime.decode import Bundle, decode
 
     target = tiny(seed=11)
     b = Bundle(target, None, {"build_config": {"max_draft_len": 4}}, draft=tiny(base=target, seed=12, noise=0.05),
-               options={"disable_at_batch": 3})
+               spec=SpecDecodeConfig(max_draft_len=4, disable_at_batch=3))
     ps = prompts(3, 48, seed=13)
     base = generate(target, [Request(p, 12) for p in ps])
     two = decode(b, "draft_target", [Request(p, 12) for p in ps[:2]], num_draft_tokens=3)
@@ -318,7 +319,7 @@ def test_speculation_switches_off_at_disable_at_batch():
     forced = decode(b, "prompt_lookup", [Request(p, 12) for p in ps], disable_at_batch=0)
     assert not any(r.speculation_off for r in forced)
     assert [r.tokens for r in forced] == [r.tokens for r in base]
-    assert not speculation_off(b, "baseline", 99) and speculation_off(b, "medusa", 3)
+    assert not b.spec.off_at("baseline", 99) and b.spec.off_at("medusa", 3)
 
 
 def test_accepted_drafts_are_not_fed_to_the_draft_twice(target, drafts):

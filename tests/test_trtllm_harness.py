@@ -54,7 +54,7 @@ def _medusa_heads(dest: Path, target_engine: Path, n: int, seed: int = 0) -> Pat
     """Random Medusa-1 heads in the FasterDecoding format (what the spec's medusa.source points at)."""
     from safetensors.torch import save_file
 
-    from pipeline.engine import load_engine
+    from pipeline.runtime.engine_io import load_engine
     from pipeline.runtime.medusa import MedusaHeads, heads_to_state
 
     model = load_engine(target_engine).model
@@ -70,7 +70,7 @@ def _medusa_heads(dest: Path, target_engine: Path, n: int, seed: int = 0) -> Pat
 
 class Harness:
     def __init__(self, spec, engines, tokenizer):
-        from pipeline.engine import load_engine
+        from pipeline.runtime.engine_io import load_engine
 
         self.spec = spec
         self.url = srvmod.grpc_url(spec)

@@ -186,7 +186,8 @@ class Served:
 def served(request, tmp_path_factory, tiny_tokenizer):
     from transformers import AutoTokenizer
 
-    from pipeline.engine import build_target, load_engine
+    from pipeline.engine import build_target
+    from pipeline.runtime.engine_io import load_engine
     from pipeline.triton import server as srvmod
     from pipeline.triton.repo import python_path
     from pipeline.trtllm.harness import install_llmapi_standins

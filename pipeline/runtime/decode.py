@@ -1,95 +1,107 @@
 """One entry point for every decoding method, so the CLI, the Triton model and the benchmarks agree.
 
-`Bundle` holds what a deployment loaded (target, and the draft / Medusa heads when built);
-`decode(bundle, method, requests)` runs one batch with the named method.
+`Bundle` holds what a deployment loaded (target, and the draft / Medusa heads when built) and its typed
+speculation config (`pipeline.runtime.specconfig`); `decode(bundle, method, requests)` runs one batch with
+the named method, one of `METHODS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Emit, Request, Result, generate
+from pipeline.runtime.medusa import MEDUSA, load_medusa_engine
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.specconfig import Method, SpecDecodeConfig
+from pipeline.runtime.speculative import DRAFT_TARGET, PROMPT_LOOKUP, load_draft
 
-METHODS = ("baseline", "draft_target", "prompt_lookup", "medusa")
-RESUMABLE = ("draft_target", "prompt_lookup", "medusa")  # can continue rows handed off mid-request (`resume=`)
+
+class _Baseline:
+    """Plain decoding with the target alone."""
+
+    name, resumable = "baseline", False
+
+    def available(self, b: Bundle) -> bool:
+        return True
+
+    def run(self, b: Bundle, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result]:
+        return generate(b.target, reqs, on_emit)
+
+
+# Every decoding method, in the order deployments list them; a new method is its module plus one entry here.
+METHODS: tuple[Method, ...] = (_Baseline(), DRAFT_TARGET, PROMPT_LOOKUP, MEDUSA)
+METHOD_NAMES = tuple(m.name for m in METHODS)
+RESUMABLE = tuple(m.name for m in METHODS if m.resumable)  # can continue rows handed off mid-request (`resume=`)
 
 
 @dataclass
 class Bundle:
+    """A loaded deployment and its speculation config (`spec`; the engine's limits alone when none is given)."""
+
     target: Transformer
     tokenizer: Any
     config: dict
     draft: Transformer | None = None
     medusa: Any = None
-    options: dict = field(default_factory=dict)
+    draft_config: dict | None = None  # the draft engine's config.json (its measured k, when `auto` stored one)
+    spec: SpecDecodeConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.use(self.spec or SpecDecodeConfig(max_draft_len=self.max_draft_len, num_draft_tokens=self.measured_k))
+
+    def use(self, spec: SpecDecodeConfig) -> Bundle:
+        """Decode with `spec` from now on; its max_draft_len must be the engine's."""
+        if spec.max_draft_len != self.max_draft_len:
+            raise ValueError(f"limits.max_draft_len: got {spec.max_draft_len} but the engine was built with "
+                             f"max_draft_len {self.max_draft_len}; rebuild the engine (`make engine`) or set the spec "
+                             "to the engine's")
+        self.spec = spec
+        return self
 
     def methods(self) -> list[str]:
-        out = ["baseline"]
-        if self.draft is not None:
-            out.append("draft_target")
-        if self.config["build_config"].get("max_draft_len", 0) > 0:
-            out.append("prompt_lookup")
-        if self.medusa is not None:
-            out.append("medusa")
-        return out
+        return [m.name for m in METHODS if m.available(self)]
 
     @property
     def max_draft_len(self) -> int:
         return int(self.config["build_config"].get("max_draft_len", 0))
 
     @property
+    def measured_k(self) -> int | None:
+        """The k that `num_draft_tokens: auto` measured and stored in the draft engine, if any."""
+        k = ((self.draft_config or {}).get("speculation") or {}).get("num_draft_tokens")
+        return k if isinstance(k, int) else None
+
+    @property
     def end_ids(self) -> tuple[int, ...]:
         return tuple(self.target.cfg.eos_token_id or ())
 
 
-def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] = METHODS,
+def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] = METHOD_NAMES,
                 verify: bool = True) -> Bundle:
     """Load engines/<name>/{target,draft,medusa} as far as they exist."""
-    from pipeline.engine import load_engine
-
     eng = load_engine(engine_dir / "target", device, verify=verify)
-    b = Bundle(eng.model, eng.tokenizer, eng.config)
+    draft = draft_config = medusa = None
     if "draft_target" in methods and (engine_dir / "draft" / "config.json").is_file():
-        from pipeline.runtime.speculative import load_draft
-
-        b.draft, b.options["draft_config"] = load_draft(engine_dir / "draft", device, verify=verify)
-        k = (b.options["draft_config"].get("speculation") or {}).get("num_draft_tokens")
-        if isinstance(k, int):
-            b.options["num_draft_tokens"] = k
+        draft, draft_config = load_draft(engine_dir / "draft", device, verify=verify)
     if "medusa" in methods and (engine_dir / "medusa" / "config.json").is_file():
-        from pipeline.runtime.medusa import load_medusa_engine
-
-        b.medusa = load_medusa_engine(engine_dir / "medusa", b.target, verify=verify)
-    return b
+        medusa = load_medusa_engine(engine_dir / "medusa", eng.model, verify=verify)
+    return Bundle(eng.model, eng.tokenizer, eng.config, draft, medusa, draft_config)
 
 
 def apply_spec(b: Bundle, spec) -> Bundle:
-    """Speculation defaults from the spec; a measured k stored by `num_draft_tokens: auto` wins over "auto"."""
-    sp = spec.speculation
-    if isinstance(sp.num_draft_tokens, int):
-        b.options["num_draft_tokens"] = sp.num_draft_tokens
-    b.options["prompt_lookup_num_tokens"] = sp.prompt_lookup_num_tokens
-    b.options["prompt_lookup_max_ngram"] = sp.prompt_lookup_max_ngram
-    b.options["disable_at_batch"] = sp.disable_at_batch
-    b.options["draft_lookup_min_ngram"] = sp.draft_lookup_min_ngram
-    b.options["draft_confidence"] = sp.draft_confidence
-    return b
+    """Take the speculation config from the spec (pipeline.spec.Spec); a measured k stored by
+    `num_draft_tokens: auto` stands for "auto"."""
+    return b.use(SpecDecodeConfig.from_speculation(spec.speculation, spec.limits.max_draft_len, b.measured_k))
 
 
-def speculation_off(b: Bundle, method: str, rows: int, disable_at_batch: int | None = None) -> bool:
-    """True when a batch of `rows` requests should decode plainly (`disable_at_batch`, 0 = never)."""
-    t = b.options.get("disable_at_batch", 0) if disable_at_batch is None else disable_at_batch
-    return method != "baseline" and t > 0 and rows >= t
-
-
-def default_k(b: Bundle, method: str) -> int:
-    """Draft length when a request names none: prompt lookup has its own; draft-target uses the spec's or the
-    measured k stored in the draft engine."""
-    key = "prompt_lookup_num_tokens" if method == "prompt_lookup" else "num_draft_tokens"
-    return min(int(b.options.get(key, 4)), max(b.max_draft_len, 1))
+def method_named(name: str) -> Method:
+    for m in METHODS:
+        if m.name == name:
+            return m
+    raise ValueError(f"method: got {name!r}; the methods are {list(METHOD_NAMES)}")
 
 
 def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = None,
@@ -101,34 +113,22 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     given `yield_to` checks it between rounds and, once it is true, returns a `Handoff` instead of a
     Result for each unfinished row (for `ContinuousBatch.adopt`); `resume=` Handoffs (from
     `ContinuousBatch.release`, with `reqs` their requests) continue such rows speculatively.
+    A `num_draft_tokens` above the engine's max_draft_len is a SpeculationError (a ValueError), never clamped.
     """
     if method not in b.methods():
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
-    if opts.get("resume") and (method not in RESUMABLE or speculation_off(b, method, len(reqs), disable_at_batch)):
+    m = method_named(method)
+    off = b.spec.off_at(method, len(reqs), disable_at_batch)
+    if opts.get("resume") and (not m.resumable or off):
         raise ValueError(f"resume: {method!r} cannot continue handed-off rows here; {RESUMABLE} can, below "
                          "disable_at_batch (keep such rows in the continuous batch instead)")
     if method == "baseline":
-        return generate(b.target, reqs, on_emit)
-    if speculation_off(b, method, len(reqs), disable_at_batch):
+        return m.run(b, reqs, 0, on_emit, **opts)
+    if off:
         results = generate(b.target, reqs, on_emit)
         for r in results:
             r.speculation_off = True
         return results
-    k = num_draft_tokens or default_k(b, method)
-    if k > b.max_draft_len:
-        raise ValueError(f"num_draft_tokens {k} exceeds the engine's max_draft_len {b.max_draft_len}")
-    if method == "draft_target":
-        from pipeline.runtime.speculative import draft_target
-
-        lookup = {"lookup_min_ngram": b.options.get("draft_lookup_min_ngram", 0),
-                  "lookup_num_tokens": default_k(b, "prompt_lookup"),
-                  "lookup_max_ngram": b.options.get("prompt_lookup_max_ngram", 3),
-                  "draft_confidence": b.options.get("draft_confidence", 0.0)}
-        return draft_target(b.target, b.draft, reqs, k, on_emit, **{**lookup, **opts})
-    if method == "prompt_lookup":
-        from pipeline.runtime.speculative import prompt_lookup
-
-        return prompt_lookup(b.target, reqs, k, on_emit, max_ngram=b.options.get("prompt_lookup_max_ngram", 3), **opts)
-    from pipeline.runtime.medusa import medusa_generate
-
-    return medusa_generate(b.target, b.medusa, reqs, on_emit, **opts)
+    k = b.spec.k_for(method) if num_draft_tokens is None else b.spec.check_k(
+        num_draft_tokens, "num_draft_tokens", "send a smaller k, or omit it for the deployment's default")
+    return m.run(b, reqs, k, on_emit, **opts)

@@ -36,8 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from pipeline.runtime.engine_io import read_config
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
@@ -177,8 +179,6 @@ def read_heads_dir(path: Path) -> tuple[dict[str, Tensor], dict]:
     if (path / "medusa_lm_head.pt").is_file():
         state = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
     elif (path / "medusa_lm_head.safetensors").is_file():
-        from safetensors.torch import load_file
-
         state = load_file(str(path / "medusa_lm_head.safetensors"))
     else:
         raise ValueError(f"{path}: neither medusa_lm_head.pt nor medusa_lm_head.safetensors exists")
@@ -220,10 +220,6 @@ def make_engine(heads: MedusaHeads, choices: list[list[int]], max_draft_len: int
 
 def load_medusa_engine(engine_dir: Path, target: Transformer, verify: bool = True) -> MedusaEngine:
     """Load engines/<name>/medusa: heads.safetensors (runtime layout) + config.json (tree, thresholds)."""
-    from safetensors.torch import load_file
-
-    from pipeline.engine import read_config
-
     engine_dir = Path(engine_dir)
     cfg = read_config(engine_dir, verify=verify)
     med = cfg["medusa"]
@@ -443,36 +439,17 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     return finish(seqs, start, stats)
 
 
-def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:
-    """Checks before any build work: head source readable and strict, heads >= tree depth, tree within max_draft_len.
+class Medusa:
+    """`decode`'s medusa: the heads propose a tree of candidates, verified in one tree-attention pass (its own
+    loop, `medusa_generate`: tree verification does not fit the chain drafters' shared loop)."""
 
-    Returns report lines; raises ValueError naming the field and the fix.
-    """
-    med = spec.medusa
-    if med.source == "none":
-        return []
-    lines = []
-    heads = med.num_heads
-    if med.source != "train":
-        path = spec.path(med.source)
-        if not path.is_dir():
-            raise ValueError(f"medusa.source: {path} is not a directory; give a FasterDecoding head directory "
-                             "(medusa_lm_head.pt or .safetensors + config.json) or 'train'")
-        state, cfg = read_heads_dir(path)
-        pc = (target_config or {}).get("pretrained_config", {})
-        proj = state.get(f"0.{cfg['medusa_num_layers']}.weight")
-        hidden = pc.get("hidden_size") or (proj.shape[1] if proj is not None else 0)
-        vocab = pc.get("vocab_size") or (proj.shape[0] if proj is not None else 0)
-        notes = []
-        h = heads_from_state(state, int(cfg["medusa_num_layers"]), hidden, vocab, None,
-                             int(cfg["medusa_num_heads"]), notes.append)
-        heads = h.num_heads
-        lines += notes
-        lines.append(f"medusa heads {path}: {heads} heads x {h.num_layers} layers, keys strict OK")
-    if isinstance(med.choices, list):
-        validate_choices(med.choices, heads, spec.limits.max_draft_len)
-        lines.append(f"medusa tree: {len(med.choices)} nodes <= max_draft_len {spec.limits.max_draft_len}, "
-                     f"depth {max(len(p) for p in med.choices)} <= {heads} heads")
-    elif spec.limits.max_draft_len < 1:
-        raise ValueError("limits.max_draft_len: got 0 but medusa.choices is auto; set it to the largest tree size")
-    return lines
+    name, resumable = "medusa", True
+
+    def available(self, b) -> bool:
+        return b.medusa is not None
+
+    def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
+        return medusa_generate(b.target, b.medusa, reqs, on_emit, **opts)
+
+
+MEDUSA = Medusa()

@@ -302,9 +302,7 @@ class QLinear(nn.Module):
         return a8_reference(x, q, sc)
 
     def forward(self, x: Tensor) -> Tensor:
-        from pipeline.runtime.kernels import linear
-
-        y = linear(x, self)
+        y = kernels.linear(x, self)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -23,9 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from pipeline.runtime import kernels, quant
+from pipeline.runtime.engine_io import load_model_dir
 from pipeline.runtime.generate import (
     Emit,
     Handoff,
@@ -45,6 +47,7 @@ from pipeline.runtime.generate import (
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.quant import QLinear
 from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
+from pipeline.runtime.specconfig import Drafter
 
 Residual = Callable[[Tensor, Tensor], Tensor]
 
@@ -106,10 +109,6 @@ def attach_draft_head(model: Transformer, weight: Tensor | QLinear, ids: Tensor)
 
 def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tuple[Transformer, dict]:
     """Load engines/<name>/draft, with its reduced-vocabulary head when the build made one."""
-    from safetensors.torch import load_file
-
-    from pipeline.engine import load_model_dir
-
     model, cfg = load_model_dir(engine_dir, device, verify=verify)
     if (engine_dir / DRAFT_HEAD_FILE).is_file():
         st = load_file(str(engine_dir / DRAFT_HEAD_FILE))
@@ -145,7 +144,7 @@ class _Stats:
                 "accepted_per_position": self.acc_pos, "proposed_per_position": self.prop_pos}
 
 
-class _ModelDrafter:
+class _ModelDrafter:  # a Drafter
     """k sequential draft steps per round; returns drafts [B, k] and, for sampling rows, q [k, V].
 
     `fed[b]` counts the context tokens the draft's cache holds for row b. A round first feeds the
@@ -275,7 +274,7 @@ def _padded(found: list[list[int]], dev, width: int = 0) -> Tensor:
     return out.to(dev)
 
 
-class _LookupDrafter:
+class _LookupDrafter:  # a Drafter
     """Prompt lookup: the continuation after the latest earlier occurrence of the context's last n-gram."""
 
     def __init__(self, k: int, max_ngram: int, dev, min_ngram: int = 1):
@@ -306,9 +305,9 @@ class _LookupDrafter:
         return _padded(found, self.dev), None, [len(f) for f in found]
 
 
-def _speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter,
-               residual_fn: Residual = residual, yield_to: YieldTo | None = None,
-               resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
+def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter: Drafter,
+              residual_fn: Residual = residual, yield_to: YieldTo | None = None,
+              resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
     Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
@@ -413,7 +412,7 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return _speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
+    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
 
 
 @torch.inference_mode()
@@ -423,9 +422,41 @@ def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emi
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
-    return _speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
+    return speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
                       yield_to=yield_to, resume=resume, on_finish=on_finish)
 
 
-__all__ = ["draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",
+class DraftTarget:
+    """`decode`'s draft_target: a draft model proposes (`_ModelDrafter`), with the spec's prompt-lookup and
+    confidence options; sampled rows use Leviathan's rule unless use_draft_logits is off."""
+
+    name, resumable = "draft_target", True
+
+    def available(self, b) -> bool:
+        return b.draft is not None
+
+    def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
+        sp = b.spec
+        opts = {"lookup_min_ngram": sp.draft_lookup_min_ngram, "lookup_num_tokens": sp.prompt_lookup_num_tokens,
+                "lookup_max_ngram": sp.prompt_lookup_max_ngram, "draft_confidence": sp.draft_confidence,
+                "use_draft_logits": sp.use_draft_logits, **opts}
+        return draft_target(b.target, b.draft, reqs, k, on_emit, **opts)
+
+
+class PromptLookup:
+    """`decode`'s prompt_lookup: n-gram lookup in the context proposes (`_LookupDrafter`); needs max_draft_len."""
+
+    name, resumable = "prompt_lookup", True
+
+    def available(self, b) -> bool:
+        return b.max_draft_len > 0
+
+    def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
+        return prompt_lookup(b.target, reqs, k, on_emit, **{"max_ngram": b.spec.prompt_lookup_max_ngram, **opts})
+
+
+DRAFT_TARGET, PROMPT_LOOKUP = DraftTarget(), PromptLookup()
+
+__all__ = ["DRAFT_TARGET", "PROMPT_LOOKUP",
+           "draft_target", "prompt_lookup", "leviathan_accept", "match_accept", "residual", "load_draft",
            "attach_draft_head", "SamplingParams"]

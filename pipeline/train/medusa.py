@@ -31,12 +31,14 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, load_engine, write_atomic
+from pipeline.common import chat_ids, split_prompts
+from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, write_atomic
+from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.medusa import MedusaHeads, heads_to_state, load_heads_dir
+from pipeline.runtime.medusa import MedusaHeads, heads_from_state, heads_to_state, load_heads_dir, read_heads_dir
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.sampling import SamplingParams
-from pipeline.sources import read_prompts
+from pipeline.sources import Source, read_prompts
 from pipeline.spec import Spec
 from pipeline.speedpick import verify_costs
 from pipeline.tree import build_tree, grow_tree, validate_choices
@@ -193,10 +195,43 @@ def heads_cost(heads: MedusaHeads, model: Transformer, k: int, reps: int = 5) ->
     return best
 
 
+def medusa_preflight(spec, target_config: dict | None = None) -> list[str]:
+    """Checks before any build work: head source readable and strict, heads >= tree depth, tree within max_draft_len.
+
+    Returns report lines; raises ValueError naming the field and the fix.
+    """
+    med = spec.medusa
+    if med.source == "none":
+        return []
+    lines = []
+    heads = med.num_heads
+    if med.source != "train":
+        path = spec.path(med.source)
+        if not path.is_dir():
+            raise ValueError(f"medusa.source: {path} is not a directory; give a FasterDecoding head directory "
+                             "(medusa_lm_head.pt or .safetensors + config.json) or 'train'")
+        state, cfg = read_heads_dir(path)
+        pc = (target_config or {}).get("pretrained_config", {})
+        proj = state.get(f"0.{cfg['medusa_num_layers']}.weight")
+        hidden = pc.get("hidden_size") or (proj.shape[1] if proj is not None else 0)
+        vocab = pc.get("vocab_size") or (proj.shape[0] if proj is not None else 0)
+        notes = []
+        h = heads_from_state(state, int(cfg["medusa_num_layers"]), hidden, vocab, None,
+                             int(cfg["medusa_num_heads"]), notes.append)
+        heads = h.num_heads
+        lines += notes
+        lines.append(f"medusa heads {path}: {heads} heads x {h.num_layers} layers, keys strict OK")
+    if isinstance(med.choices, list):
+        validate_choices(med.choices, heads, spec.limits.max_draft_len)
+        lines.append(f"medusa tree: {len(med.choices)} nodes <= max_draft_len {spec.limits.max_draft_len}, "
+                     f"depth {max(len(p) for p in med.choices)} <= {heads} heads")
+    elif spec.limits.max_draft_len < 1:
+        raise ValueError("limits.max_draft_len: got 0 but medusa.choices is auto; set it to the largest tree size")
+    return lines
+
+
 def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/medusa (+ medusa_hf) from spec.medusa: train heads, or load FasterDecoding ones."""
-    from pipeline.common import chat_ids, split_prompts
-
     med = spec.medusa
     dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
     tdir = spec.engine_dir / "target"
@@ -204,15 +239,10 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
         raise FileNotFoundError(f"{tdir} is not built; build the target engine first (`make engine`)")
     tcfg = json.loads((tdir / "config.json").read_text())
     prompts_path = spec.path(spec.validate.prompts)
-    src_fp = None
-    if med.source != "train":
-        from pipeline.sources import Source
-
-        src_dir = spec.path(med.source)
-        if not src_dir.is_dir():
-            raise FileNotFoundError(f"medusa.source: {src_dir} is not a directory; give a FasterDecoding head "
-                                    "directory (medusa_lm_head.pt/.safetensors + config.json) or 'train'")
-        src_fp = Source("hf", src_dir, str(src_dir)).fingerprint()
+    src_dir = None if med.source == "train" else spec.path(med.source)
+    if src_dir is not None and not src_dir.is_dir():
+        medusa_preflight(spec, tcfg)  # names medusa.source and the fix
+    src_fp = None if src_dir is None else Source("hf", src_dir, str(src_dir)).fingerprint()
     train_path = spec.path(med.train.prompts)
     want = input_hash(FORMAT, ENGINE_FORMAT, tcfg.get("input_hash"), asdict(med), src_fp, spec.limits.max_draft_len,
                       prompts_path.read_bytes().decode() if prompts_path.is_file() else "",
@@ -220,6 +250,8 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"medusa engine {dest} is up to date")
         return dest
+    for line in medusa_preflight(spec, tcfg):  # heads readable and strict, tree within heads and max_draft_len
+        log(line)
     t_start = time.perf_counter()
     eng = load_engine(tdir)
     model, tok = eng.model, eng.tokenizer

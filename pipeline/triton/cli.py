@@ -7,15 +7,17 @@ import time
 from pathlib import Path
 
 from pipeline import spec as specmod
+from pipeline.client import chat_text, generate
+from pipeline.triton import server
+from pipeline.triton.repo import client_model, write_repo
+from pipeline.triton.server import grpc_url
+from pipeline.trtllm.runner import repo_command, serve_command
 
 
 def cmd_repo(args) -> int:
     s = specmod.load(args.spec)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm.runner import repo_command
-
         return repo_command(s)
-    from pipeline.triton.repo import write_repo
 
     write_repo(s)
     return 0
@@ -24,17 +26,12 @@ def cmd_repo(args) -> int:
 def cmd_serve(args) -> int:
     s = specmod.load(args.spec)
     if s.backend == "tensorrt_llm":
-        from pipeline.trtllm.runner import serve_command
-
         return serve_command(s, args.dry_run)
-    from pipeline.triton import server
 
     if args.dry_run:
         print(" ".join(server.command(s, s.repo_dir.parent / ".backends")))
         return 0
     if not all((s.repo_dir / m / "config.pbtxt").is_file() for m in s.triton.models):
-        from pipeline.triton.repo import write_repo
-
         write_repo(s)
     srv = server.start(s, timeout=args.timeout)
     print(f"serving {s.name}: gRPC {srv.grpc_url}; try `python -m pipeline client {args.spec} --prompt \"Hi\" "
@@ -53,7 +50,6 @@ def cmd_serve(args) -> int:
 
 def cmd_stop(args) -> int:
     s = specmod.load(args.spec)
-    from pipeline.triton import server
 
     if server.stop(s, log=print):
         print(f"stopped the {s.name} server")
@@ -63,7 +59,7 @@ def cmd_stop(args) -> int:
 
 
 def _tokenizer(s: specmod.Spec):
-    from pipeline.engine import load_tokenizer
+    from pipeline.runtime.engine_io import load_tokenizer  # heavy (torch, transformers): loads only for this verb
 
     d = s.engine_dir / "target"
     if s.backend == "tensorrt_llm" and s.tensorrt_llm.era == "llmapi":  # no engine: the checkpoint's tokenizer
@@ -77,8 +73,6 @@ def _tokenizer(s: specmod.Spec):
 
 def cmd_client(args) -> int:
     s = specmod.load(args.spec)
-    from pipeline.client import chat_text, generate
-    from pipeline.triton.server import grpc_url
 
     prompt = args.prompt
     if not args.raw:
@@ -96,8 +90,6 @@ def cmd_client(args) -> int:
         sys.stdout.flush()
 
     if not args.model:
-        from pipeline.triton.repo import client_model
-
         args.model = client_model(s)
     r = generate(args.url or grpc_url(s), args.model, prompt, args.max_tokens, method=args.method,
                  stream=args.stream, on_piece=show if args.stream else None,

@@ -92,8 +92,10 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         cfg = json.loads(args["model_config"])
         _add_paths(_param(cfg, "python_path").split(":"))
+        # Imported here, not at the top: the stub reaches the project and its venv only after _add_paths.
         from pipeline.runtime import kernels
-        from pipeline.runtime.decode import default_k, load_bundle
+        from pipeline.runtime.decode import load_bundle
+        from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
         from pipeline.triton.scheduler import Scheduler
@@ -107,7 +109,7 @@ class TritonPythonModel:
 
         def setup() -> Scheduler:  # on the decode thread: it alone runs torch's and the kernels' OpenMP teams
             kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # spec `threads`
-            import torch
+            import torch  # after _add_paths (the venv's torch)
 
             threads.append(f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}")
             bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
@@ -116,15 +118,9 @@ class TritonPythonModel:
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
         bundle = self.scheduler.bundle
-        opts = bundle.options
-        opts["prompt_lookup_max_ngram"] = int(_param(cfg, "prompt_lookup_max_ngram", "3"))
-        k = _param(cfg, "num_draft_tokens", "auto")
-        if k.isdigit():
-            opts["num_draft_tokens"] = int(k)
-        opts["prompt_lookup_num_tokens"] = int(_param(cfg, "prompt_lookup_num_tokens", "4"))
-        opts["disable_at_batch"] = int(_param(cfg, "disable_at_batch", "0") or 0)
-        opts["draft_lookup_min_ngram"] = int(_param(cfg, "draft_lookup_min_ngram", "0") or 0)
-        opts["draft_confidence"] = float(_param(cfg, "draft_confidence", "0") or 0)
+        # The spec's speculation block, as the repository wrote it; 'auto' takes the k measured at build time.
+        bundle.use(SpecDecodeConfig.from_params(lambda key, default: _param(cfg, key, default),
+                                                bundle.max_draft_len, bundle.measured_k))
         self.methods = bundle.methods()
         self._metrics()
         if "medusa" in self.methods:
@@ -134,11 +130,9 @@ class TritonPythonModel:
         bc = bundle.config["build_config"]
         limits = Limits(
             max_batch_size=self.max_batch_size, max_input_len=int(bc["max_input_len"]),
-            max_seq_len=int(bc["max_seq_len"]), max_draft_len=bundle.max_draft_len,
-            vocab=int(bundle.target.cfg.vocab_size), end_ids=tuple(bundle.end_ids), methods=self.methods,
-            default_method=default_method, default_k=lambda m: default_k(bundle, m),
+            max_seq_len=int(bc["max_seq_len"]), vocab=int(bundle.target.cfg.vocab_size),
+            end_ids=tuple(bundle.end_ids), methods=self.methods, default_method=default_method, spec=bundle.spec,
             default_exclude=_param(cfg, "exclude_input_in_output", "true") == "true",
-            default_use_draft_logits=_param(cfg, "use_draft_logits", "true") == "true",
             add_special_tokens=_param(cfg, "add_special_tokens", "true") == "true",
             decoupled=pb_utils.using_decoupled_model_transaction_policy(cfg))
         self.parser = RequestParser(bundle.tokenizer, limits)
@@ -167,7 +161,7 @@ class TritonPythonModel:
             self.counters[key].increment(float(value))
 
     def execute(self, requests):
-        from pipeline.triton.parse import BadRequest
+        from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
 
         for request in requests:
             out = TritonResponder(request.get_response_sender())

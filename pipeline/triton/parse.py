@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.runtime.generate import Request
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
+
 MIN_TEMPERATURE = 1e-3  # below it (and above 0) sampling is greedy: exp(logit gap / 1e-3) is a one-hot anyway
 MIN_TOP_P = 1e-6  # below it top_p keeps one token: the most likely one (top_k 1)
 MAX_STOP_WORDS = 64
@@ -57,14 +61,12 @@ class Limits:
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
-    max_draft_len: int
     vocab: int
     end_ids: tuple[int, ...]
     methods: list[str]
     default_method: str
-    default_k: Callable[[str], int]
+    spec: SpecDecodeConfig  # the deployment's speculation config: max_draft_len, default k, use_draft_logits
     default_exclude: bool = True
-    default_use_draft_logits: bool = True
     add_special_tokens: bool = True
     decoupled: bool = True
 
@@ -121,8 +123,6 @@ def _empty(arr) -> bool:
 
 def sampling(temperature, top_k, top_p, seed, vocab: int):
     """SamplingParams for one row, with the definitions above; BadRequest names a value that has none."""
-    from pipeline.runtime.sampling import SamplingParams
-
     t = 0.0 if temperature is None else float(temperature)
     if not math.isfinite(t) or t < 0:
         raise BadRequest(f"temperature: got {t}; must be 0 (greedy) or a positive finite number")
@@ -200,8 +200,6 @@ class RequestParser:
                                      "backend (it stops at end_id or max_tokens); send 0 or 1, or omit it")
 
     def parse(self, get: Getter, request_id: str = "") -> Parsed:
-        from pipeline.runtime.generate import Request
-
         lim = self.lim
         stop = get("stop")
         if stop is not None and stop.size and bool(stop.reshape(-1)[0]):
@@ -224,9 +222,12 @@ class RequestParser:
         k = scalar("num_draft_tokens")
         if k is not None:
             k = int(k)
-            if not 0 <= k <= lim.max_draft_len:
-                raise BadRequest(f"num_draft_tokens: got {k}; this engine allows 0 to max_draft_len="
-                                 f"{lim.max_draft_len}")
+            if k != 0:  # 0 asks for no speculation; anything else must be within max_draft_len
+                try:
+                    lim.spec.check_k(k, "num_draft_tokens", "send one within it, 0 for plain decoding, or omit it for "
+                                     "the deployment's default")
+                except SpeculationError as e:
+                    raise BadRequest(str(e)) from None
             if method is None and k == 0:
                 job.method = "baseline"
         if job.method not in lim.methods:
@@ -234,8 +235,8 @@ class RequestParser:
         if job.method in ("draft_target", "prompt_lookup"):
             if k == 0:
                 raise BadRequest(f"num_draft_tokens: got 0 with method {job.method!r}; send 1 to "
-                                 f"{lim.max_draft_len}, or omit it for the default {lim.default_k(job.method)}")
-            job.k = k or lim.default_k(job.method)
+                                 f"{lim.spec.max_draft_len}, or omit it for the default {lim.spec.k_for(job.method)}")
+            job.k = k or lim.spec.k_for(job.method)
         off = scalar("disable_at_batch")
         if off is not None:
             if int(off) < 0:
@@ -251,7 +252,7 @@ class RequestParser:
         job.exclude_input = flag("exclude_input_in_output", lim.default_exclude)
         job.perf = flag("return_perf_metrics", False) or flag("return_num_input_tokens", False) or flag(
             "return_num_output_tokens", False)
-        job.use_draft_logits = flag("use_draft_logits", lim.default_use_draft_logits)
+        job.use_draft_logits = flag("use_draft_logits", lim.spec.use_draft_logits)
         if job.stream and not lim.decoupled:
             raise BadRequest("stream: true, but this deployment is not decoupled (spec triton.decoupled: false): it "
                              "answers each request with one response. Send stream=false, or serve the spec with "

@@ -19,7 +19,7 @@ import sysconfig
 from pathlib import Path
 
 from pipeline.contract import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
-from pipeline.spec import Spec
+from pipeline.spec import Spec, decode_config
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 MODEL_SOURCE = Path(__file__).resolve().parent / "model.py"
@@ -98,7 +98,7 @@ def python_path() -> list[str]:
 
 
 def _io(msg_list, entries, required=()):
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     for name, dtype, dims in entries:
         m = msg_list.add()
@@ -111,7 +111,7 @@ def _io(msg_list, entries, required=()):
 
 def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
     """ModelConfig of one served model (`ensemble` or `tensorrt_llm_bls`: the same python model)."""
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     # The batch dimension is explicit (max_batch_size 0, dims [-1, ...]): with Triton's own batching (max_batch_size
     # > 0) a request of batch size 0 got Triton core's "input byte size mismatch" and never reached the model; this
@@ -125,20 +125,13 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
     g = c.instance_group.add()
     g.count = spec.triton.instance_count
     g.kind = mc.ModelInstanceGroup.KIND_CPU
-    k = spec.speculation.num_draft_tokens
     params = {
         "max_rows": str(spec.limits.max_batch_size),
         "engine_dir": str(Path(engine_dir).resolve()),
         "device": spec.device,
         "threads": str(spec.threads),
         "default_method": ",".join(default_methods(spec)),
-        "num_draft_tokens": str(k) if isinstance(k, int) else "auto",
-        "prompt_lookup_num_tokens": str(spec.speculation.prompt_lookup_num_tokens),
-        "prompt_lookup_max_ngram": str(spec.speculation.prompt_lookup_max_ngram),
-        "use_draft_logits": str(spec.speculation.use_draft_logits).lower(),
-        "disable_at_batch": str(spec.speculation.disable_at_batch),
-        "draft_lookup_min_ngram": str(spec.speculation.draft_lookup_min_ngram),
-        "draft_confidence": str(spec.speculation.draft_confidence),
+        **decode_config(spec).to_params(),  # read back by SpecDecodeConfig.from_params in model.py
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
         "step_lock": "true",
@@ -154,15 +147,15 @@ def bls_config(spec: Spec, engine_dir: Path):
 
 
 def to_pbtxt(config) -> str:
-    from google.protobuf import text_format
+    from google.protobuf import text_format  # with tritonclient's protobufs
 
     return text_format.MessageToString(config)
 
 
 def parse_pbtxt(text: str):
     """Parse a config.pbtxt with Triton's schema (raises on anything Triton would reject as syntax)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
+    from google.protobuf import text_format  # with tritonclient's protobufs
+    from tritonclient.grpc import model_config_pb2 as mc  # heavy (grpc): only writing a config pays it
 
     return text_format.Parse(text, mc.ModelConfig())
 

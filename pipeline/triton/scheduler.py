@@ -3,7 +3,8 @@
 `pipeline/triton/model.py` (the Triton adapter) parses requests with `pipeline.triton.parse` and
 hands each to `Scheduler.submit` with a `Responder`, the only way the scheduler answers: `send`
 (text pieces, and the Results for the perf outputs), `error` (final, or a cancellation) and
-`cancelled` (has the client gone). Tests drive the scheduler in-process with a fake Responder.
+`cancelled` (has the client gone), all of it through `Replies` (pipeline/triton/replies.py: responses,
+counts and cancellation checks). Tests drive the scheduler in-process with a fake Responder.
 
 Plain requests (baseline, and speculative ones whose load reaches `disable_at_batch`) join a
 continuous batch (`pipeline.runtime.batcher`): rows are admitted (all that fit, in one prefill)
@@ -37,78 +38,55 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
+from pipeline.runtime.decode import RESUMABLE, decode
+from pipeline.runtime.generate import Handoff, Sequence, finish
 from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
+from pipeline.triton.replies import CANCEL_CHECK_S, Job, Replies, Responder, Row
 
-CANCEL_CHECK_S = 0.02
+__all__ = ["CANCEL_CHECK_S", "QUEUED_CHECK_S", "QUEUED_POLLS_PER_S", "Job", "Responder", "Row", "Scheduler"]
+
 QUEUED_CHECK_S = 1.0
 QUEUED_POLLS_PER_S = 32.0  # a long queue is polled no more often than this in all (each poll is a round trip)
-STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
-
-
-class Responder(Protocol):
-    def send(self, texts: list[str], results: list | None, final: bool) -> None: ...
-
-    def error(self, message: str, cancelled: bool = False) -> None: ...
-
-    def cancelled(self) -> bool: ...
 
 
 class Cancelled(Exception):
     """Every row of a speculative batch was cancelled by its client."""
 
 
-@dataclass
-class Job:
-    """One request being served: what was parsed and how to answer it."""
-
-    p: Parsed
-    out: Responder
-    cancelled: bool = False
-    failed: bool = False  # answered with an error or a cancellation: its rows stop
-    answered: bool = False  # its final response (or error) went out
-    checked_at: float = 0.0
-    rows: list = field(default_factory=list)
-    results: list = field(default_factory=list)
-    plain: bool = False  # a speculative request decoded plainly (load at or above disable_at_batch)
-
-    @property
-    def reqs(self) -> list:
-        return self.p.reqs
-
-    @property
-    def method(self) -> str:
-        return self.p.method
-
-    @property
-    def stream(self) -> bool:
-        return self.p.stream
-
-    @property
-    def done(self) -> bool:
-        return self.answered
-
-
-@dataclass
-class Row:
-    job: Job
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    sent: str = ""  # text streamed so far
-    prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
-    read: int = 0
-    plain: bool = False  # took plain steps in the continuous batch since it last speculated
-
-
 def _resumable_method(method: str) -> bool:
     """Rows of this method can step aside into the continuous batch and speculate again (`resume=`)."""
-    from pipeline.runtime.decode import RESUMABLE
-
     return method in RESUMABLE or method == "medusa_typical"
+
+
+def group(job: Job) -> tuple:
+    """Requests that can share one speculative batch: (method, k, use_draft_logits, disable_at_batch)."""
+    return job.method, job.p.k, job.p.use_draft_logits, job.p.disable_at_batch
+
+
+def pack(jobs: list[Job], limit: int) -> list[Job]:
+    """The leading jobs whose rows fit in `limit` (at least the first)."""
+    out, n = [], 0
+    for j in jobs:
+        if out and n + len(j.reqs) > limit:
+            break
+        out.append(j)
+        n += len(j.reqs)
+    return out
+
+
+def _runtime_options(method: str, use_logits: bool, resume: list | None) -> tuple[str, dict]:
+    """The runtime method and decode options of a speculative group (medusa_typical is Medusa's typical rule)."""
+    opts, runtime_method = {}, method
+    if method == "draft_target":
+        opts["use_draft_logits"] = use_logits
+    if method == "medusa_typical":
+        runtime_method, opts["acceptance"] = "medusa", "typical"
+    if resume:
+        opts["resume"] = resume
+    return runtime_method, opts
 
 
 def _log(level: str, msg: str) -> None:
@@ -118,19 +96,26 @@ def _log(level: str, msg: str) -> None:
 class Scheduler:
     def __init__(self, bundle, max_batch_size: int, count: Callable[[str, str, float], None] | None = None,
                  log: Callable[[str, str], None] = _log, gate=None):
-        self.bundle, self.tok = bundle, bundle.tokenizer
+        self.bundle = bundle
         self.gate = gate or NoGate()  # held around every decoding step (pipeline.triton.gate)
         self.max_batch_size = max_batch_size
-        self.count = count or (lambda what, method, value: None)
         self.log = log
+        self.replies = Replies(bundle.tokenizer, count or (lambda what, method, value: None), log)
         self.pool = ContinuousBatch(bundle.target, max_batch_size)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []  # submitted jobs the worker has not started (worker thread only)
-        self._stops: dict[str, float] = {}
-        self._stops_lock = threading.Lock()
         self.stopping = False
         self.worker: threading.Thread | None = None
-        self.cancel_check_s, self.queued_check_s = CANCEL_CHECK_S, QUEUED_CHECK_S
+        self.queued_check_s = QUEUED_CHECK_S
+
+    @property
+    def cancel_check_s(self) -> float:
+        """How often a running request's client is asked whether it is still there."""
+        return self.replies.cancel_check_s
+
+    @cancel_check_s.setter
+    def cancel_check_s(self, seconds: float) -> None:
+        self.replies.cancel_check_s = seconds
 
     # ---- the adapter's side ------------------------------------------------------------------------
 
@@ -178,26 +163,17 @@ class Scheduler:
         its own included, goes out from the worker thread (the python backend's stub deadlocked when execute's
         thread sent a response while the worker sent pieces)."""
         if parsed.stop:
-            now = time.monotonic()
-            with self._stops_lock:
-                self._stops = {k: t for k, t in self._stops.items() if now - t < STOP_MEMORY_S}
-                self._stops[parsed.request_id] = now
-            self.inbox.put(lambda: self._answer(out, lambda: out.send([], None, final=True)))
+            self.replies.remember_stop(parsed.request_id)
+            self.inbox.put(lambda: self.replies.send(out, lambda: out.send([], None, final=True)))
             return
         self.inbox.put(Job(parsed, out))
 
     def reject(self, out: Responder, message: str) -> None:
         """Answer a request the parser refused (any thread; sent from the worker)."""
-        self.count("errors", "invalid", 1)
-        self.inbox.put(lambda: self._answer(out, lambda: out.error(message)))
+        self.replies.count("errors", "invalid", 1)
+        self.inbox.put(lambda: self.replies.send(out, lambda: out.error(message)))
 
-    def _answer(self, out: Responder, send: Callable[[], None]) -> None:
-        try:
-            send()
-        except Exception as e:  # noqa: BLE001 - the client may be gone
-            self.log("warn", f"could not send a response: {type(e).__name__}: {e}")
-
-    # ---- the decode worker ---------------------------------------------------------------------------
+    # ---- the decode worker: one scheduling round -----------------------------------------------------
 
     def _serve(self) -> None:
         while not self.stopping:
@@ -221,9 +197,6 @@ class Scheduler:
             self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
         return True
 
-    def idle(self) -> bool:
-        return not self.waiting and not self.pool.rows and self.inbox.empty()
-
     def _collect(self) -> None:
         """Move everything `submit` queued into the worker's waiting list (worker thread only)."""
         try:
@@ -238,73 +211,78 @@ class Scheduler:
         else:
             item()  # an answer to send from this thread
 
-    def _busy(self, key: tuple, rows: int) -> bool:
-        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
-        (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
-        from pipeline.runtime.decode import speculation_off
-
-        self._collect()
-        if not self.waiting:
-            return False
-        method, disable_at_batch = key[0], key[3]
-        if speculation_off(self.bundle, method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
-            return True
-        return _resumable_method(method) and any(
-            self._group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
-            for j in self.waiting)
-
     def _schedule(self) -> None:
         """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
-        from pipeline.runtime.decode import speculation_off
+        self._drop_cancelled()
+        spec = self._speculative_waiting()
+        if spec and not self.pool.rows:
+            self._start_speculative(spec)
+            return
+        if spec and self._join(group(spec[0]), spec):
+            return
+        if not self.waiting and self._resume():
+            return
+        if not spec:
+            self._admit_waiting()
+        if self.pool.rows:
+            self._step_pool()
 
+    def _drop_cancelled(self) -> None:
+        """Answer the waiting and running jobs whose clients have gone; their rows stop costing work."""
         pending = self.waiting
         every = max(self.queued_check_s, len(pending) / QUEUED_POLLS_PER_S)
-        for job in [j for j in pending if self._is_cancelled(j, every)]:
+        for job in [j for j in pending if self.replies.is_cancelled(j, every)]:
             pending.remove(job)
-            self._cancel(job)
-        gone = {id(t.job) for t in self.pool.tags() if self._is_cancelled(t.job)}
+            self.replies.cancel(job)
+        gone = {id(t.job) for t in self.pool.tags() if self.replies.is_cancelled(t.job)}
         if gone:
             jobs = {id(t.job): t.job for t, _ in self.pool.remove(lambda t: id(t.job) in gone)}
             for job in jobs.values():
-                self._cancel(job)
-        load = len(self.pool.rows) + sum(len(j.reqs) for j in pending)
+                self.replies.cancel(job)
+
+    def _speculative_waiting(self) -> list[Job]:
+        """The waiting jobs that speculate at the current load (the others decode plainly: `job.plain`)."""
+        load = len(self.pool.rows) + sum(len(j.reqs) for j in self.waiting)
         spec = []
-        for j in pending:
-            j.plain = j.method != "baseline" and speculation_off(self.bundle, j.method, load, j.p.disable_at_batch)
+        for j in self.waiting:
+            j.plain = j.method != "baseline" and self.bundle.spec.off_at(j.method, load, j.p.disable_at_batch)
             if j.method != "baseline" and not j.plain:
                 spec.append(j)
-        if spec and not self.pool.rows:
-            key = self._group(spec[0])
-            rows = []
-            for j in self._pack([j for j in spec if self._group(j) == key], self.max_batch_size):
-                pending.remove(j)
-                j.rows, j.results = [Row(j, i) for i in range(len(j.reqs))], [None] * len(j.reqs)
-                rows += j.rows
-            self._run(key, rows)
-            return
-        if spec and self._join(self._group(spec[0]), spec):
-            return
-        if not pending and self._resume():
-            return
-        if not spec:
-            admit = []
-            free = self.pool.free
-            for job in list(pending):
-                if len(job.reqs) > free:
-                    break
-                pending.remove(job)
-                if self._is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
-                    self._cancel(job)
-                    continue
-                job.rows, job.results = [Row(job, i) for i in range(len(job.reqs))], [None] * len(job.reqs)
-                admit.append(job)
-                free -= len(job.reqs)
-            self._admit(admit)
-        if self.pool.rows:
-            for t in self.pool.tags():
-                if t.job.method != "baseline":
-                    t.plain = t.job.plain = True  # a speculative request decoding plainly, wholly or in part
-            self._finished(self.pool.step(self._emit))
+        return spec
+
+    def _step_pool(self) -> None:
+        """One step of the continuous batch."""
+        for t in self.pool.tags():
+            if t.job.method != "baseline":
+                t.plain = t.job.plain = True  # a speculative request decoding plainly, wholly or in part
+        self._finished(self.pool.step(self._emit))
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def _start_speculative(self, spec: list[Job]) -> None:
+        """The continuous batch is empty: run the first waiting speculative group (as many as fit) as a batch."""
+        key = group(spec[0])
+        rows = []
+        for j in pack([j for j in spec if group(j) == key], self.max_batch_size):
+            self.waiting.remove(j)
+            rows += j.start()
+        self._run(key, rows)
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting jobs, in order, while their rows fit in the continuous batch."""
+        admit = []
+        free = self.pool.free
+        for job in list(self.waiting):
+            if len(job.reqs) > free:
+                break
+            self.waiting.remove(job)
+            if self.replies.is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
+                self.replies.cancel(job)
+                continue
+            job.start()
+            admit.append(job)
+            free -= len(job.reqs)
+        self._admit(admit)
 
     def _admit(self, jobs: list[Job], prefixes: dict | None = None) -> None:
         """Prefill the jobs' rows into the continuous batch in one forward; if that fails, one job at a time,
@@ -319,29 +297,22 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             if len(jobs) == 1:
                 self.log("error", f"prefill failed ({jobs[0].method}): {type(e).__name__}: {e}")
-                self._fail(jobs[0], f"decoding failed ({jobs[0].method}): prefill: {type(e).__name__}: {e}")
+                self.replies.fail(jobs[0], f"decoding failed ({jobs[0].method}): prefill: {type(e).__name__}: {e}")
                 return
         for job in jobs:
             self._admit([job], prefixes)
 
-    @staticmethod
-    def _group(job: Job) -> tuple:
-        """Requests that can share one speculative batch: (method, k, use_draft_logits, disable_at_batch)."""
-        return job.method, job.p.k, job.p.use_draft_logits, job.p.disable_at_batch
-
     def _resumable(self, key: tuple, rows: int) -> bool:
         """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
         (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
-        from pipeline.runtime.decode import speculation_off
-
-        return (_resumable_method(key[0]) and all(self._group(t.job) == key for t in self.pool.tags())
-                and not speculation_off(self.bundle, key[0], rows, key[3]))
+        return (_resumable_method(key[0]) and all(group(t.job) == key for t in self.pool.tags())
+                and not self.bundle.spec.off_at(key[0], rows, key[3]))
 
     def _resume(self) -> bool:
         """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
         one resumable group and are fewer than its disable_at_batch."""
         tags = self.pool.tags()
-        keys = {self._group(t.job) for t in tags}
+        keys = {group(t.job) for t in tags}
         if len(keys) != 1:
             return False
         key = keys.pop()
@@ -356,13 +327,13 @@ class Scheduler:
         (prefill and first token), then speculate on all of them together."""
         if not self.pool.rows:
             return False
-        jobs = [j for j in spec if self._group(j) == key]
-        jobs = self._pack(jobs, self.pool.free) if jobs and len(jobs[0].reqs) <= self.pool.free else []
+        jobs = [j for j in spec if group(j) == key]
+        jobs = pack(jobs, self.pool.free) if jobs and len(jobs[0].reqs) <= self.pool.free else []
         if not jobs or not self._resumable(key, len(self.pool.rows) + sum(len(j.reqs) for j in jobs)):
             return False
         for job in jobs:
             self.waiting.remove(job)
-            job.rows, job.results = [Row(job, i) for i in range(len(job.reqs))], [None] * len(job.reqs)
+            job.start()
         self._admit(jobs)
         if self.pool.rows:
             self._speculate_pool(key)
@@ -374,34 +345,62 @@ class Scheduler:
         back = self.pool.release(lambda t: True)
         rows = [t for t, _ in back]
         if any(r.plain for r in rows):
-            self.count("resumed", key[0], sum(r.plain for r in rows))
+            self.replies.count("resumed", key[0], sum(r.plain for r in rows))
         for r in rows:
             r.plain = False
         self._run(key, rows, [h for _, h in back])
 
+    # ---- a speculative batch -------------------------------------------------------------------------
+
+    def _busy(self, key: tuple, rows: int) -> bool:
+        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
+        (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
+        self._collect()
+        if not self.waiting:
+            return False
+        method, disable_at_batch = key[0], key[3]
+        if self.bundle.spec.off_at(method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
+            return True
+        return _resumable_method(method) and any(
+            group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
+            for j in self.waiting)
+
+    def _run(self, key: tuple, rows: list[Row], resume: list | None = None) -> None:
+        """Decode `rows` (one speculative group) as a batch (`SpeculativeBatch`)."""
+        SpeculativeBatch(self, key, rows).run(resume)
+
+    def _recover(self, rows: list[Row]) -> None:
+        """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
+        alone: the row whose fault it was fails by itself, the others finish (greedy: the same tokens)."""
+        for row in rows:
+            job = row.job
+            if job.failed:
+                continue
+            if job.cancelled:
+                self.replies.cancel(job)
+                continue
+            req = job.reqs[row.index]
+            if len(row.tokens) >= req.max_new_tokens:
+                seq = Sequence(req)
+                seq.tokens, seq.finish_reason = list(row.tokens), "length"
+                self._finished([(row, finish([seq], time.perf_counter())[0])])
+                continue
+            if self.pool.free < 1:
+                self.replies.fail(job, f"decoding failed ({job.method}) and the continuous batch is full; retry")
+                continue
+            try:
+                self._finished(self.pool.admit([req], [row], self._emit, [list(row.tokens)]))
+            except Exception as e:  # noqa: BLE001
+                self.replies.fail(job, f"decoding failed ({job.method}): {type(e).__name__}: {e}")
+
+    # ---- results from the runtime ----------------------------------------------------------------------
+
     def _emit(self, row: Row, toks: list[int]) -> None:
         row.tokens.extend(toks)
         job = row.job
-        if job.failed or self._is_cancelled(job) or not job.stream:
+        if job.failed or self.replies.is_cancelled(job) or not job.stream:
             return
-        self._stream(job, row)
-
-    def _stream(self, job: Job, row: Row) -> None:
-        """Send the new text of a streamed row, decoding only a window of recent tokens (a long stream
-        costs linear time, not quadratic); hold back a trailing partial UTF-8 character."""
-        before = self._decode_text(row.tokens[row.prefix:row.read])
-        piece_text = self._decode_text(row.tokens[row.prefix:])
-        if len(piece_text) <= len(before) or piece_text.endswith("\ufffd") or not piece_text.startswith(before):
-            return
-        piece = piece_text[len(before):]
-        row.sent += piece
-        row.prefix, row.read = row.read, len(row.tokens)
-        try:
-            job.out.send([piece], None, final=False)
-        except Exception as e:  # noqa: BLE001 - the client went away: stop its work as for a cancel
-            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send a piece ({type(e).__name__}: "
-                     f"{e}); treating it as cancelled")
-            job.cancelled = True
+        self.replies.stream(job, row)
 
     def _finished(self, done: list) -> None:
         """Results (or RowFailures) from the runtime: complete the jobs whose rows are all done."""
@@ -412,13 +411,13 @@ class Scheduler:
             if isinstance(result, RowFailure):
                 self.log("error", f"request {job.p.request_id or '(no id)'} row {row.index} failed ({job.method}): "
                          f"{result}")
-                self._fail(job, f"decoding failed ({job.method}): {result}")
+                self.replies.fail(job, f"decoding failed ({job.method}): {result}")
                 self.pool.remove(lambda t, job=job: t.job is job)  # its other rows stop costing work
                 continue
             result.speculation_off = job.plain
             job.results[row.index] = result
             if all(r is not None for r in job.results):
-                self._complete(job)
+                self.replies.complete(job)
 
     def _abort_pool(self, msg: str) -> None:
         """A continuous-batch step failed: its rows' cache can no longer be trusted; answer them with `msg`."""
@@ -426,176 +425,63 @@ class Scheduler:
         self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size)
         for job in jobs.values():
             if not job.done:
-                self._fail(job, msg)
+                self.replies.fail(job, msg)
 
-    @staticmethod
-    def _pack(jobs: list[Job], limit: int) -> list[Job]:
-        out, n = [], 0
-        for j in jobs:
-            if out and n + len(j.reqs) > limit:
-                break
-            out.append(j)
-            n += len(j.reqs)
-        return out
 
-    def _answer_error(self, job: Job, msg: str, cancelled: bool) -> None:
-        try:
-            job.out.error(msg, cancelled)
-        except Exception as e:  # noqa: BLE001 - the client may be gone
-            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send an error response: {e}")
+class SpeculativeBatch:
+    """One speculative batch of the scheduler: `rows` of group `key` decoded together through `decode`, from
+    their prompts or, with `resume`, from the Handoffs the continuous batch released. Each row is answered as
+    it finishes; rows still running when requests arrive that bring the load to disable_at_batch (or that can
+    join the batch) move to the continuous batch; a failure continues the unanswered rows there one by one."""
 
-    def _fail(self, job: Job, msg: str) -> None:
-        if job.answered:
+    def __init__(self, sched: Scheduler, key: tuple, rows: list[Row]):
+        self.sched, self.key, self.rows = sched, key, rows
+        self.answered: set[int] = set()
+
+    def on_emit(self, b: int, toks: list[int]) -> None:
+        row = self.rows[b]
+        row.tokens.extend(toks)
+        job = row.job
+        if job.failed or self.sched.replies.is_cancelled(job):
+            # The runtime finishes this row at its next step; its batch-mates run on untouched.
+            job.reqs[row.index].max_new_tokens = min(job.reqs[row.index].max_new_tokens, len(row.tokens) + 1)
+            if all(r.job.cancelled or r.job.failed for r in self.rows):
+                raise Cancelled()
             return
-        job.answered = job.failed = True
-        self.count("errors", job.method, 1)
-        self._answer_error(job, msg, False)
+        if job.stream:
+            self.sched.replies.stream(job, row)
 
-    def _cancel(self, job: Job) -> None:
-        if job.answered:
-            return
-        job.answered = job.failed = True
-        self.count("cancelled", job.method, 1)
-        self.count("cancelled_tokens", job.method, sum(len(r.tokens) for r in job.rows))
-        self._answer_error(job, "request cancelled by the client", True)
+    def yield_to(self) -> bool:
+        """Between rounds: should the running rows step aside into the continuous batch?"""
+        self.sched.gate.pause()  # the other served model takes its step if it waits
+        # Also yield once half the batch has finished, so the rest resume without the finished rows:
+        # they would otherwise ride along in every verify pass until the longest row ends.
+        done, n = len(self.answered), len(self.rows)
+        return self.sched._busy(self.key, n - done) or (_resumable_method(self.key[0]) and done > 0 and 2 * done >= n)
 
-    def _stopped(self, job: Job) -> bool:
-        rid = job.p.request_id
-        if not rid or not self._stops:
-            return False
-        with self._stops_lock:
-            return rid in self._stops
+    def on_finish(self, b: int, result) -> None:
+        self.answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
+        self.sched._finished([(self.rows[b], result)])
 
-    def _is_cancelled(self, job: Job, every: float | None = None) -> bool:
-        if job.cancelled or job.answered:  # never ask Triton about a request answered already: it is freed
-            return True
-        now = time.monotonic()
-        if now - job.checked_at < (self.cancel_check_s if every is None else every):
-            return False
-        job.checked_at = now
-        if self._stopped(job):
-            job.cancelled = True
-            return True
+    def run(self, resume: list | None = None) -> None:
+        sched, rows = self.sched, self.rows
+        method, k, use_logits, disable_at_batch = self.key
+        runtime_method, opts = _runtime_options(method, use_logits, resume)
         try:
-            job.cancelled = bool(job.out.cancelled())
-        except Exception as e:  # noqa: BLE001 - cannot ask Triton: the request is gone with its client
-            self.log("warn", f"request {job.p.request_id or '(no id)'}: cancellation check failed "
-                     f"({type(e).__name__}: {e}); treating it as cancelled")
-            job.cancelled = True
-        return job.cancelled
-
-    def _decode_text(self, tokens: list[int]) -> str:
-        return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _run(self, key: tuple, rows: list[Row], resume: list | None = None) -> None:
-        """Decode `rows` (one speculative group) as a batch, from their prompts or, with `resume`, from the
-        Handoffs the continuous batch released. Rows still running when requests arrive that bring the load
-        to disable_at_batch move to the continuous batch; finished ones complete their jobs."""
-        from pipeline.runtime.decode import decode
-        from pipeline.runtime.generate import Handoff
-
-        method, k, use_logits, disable_at_batch = key
-        reqs = [r.job.reqs[r.index] for r in rows]
-
-        def on_emit(b: int, toks: list[int]) -> None:
-            row = rows[b]
-            row.tokens.extend(toks)
-            job = row.job
-            if job.failed or self._is_cancelled(job):
-                # The runtime finishes this row at its next step; its batch-mates run on untouched.
-                job.reqs[row.index].max_new_tokens = min(job.reqs[row.index].max_new_tokens, len(row.tokens) + 1)
-                if all(r.job.cancelled or r.job.failed for r in rows):
-                    raise Cancelled()
-                return
-            if job.stream:
-                self._stream(job, row)
-
-        opts, runtime_method = {}, method
-        if method == "draft_target":
-            opts["use_draft_logits"] = use_logits
-        if method == "medusa_typical":
-            runtime_method, opts["acceptance"] = "medusa", "typical"
-        if resume:
-            opts["resume"] = resume
-        answered: set[int] = set()
-
-        def busy() -> bool:
-            self.gate.pause()  # between rounds: the other served model takes its step if it waits
-            # Also yield once half the batch has finished, so the rest resume without the finished rows:
-            # they would otherwise ride along in every verify pass until the longest row ends.
-            return self._busy(key, len(rows) - len(answered)) or (
-                _resumable_method(method) and bool(answered) and 2 * len(answered) >= len(rows))
-
-        def on_finish(b: int, result) -> None:
-            answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
-            self._finished([(rows[b], result)])
-
-        try:
-            results = decode(self.bundle, runtime_method, reqs, on_emit, num_draft_tokens=k or None,
-                             disable_at_batch=disable_at_batch, yield_to=busy, on_finish=on_finish, **opts)
+            results = decode(sched.bundle, runtime_method, [r.job.reqs[r.index] for r in rows], self.on_emit,
+                             num_draft_tokens=k or None, disable_at_batch=disable_at_batch, yield_to=self.yield_to,
+                             on_finish=self.on_finish, **opts)
         except Cancelled:
             for j in {id(r.job): r.job for r in rows}.values():
                 if j.cancelled:
-                    self._cancel(j)  # no-op for a job already answered
+                    sched.replies.cancel(j)  # no-op for a job already answered
             return
         except Exception as e:  # noqa: BLE001 - recover row by row, keep serving
-            self.log("error", f"speculative batch failed ({method}, k={k}, {len(rows)} rows): {type(e).__name__}: "
-                     f"{e}; continuing its rows one by one in the continuous batch")
-            self._recover([r for b, r in enumerate(rows) if b not in answered])
+            sched.log("error", f"speculative batch failed ({method}, k={k}, {len(rows)} rows): {type(e).__name__}: "
+                      f"{e}; continuing its rows one by one in the continuous batch")
+            sched._recover([r for b, r in enumerate(rows) if b not in self.answered])
             return
         handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
-        self.pool.adopt([h for _, h in handed], [row for row, _ in handed])
-        self._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
-                        if not isinstance(r, Handoff) and b not in answered])
-
-    def _recover(self, rows: list[Row]) -> None:
-        """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
-        alone: the row whose fault it was fails by itself, the others finish (greedy: the same tokens)."""
-        from pipeline.runtime.generate import Sequence, finish
-
-        for row in rows:
-            job = row.job
-            if job.failed:
-                continue
-            if job.cancelled:
-                self._cancel(job)
-                continue
-            req = job.reqs[row.index]
-            if len(row.tokens) >= req.max_new_tokens:
-                seq = Sequence(req)
-                seq.tokens, seq.finish_reason = list(row.tokens), "length"
-                self._finished([(row, finish([seq], time.perf_counter())[0])])
-                continue
-            if self.pool.free < 1:
-                self._fail(job, f"decoding failed ({job.method}) and the continuous batch is full; retry")
-                continue
-            try:
-                self._finished(self.pool.admit([req], [row], self._emit, [list(row.tokens)]))
-            except Exception as e:  # noqa: BLE001
-                self._fail(job, f"decoding failed ({job.method}): {type(e).__name__}: {e}")
-
-    def _complete(self, job: Job) -> None:
-        """Count a finished request and send its final response (or its cancellation)."""
-        if job.answered:
-            return
-        if job.cancelled:
-            self._cancel(job)
-            return
-        job.answered = True
-        method, res = job.method, job.results
-        for r in res:
-            self.count("requests", method, 1)
-            self.count("proposed", method, r.draft_proposed)
-            self.count("accepted", method, r.draft_accepted)
-            self.count("output", method, len(r.tokens))
-            self.count("steps", method, r.steps)
-            self.count("plain", method, int(r.speculation_off))
-        texts = [self._decode_text(r.tokens) for r in res]
-        if job.stream:
-            texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, job.rows)]
-        elif not job.p.exclude_input:
-            texts = [p + t for p, t in zip(job.p.texts, texts)]
-        try:
-            job.out.send(texts, res if job.p.perf else None, final=True)
-        except Exception as e:  # noqa: BLE001
-            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send the final response: {e}")
+        sched.pool.adopt([h for _, h in handed], [row for row, _ in handed])
+        sched._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
+                         if not isinstance(r, Handoff) and b not in self.answered])

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from pipeline.spec import Spec
 from pipeline.triton.repo import ENSEMBLE
 
@@ -31,7 +33,7 @@ class ServerError(RuntimeError):
 
 
 def pytriton_dir() -> Path:
-    import pytriton
+    import pytriton  # heavy (seconds): only locating the binary pays it
 
     d = Path(pytriton.__file__).resolve().parent / "tritonserver"
     if not (d / "bin" / "tritonserver").is_file():
@@ -142,8 +144,6 @@ def fatal_line(path: Path) -> str | None:
 
 def _alive(pid: int, repo: Path) -> bool:
     """True when `pid` is a live tritonserver serving `repo` (so a recycled pid is never signalled)."""
-    import psutil
-
     try:
         p = psutil.Process(pid)
         cmd = p.cmdline()
@@ -277,8 +277,6 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
 
 def stop(spec: Spec, timeout: float = 30.0, log=lambda *a: None) -> bool:
     """Stop this spec's server (SIGTERM, then SIGKILL after `timeout`); True when one was running."""
-    import psutil
-
     pid = running_pid(spec)
     if pid is None:
         pid_file(spec).unlink(missing_ok=True)
@@ -307,8 +305,6 @@ def stop(spec: Spec, timeout: float = 30.0, log=lambda *a: None) -> bool:
 
 def server_rss_mb(pid: int) -> float:
     """Resident memory of the server and its children (the python-backend stubs), in MB."""
-    import psutil
-
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]

@@ -53,7 +53,7 @@ class TritonPythonModel:
         sys.path[:0] = [x for x in _param(p, "python_path").split(":") if x and x not in sys.path]
         import torch
 
-        from pipeline.engine import load_engine
+        from pipeline.runtime.engine_io import load_engine
 
         torch.set_num_threads(1)
         self.torch = torch

@@ -331,7 +331,8 @@ class LLM:
 def _engine(model_dir: str, max_seq_len: int, max_input_len: int, k: int):
     """A torch-runtime engine of a Hugging Face directory, built once into the stand-in's cache."""
     from pipeline import spec as specmod
-    from pipeline.engine import build_target, load_engine
+    from pipeline.engine import build_target
+    from pipeline.runtime.engine_io import load_engine
 
     src = Path(model_dir).resolve()
     cfg = json.loads((src / "config.json").read_text())

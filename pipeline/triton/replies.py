@@ -1,0 +1,195 @@
+"""Responses and cancellation for the served model's scheduler (pipeline/triton/scheduler.py); no Triton import.
+
+`Replies` is the only part of the scheduler that talks to clients: it streams a row's new text, sends a
+job's final response or its error, counts what it answers, and answers whether a client has gone (gRPC
+cancel, deadline, disconnect, or a `stop` request naming the request id), polling Triton no more often
+than `cancel_check_s` per request (each check is a round trip).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeline.triton.parse import Parsed
+
+CANCEL_CHECK_S = 0.02
+STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
+
+
+class Responder(Protocol):
+    def send(self, texts: list[str], results: list | None, final: bool) -> None: ...
+
+    def error(self, message: str, cancelled: bool = False) -> None: ...
+
+    def cancelled(self) -> bool: ...
+
+
+@dataclass
+class Job:
+    """One request being served: what was parsed and how to answer it."""
+
+    p: Parsed
+    out: Responder
+    cancelled: bool = False
+    failed: bool = False  # answered with an error or a cancellation: its rows stop
+    answered: bool = False  # its final response (or error) went out
+    checked_at: float = 0.0
+    rows: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    plain: bool = False  # a speculative request decoded plainly (load at or above disable_at_batch)
+
+    @property
+    def reqs(self) -> list:
+        return self.p.reqs
+
+    @property
+    def method(self) -> str:
+        return self.p.method
+
+    @property
+    def stream(self) -> bool:
+        return self.p.stream
+
+    @property
+    def done(self) -> bool:
+        return self.answered
+
+    def start(self) -> list[Row]:
+        """Make the job's rows (one per request row) as it leaves the queue."""
+        self.rows, self.results = [Row(self, i) for i in range(len(self.reqs))], [None] * len(self.reqs)
+        return self.rows
+
+
+@dataclass
+class Row:
+    job: Job
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    sent: str = ""  # text streamed so far
+    prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
+    read: int = 0
+    plain: bool = False  # took plain steps in the continuous batch since it last speculated
+
+
+class Replies:
+    """Everything the scheduler sends, and whether a client is still there (any thread may `remember_stop`)."""
+
+    def __init__(self, tokenizer, count: Callable[[str, str, float], None], log: Callable[[str, str], None]):
+        self.tok, self.count, self.log = tokenizer, count, log
+        self.cancel_check_s = CANCEL_CHECK_S
+        self._stops: dict[str, float] = {}
+        self._stops_lock = threading.Lock()
+
+    # ---- cancellation ---------------------------------------------------------------------------------
+
+    def remember_stop(self, request_id: str) -> None:
+        """A `stop` request named `request_id` (it may arrive before the request itself)."""
+        now = time.monotonic()
+        with self._stops_lock:
+            self._stops = {k: t for k, t in self._stops.items() if now - t < STOP_MEMORY_S}
+            self._stops[request_id] = now
+
+    def _stopped(self, job: Job) -> bool:
+        rid = job.p.request_id
+        if not rid or not self._stops:
+            return False
+        with self._stops_lock:
+            return rid in self._stops
+
+    def is_cancelled(self, job: Job, every: float | None = None) -> bool:
+        """Has the job's client gone? Asks Triton at most every `every` seconds (default cancel_check_s)."""
+        if job.cancelled or job.answered:  # never ask Triton about a request answered already: it is freed
+            return True
+        now = time.monotonic()
+        if now - job.checked_at < (self.cancel_check_s if every is None else every):
+            return False
+        job.checked_at = now
+        if self._stopped(job):
+            job.cancelled = True
+            return True
+        try:
+            job.cancelled = bool(job.out.cancelled())
+        except Exception as e:  # noqa: BLE001 - cannot ask Triton: the request is gone with its client
+            self.log("warn", f"request {job.p.request_id or '(no id)'}: cancellation check failed "
+                     f"({type(e).__name__}: {e}); treating it as cancelled")
+            job.cancelled = True
+        return job.cancelled
+
+    # ---- responses ------------------------------------------------------------------------------------
+
+    def send(self, out: Responder, send: Callable[[], None]) -> None:
+        try:
+            send()
+        except Exception as e:  # noqa: BLE001 - the client may be gone
+            self.log("warn", f"could not send a response: {type(e).__name__}: {e}")
+
+    def decode_text(self, tokens: list[int]) -> str:
+        return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def stream(self, job: Job, row: Row) -> None:
+        """Send the new text of a streamed row, decoding only a window of recent tokens (a long stream
+        costs linear time, not quadratic); hold back a trailing partial UTF-8 character."""
+        before = self.decode_text(row.tokens[row.prefix:row.read])
+        piece_text = self.decode_text(row.tokens[row.prefix:])
+        if len(piece_text) <= len(before) or piece_text.endswith("\ufffd") or not piece_text.startswith(before):
+            return
+        piece = piece_text[len(before):]
+        row.sent += piece
+        row.prefix, row.read = row.read, len(row.tokens)
+        try:
+            job.out.send([piece], None, final=False)
+        except Exception as e:  # noqa: BLE001 - the client went away: stop its work as for a cancel
+            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send a piece ({type(e).__name__}: "
+                     f"{e}); treating it as cancelled")
+            job.cancelled = True
+
+    def _error(self, job: Job, msg: str, cancelled: bool) -> None:
+        try:
+            job.out.error(msg, cancelled)
+        except Exception as e:  # noqa: BLE001 - the client may be gone
+            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send an error response: {e}")
+
+    def fail(self, job: Job, msg: str) -> None:
+        if job.answered:
+            return
+        job.answered = job.failed = True
+        self.count("errors", job.method, 1)
+        self._error(job, msg, False)
+
+    def cancel(self, job: Job) -> None:
+        if job.answered:
+            return
+        job.answered = job.failed = True
+        self.count("cancelled", job.method, 1)
+        self.count("cancelled_tokens", job.method, sum(len(r.tokens) for r in job.rows))
+        self._error(job, "request cancelled by the client", True)
+
+    def complete(self, job: Job) -> None:
+        """Count a finished request and send its final response (or its cancellation)."""
+        if job.answered:
+            return
+        if job.cancelled:
+            self.cancel(job)
+            return
+        job.answered = True
+        method, res = job.method, job.results
+        for r in res:
+            self.count("requests", method, 1)
+            self.count("proposed", method, r.draft_proposed)
+            self.count("accepted", method, r.draft_accepted)
+            self.count("output", method, len(r.tokens))
+            self.count("steps", method, r.steps)
+            self.count("plain", method, int(r.speculation_off))
+        texts = [self.decode_text(r.tokens) for r in res]
+        if job.stream:
+            texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, job.rows)]
+        elif not job.p.exclude_input:
+            texts = [p + t for p, t in zip(job.p.texts, texts)]
+        try:
+            job.out.send(texts, res if job.p.perf else None, final=True)
+        except Exception as e:  # noqa: BLE001
+            self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send the final response: {e}")
