@@ -263,36 +263,8 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     held_ids = [chat_ids(tok, t) for t in held]
 
     if med.source == "train":
-        plan, r = [], 0
-        while len(plan) < b.sequences:
-            temp = (0.0, 0.7, 1.0)[min(r, 2)]
-            for i, t in enumerate(train_texts):
-                if len(plan) < b.sequences:
-                    plan.append((chat_ids(tok, t), SamplingParams(temp, seed=b.seed * 1000 + r * 100 + i)))
-            r += 1
-        log(f"self-distilling {len(plan)} sequences of {b.seq_len} tokens from {len(train_texts)} prompts "
-            f"(+{len(held)} held-out prompts) ...")
-        all_ids = [p for p, _ in plan] + held_ids
-        all_params = [q for _, q in plan] + [SamplingParams()] * len(held_ids)
-        key = input_hash(tcfg.get("input_hash"), all_ids, [asdict(q) for q in all_params], b.seq_len)[:16]
-        corpus = spec.engine_dir / ".cache" / f"medusa-corpus-{key}.pt"
-        if corpus.is_file():
-            log(f"reusing the self-distillation corpus {corpus}")
-            data = torch.load(corpus, weights_only=True)
-        else:
-            data = self_distill(model, all_ids, all_params, b.seq_len, GEN_BATCH, end_ids)
-            corpus.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(data, corpus)
-        train_data, held_data = data[: len(plan)], data[len(plan):]
-        X, Y, _ = head_pairs(train_data, med.num_heads)
-        gen_s = time.perf_counter() - t_start
-        budget = b.minutes * 60
-        log(f"training {med.num_heads} heads x {med.num_layers} layers on {len(X)} positions "
-            f"(budget {b.steps} steps / {budget:.0f}s) ...")
-        heads, train_info = train_heads(model, X, Y, med.num_heads, med.num_layers, b.steps, budget,
-                                        b.batch_size * b.seq_len, b.lr, b.seed)
-        train_info["generate_seconds"] = round(gen_s, 1)
-        corpus_tokens = torch.cat([t for t, _ in train_data])
+        heads, train_info, held_data, corpus_tokens = _train_from_self_distillation(spec, model, tok, tcfg, train_texts,
+                                                                                    held_ids, end_ids, t_start, log)
     else:
         heads = load_heads_dir(src_dir, model, log)
         held_data = self_distill(model, held_ids, [SamplingParams()] * len(held_ids), b.seq_len,
@@ -308,6 +280,53 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
         log(f"head {d} (token t+{d + 2}): top-1 {row[0]:.3f}  top-{TOPK} {sum(row):.3f}  "
             f"(held-out, {len(Xh)} positions)")
 
+    tree, tree_info = _choose_tree(spec, model, heads, acc, log)
+    _write_medusa(spec, model, heads, vocab, tree, tree_info, acc, len(Xh), train_info, tcfg, want)
+    log(f"medusa engine built in {time.perf_counter() - t_start:.1f}s: {dest} (FasterDecoding heads: {hf_dest})")
+    return dest
+
+
+def _train_from_self_distillation(spec: Spec, model, tok, tcfg: dict, train_texts: list[str], held_ids: list[list[int]],
+                                  end_ids: tuple, t_start: float, log) -> tuple:
+    """Medusa-1 heads trained on the target's own generations (cached corpus); (heads, info, held data, tokens)."""
+    med = spec.medusa
+    b = med.train
+    plan, r = [], 0
+    while len(plan) < b.sequences:
+        temp = (0.0, 0.7, 1.0)[min(r, 2)]
+        for i, t in enumerate(train_texts):
+            if len(plan) < b.sequences:
+                plan.append((chat_ids(tok, t), SamplingParams(temp, seed=b.seed * 1000 + r * 100 + i)))
+        r += 1
+    log(f"self-distilling {len(plan)} sequences of {b.seq_len} tokens from {len(train_texts)} prompts "
+        f"(+{len(held_ids)} held-out prompts) ...")
+    all_ids = [p for p, _ in plan] + held_ids
+    all_params = [q for _, q in plan] + [SamplingParams()] * len(held_ids)
+    key = input_hash(tcfg.get("input_hash"), all_ids, [asdict(q) for q in all_params], b.seq_len)[:16]
+    corpus = spec.engine_dir / ".cache" / f"medusa-corpus-{key}.pt"
+    if corpus.is_file():
+        log(f"reusing the self-distillation corpus {corpus}")
+        data = torch.load(corpus, weights_only=True)
+    else:
+        data = self_distill(model, all_ids, all_params, b.seq_len, GEN_BATCH, end_ids)
+        corpus.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, corpus)
+    train_data, held_data = data[: len(plan)], data[len(plan):]
+    X, Y, _ = head_pairs(train_data, med.num_heads)
+    gen_s = time.perf_counter() - t_start
+    budget = b.minutes * 60
+    log(f"training {med.num_heads} heads x {med.num_layers} layers on {len(X)} positions "
+        f"(budget {b.steps} steps / {budget:.0f}s) ...")
+    heads, train_info = train_heads(model, X, Y, med.num_heads, med.num_layers, b.steps, budget,
+                                    b.batch_size * b.seq_len, b.lr, b.seed)
+    train_info["generate_seconds"] = round(gen_s, 1)
+    corpus_tokens = torch.cat([t for t, _ in train_data])
+    return heads, train_info, held_data, corpus_tokens
+
+
+def _choose_tree(spec: Spec, model, heads: MedusaHeads, acc: list[list[float]], log) -> tuple:
+    """The Medusa tree: grown from measured head accuracy and verify costs (`auto`), or the spec's choices."""
+    med = spec.medusa
     if med.choices == "auto":
         log("measuring this machine's verify cost (target forward over 1..max_draft_len+1 tokens) ...")
         costs = verify_costs(model, spec.limits.max_draft_len + 1, tree=True)
@@ -321,6 +340,16 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
     choices = tree.choices
     log(f"medusa tree ({'auto' if med.choices == 'auto' else 'from the spec'}): {len(choices)} nodes, "
         f"depth {tree.max_depth}: {choices}")
+    return tree, tree_info
+
+
+def _write_medusa(spec: Spec, model, heads: MedusaHeads, vocab, tree, tree_info: dict, acc, positions: int,
+                  train_info: dict, tcfg: dict, want: str) -> None:
+    """engines/<name>/medusa_hf (FasterDecoding heads) and engines/<name>/medusa (runtime layout), each atomic."""
+    med = spec.medusa
+    dest, hf_dest = spec.engine_dir / "medusa", spec.engine_dir / "medusa_hf"
+    tdir = spec.engine_dir / "target"
+    choices = tree.choices
     mcfg = model.cfg
     hf_state = heads_to_state(heads, model.lm_head.weight, model.lm_head.weight.dtype)
 
@@ -342,7 +371,7 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
                 "tree_size": len(choices), "tree_depth": tree.max_depth,
                 "posterior_threshold": med.posterior_threshold, "posterior_alpha": med.posterior_alpha,
                 "shared_lm_head": heads.proj is None, "proposal_vocab": None if vocab is None else len(vocab),
-                "head_accuracy_topk": acc, "head_accuracy_positions": len(Xh), "train": train_info,
+                "head_accuracy_topk": acc, "head_accuracy_positions": positions, "train": train_info,
                 "tree": tree_info, "source": med.source,
                 "acceptance": {"greedy": "exact", "exact": "exact (target sample at each node)",
                                "typical": "lossy (Medusa typical acceptance)"}}
@@ -351,5 +380,3 @@ def build_medusa(spec: Spec, force: bool = False, log=print) -> Path:
 
     write_atomic(hf_dest, write_hf)
     write_atomic(dest, write_rt)
-    log(f"medusa engine built in {time.perf_counter() - t_start:.1f}s: {dest} (FasterDecoding heads: {hf_dest})")
-    return dest
