@@ -193,6 +193,6 @@ def generate(base_url: str, model: str, prompt: str, max_tokens: int, method: st
     accepted and ignored: over HTTP a cancelled stream and a dropped client are the same closed connection."""
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
     r = complete(base_url, model, max_tokens=max_tokens, stream=stream, temperature=temperature, top_p=top_p,
-                 seed=seed, method=method, key=key, timeout=timeout, on_piece=on_piece, cancel=cancel, **kw)
+                 seed=seed, method=method or None, key=key, timeout=timeout, on_piece=on_piece, cancel=cancel, **kw)
     r["method"] = method
     return r
