@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +36,8 @@ def deployment(tiny_root, tiny_engine):
                               "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
                       triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
                       # room for a stream long enough to be abandoned mid-way
-                      limits={"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8})
+                      limits={"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8},
+                      validate={"max_prompts": 2, "max_new_tokens": 8, "concurrency": [1, 3]})
     s = specmod.load(path)
     quiet = lambda *a, **k: None  # noqa: E731
     build_target(s, log=quiet)
@@ -317,6 +319,43 @@ def test_project_client_reads_text_usage_and_figures_like_the_grpc_client(deploy
     with pytest.raises(openai_client.ApiRequestError) as e:
         openai_client.generate(url, "nope", PROMPT, 4)
     assert e.value.status == 404 and e.value.error["code"] == "model_not_found"
+
+
+def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(deployment):
+    """`load --api openai`, soak-like and short: streamed and unary HTTP clients, every method, sampled and greedy,
+    clients that cancel after the first piece or drop their connection; the server counts those as cancelled."""
+    from pipeline.cli import main
+    from pipeline.load import run_load
+
+    s = deployment
+    r = run_load(s, 6, 8.0, 8, ("baseline", "prompt_lookup", "draft_target", "medusa"), model="oai", num_prompts=3,
+                 temperatures=(0.0, 0.7), cancel_every=4, disconnect_every=5, unary_every=2, api="openai",
+                 log=lambda *a: None)
+    assert r["api"] == "openai" and r["url"] == openai_api.base_url(s)
+    assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
+    assert r["greedy_requests"] > 0 and r["streamed"] > 0 and r["unary"] > 0 and r["cancelled"] > 0
+    assert 0 < r["server_cancelled"] <= r["cancelled"]
+    assert json.loads((s.report_dir / "load_openai.json").read_text())["requests"] == r["requests"]
+    rc = main(["load", str(Path(s.root) / "build" / "oai.yaml"), "--api", "openai", "--concurrency", "2",
+               "--duration", "2", "--max-tokens", "4", "--prompts", "2"])
+    r = json.loads((s.report_dir / "load_openai.json").read_text())
+    assert rc == 0 and r["concurrency"] == 2 and r["greedy_requests"] > 0 and r["greedy_mismatches"] == 0
+
+
+def test_validate_through_the_endpoint_reports_every_method_exact(deployment):
+    from pipeline.validate_api import run_validate_api
+
+    s = deployment
+    r = run_validate_api(s, log=lambda *a: None)
+    assert set(r["methods"]) == {"baseline", "draft_target", "prompt_lookup", "medusa"}
+    for m, e in r["methods"].items():
+        assert e["greedy_identical"] == e["greedy_total"] == 2 and e["complete"] == 2, m
+        assert e["tokens_per_s"] > 0
+    assert r["methods"]["draft_target"]["acceptance_rate"] == 1.0, "the target drafts for itself"
+    assert r["methods"]["baseline"]["acceptance_rate"] is None
+    assert r["grpc_identical"] == {"identical": 2, "total": 2} and r["repeat_identical"]
+    assert [c["greedy_mismatches"] for c in r["batch_curve"]] == [0, 0]
+    assert json.loads((s.report_dir / "validate_openai.json").read_text())["methods"].keys() == r["methods"].keys()
 
 
 def test_stop_scanner_holds_back_what_may_begin_a_stop_sequence():
