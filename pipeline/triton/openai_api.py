@@ -67,6 +67,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+CLIENT_GONE = ApiError(499, "the client closed the connection before the answer was ready", None,
+                       "client_closed_request")
+
+
 @dataclass
 class FrontConfig:
     """What the endpoint needs to know about the deployment (written to reports/<name>/openai.json; no secrets)."""
@@ -671,8 +675,8 @@ def make_app(front: Front):
                 if done:
                     return getter.result()
                 if poll and await request.is_disconnected():
-                    run.gone.set()
-                    raise asyncio.CancelledError
+                    run.gone.set()  # cancels the Triton request
+                    return "gone", None
         finally:
             if not getter.done():
                 getter.cancel()
@@ -696,6 +700,8 @@ def make_app(front: Front):
                         text.append(value)
                     elif what == "error":
                         return error(triton_error(value))
+                    elif what == "gone":
+                        return error(CLIENT_GONE)  # nobody reads it: the client has left
                     else:
                         break
             except BaseException:
@@ -718,11 +724,13 @@ def make_app(front: Front):
         # Streamed: the first event decides between an HTTP error and a 200 stream (a refusal is never mid-stream).
         try:
             first = await next_event(run, request, poll=True)
-        except asyncio.CancelledError:
+        except BaseException:
             run.gone.set()
             raise
         if first[0] == "error":
             return error(triton_error(first[1]))
+        if first[0] == "gone":
+            return error(CLIENT_GONE)
 
         async def events():
             what, value = first
