@@ -52,6 +52,21 @@ def _loopback_url(spec: specmod.Spec) -> str:
     return f"{host}:{spec.triton.grpc_port}"
 
 
+def _loopback_base_url(url: str) -> str:
+    """An OpenAI base URL on this machine (`load --api openai`), or a ValueError."""
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--base-url: {url!r}; the load test only targets this machine's loopback "
+                         "(http://127.0.0.1:PORT/v1)")
+    return url
+
+
 def served_methods(spec: specmod.Spec) -> list[str]:
     """The methods the spec's built engines serve (what the served model lists at start-up)."""
     out = ["baseline"]
@@ -108,7 +123,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
              sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
              cancel_every: int = 0, disconnect_every: int = 0, unary_every: int = 0, write: bool = True,
              reference: list[str] | None = None, window: bool = False, request_timeout: float = 120.0,
-             models: tuple[str, ...] = ()) -> dict:
+             models: tuple[str, ...] = (), api: str = "grpc", base_url: str | None = None) -> dict:
     """Drive the running server; return (and write to reports/<name>/load.json) the summary.
 
     Request i of the run uses methods[i % len(methods)]; with `temperatures` it cycles through them (0 is
@@ -128,24 +143,36 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
 
     Every wait is bounded: a request without its final response after `request_timeout` seconds counts as
     incomplete, and a client still waiting `request_timeout` + 15 s after the deadline is left behind (its request
-    counted incomplete), so a lost response never hangs the tool."""
+    counted incomplete), so a lost response never hangs the tool.
+
+    `api="openai"`: the same clients through an OpenAI-compatible endpoint (`base_url`, default this spec's own
+    endpoint; `model` is then the served model name), streaming over HTTP with pipeline.openai_client; the prompts
+    go as chat messages (the server applies the template) and the report is load_openai.json."""
     from pipeline.client import RequestError, RequestTimeout, generate
     from pipeline.triton.server import running_pid, server_rss_mb
 
     _check(concurrency, duration, max_tokens)
-    url = _loopback_url(spec)
     pid = running_pid(spec)
-    if pid is None:
+    if api == "openai":
+        from pipeline import openai_client
+        from pipeline.openai_client import base_url as own_url
+
+        url = _loopback_base_url(base_url or own_url(spec))
+        generate = lambda *a, **k: openai_client.generate(*a, chat=chat, **k)  # noqa: E731
+        models, decoupled = (), True
+    else:
+        url = _loopback_url(spec)
+        decoupled = spec.triton.decoupled
+    if pid is None and not (api == "openai" and base_url):
         raise RuntimeError(f"no server is running for {spec.name!r}; start it with `make serve SPEC=...`")
-    decoupled = spec.triton.decoupled
     # A request its client abandons asks for far more than it will get, so it is still decoding when abandoned.
     long_budget = max(4 * max_tokens, min(spec.limits.max_seq_len - spec.limits.max_input_len, 1024))
-    prompts = _prompts(spec, num_prompts, chat)
+    prompts = _prompts(spec, num_prompts, chat and api != "openai")
     if reference is None:
         log(f"reference answers for {len(prompts)} prompts (greedy, baseline, one at a time) ...")
-        reference = [generate(url, model, p, max_tokens, method="baseline", unary=not decoupled,
-                              timeout=request_timeout)["text"] for p in prompts]
-    rss_start = server_rss_mb(pid)
+        reference = [generate(url, model, p, max_tokens, method=None if api == "openai" and base_url else "baseline",
+                              unary=not decoupled, timeout=request_timeout)["text"] for p in prompts]
+    rss_start = server_rss_mb(pid) if pid else 0.0  # a peer behind --base-url: not measured
     cancelled_before = _server_cancelled(spec)
     lock = threading.Lock()
     keys = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
@@ -222,7 +249,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     log(f"{concurrency} {what} clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
     t0 = time.monotonic()
     warmed: dict = {}  # the server's RSS once the warm-up quarter has passed (caches and arenas grown)
-    probe = threading.Timer(duration / 4, lambda: warmed.setdefault("rss", server_rss_mb(pid)))
+    probe = threading.Timer(duration / 4, lambda: warmed.setdefault("rss", server_rss_mb(pid) if pid else 0.0))
     probe.daemon = True
     probe.start()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
@@ -244,7 +271,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     settle = time.monotonic() + 10  # let the server notice the last cancellations
     while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
         time.sleep(0.2)
-    rss_after = server_rss_mb(pid)
+    rss_after = server_rss_mb(pid) if pid else 0.0
     probe.cancel()
     rss_before = warmed.get("rss", rss_start)
     out = {
@@ -262,19 +289,19 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         "rss_mb": {"start": rss_start, "before": rss_before, "after": rss_after},
         "concurrency": concurrency, "duration_s": wall, "max_tokens": max_tokens, "methods": list(methods),
         "temperatures": list(temperatures), "model": model, "models": list(models or (model,)),
-        "decoupled": decoupled, "problems": samples,
+        "decoupled": decoupled, "problems": samples, "api": api, "url": url,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name,
     }
     if write:
         spec.report_dir.mkdir(parents=True, exist_ok=True)
-        path = Path(spec.report_dir) / "load.json"
+        path = Path(spec.report_dir) / ("load_openai.json" if api == "openai" else "load.json")
         path.write_text(json.dumps(out, indent=2))
     log(f"{out['requests']} requests, {out['errors']} errors, {out['incomplete']} incomplete, "
         f"{out['greedy_mismatches']} greedy mismatches, {out['cancelled']} cancelled by clients "
         f"({out['server_cancelled']:.0f} counted by the server); {out['tokens_per_s']:.1f} tokens/s; latency p50 "
         f"{out['latency_ms']['p50']:.0f} ms, p95 {out['latency_ms']['p95']:.0f} ms; server RSS "
         f"{rss_start:.0f} MB at the start, {rss_before:.0f} after the warm-up quarter -> {rss_after:.0f} MB"
-        + (f"; wrote {spec.report_dir / 'load.json'}" if write else ""))
+        + (f"; wrote {spec.report_dir / ('load_openai.json' if api == 'openai' else 'load.json')}" if write else ""))
     return out
 
 
@@ -318,8 +345,20 @@ def cmd_load(args) -> int:
 
     s = specmod.load(args.spec)
     every_model = not args.model  # the soak then sends to every served model
-    args.model = args.model or client_model(s)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else ()
+    if args.api == "openai":
+        if args.curve:
+            raise ValueError("--curve measures over gRPC; drop --api openai (or run plain load with it)")
+        # A peer's endpoint (--base-url) gets no `method` unless --methods names one: it serves its own.
+        peer = bool(args.base_url)
+        out = run_load(s, args.concurrency or 8, args.duration or 10.0, args.max_tokens,
+                       methods or (("",) if peer else ("baseline",)), model=args.model or s.name,
+                       num_prompts=args.prompts, request_timeout=args.request_timeout, api="openai",
+                       base_url=args.base_url or None,
+                       **(dict(temperatures=SOAK["temperatures"], cancel_every=SOAK["cancel_every"],
+                               disconnect_every=SOAK["disconnect_every"], unary_every=2) if args.soak else {}))
+        return 1 if out["errors"] + out["incomplete"] + out["greedy_mismatches"] else 0
+    args.model = args.model or client_model(s)
     if args.curve:
         levels = [int(x) for x in args.curve.split(",") if x.strip()]
         out = run_curve(s, levels, args.duration or 20.0, args.max_tokens, methods or ("baseline",), args.model,
@@ -361,3 +400,8 @@ def register(verb) -> None:
     sp.add_argument("--request-timeout", type=float, default=120.0,
                     help="seconds a client waits for a request's final response before counting it incomplete")
     sp.add_argument("--curve", default="", help="comma-separated concurrency levels, e.g. 1,2,4,8,16,32,64,128")
+    sp.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                    help="openai: the same streaming clients through an OpenAI-compatible endpoint (this spec's own, "
+                         "or --base-url); writes load_openai.json")
+    sp.add_argument("--base-url", default="", help="with --api openai: the endpoint, e.g. http://127.0.0.1:8080/v1 "
+                                                   "(llama-server, trtllm-serve); --model names its model")

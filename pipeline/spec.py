@@ -139,6 +139,15 @@ class TritonSpec:
 
 
 @dataclass
+class OpenAISpec:
+    """The OpenAI-compatible HTTP endpoint `serve` starts in front of the deployment (docs/openai.md), bound to
+    triton.host. The API key, when wanted, comes from the PIPELINE_API_KEY environment variable, never the spec."""
+
+    enabled: bool = True
+    port: int = 8003
+
+
+@dataclass
 class TensorRTLLMSpec:
     """Settings only the tensorrt_llm backend reads."""
 
@@ -209,6 +218,7 @@ class Spec:
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
     triton: TritonSpec = field(default_factory=TritonSpec)
+    openai: OpenAISpec = field(default_factory=OpenAISpec)
     tensorrt_llm: TensorRTLLMSpec = field(default_factory=TensorRTLLMSpec)
     validate: ValidateSpec = field(default_factory=ValidateSpec)
     # Directory the relative paths in this spec are resolved against (the repo root).
@@ -493,6 +503,11 @@ def validate(spec: Spec) -> Spec:
     for key, port in ports.items():
         _check(1 <= port <= 65535, key, port, "must be a TCP port between 1 and 65535")
     _check(len(set(ports.values())) == 3, "triton", ports, "http_port, grpc_port and metrics_port must differ")
+    oa = spec.openai
+    _check(1 <= oa.port <= 65535, "openai.port", oa.port, "must be a TCP port between 1 and 65535")
+    _check(not oa.enabled or oa.port not in ports.values(), "openai.port", oa.port,
+           f"is also {next((k for k, v in ports.items() if v == oa.port), '')}: give the OpenAI endpoint a port of "
+           "its own, or set openai.enabled: false")
     _check(tr.instance_count >= 1, "triton.instance_count", tr.instance_count, "must be 1 or more")
     _check(tr.max_queue_delay_us >= 0, "triton.max_queue_delay_us", tr.max_queue_delay_us, "must be 0 or more")
     _check(tr.startup_timeout_s > 0, "triton.startup_timeout_s", tr.startup_timeout_s, "must be positive")

@@ -562,6 +562,11 @@ def cmd_validate(args) -> int:
     from pipeline import spec as specmod
 
     s = specmod.load(args.spec)
+    if getattr(args, "api", "grpc") == "openai":  # pipeline/validate_api.py: any OpenAI-compatible server
+        from pipeline.validate_api import run_validate_api
+
+        run_validate_api(s, args.base_url or None, args.model or None, args.label)
+        return 0
     if s.threads:
         torch.set_num_threads(s.threads)
     run_validate(s)
@@ -569,4 +574,10 @@ def cmd_validate(args) -> int:
 
 
 def register(verb) -> None:
-    verb("validate", cmd_validate, "validate and benchmark through gRPC; writes reports/<name>/validate.*")
+    sp = verb("validate", cmd_validate, "validate and benchmark through gRPC (--api openai: through an OpenAI-"
+                                        "compatible endpoint); writes reports/<name>/validate.* (validate_openai.*)")
+    sp.add_argument("--api", choices=("grpc", "openai"), default="grpc")
+    sp.add_argument("--base-url", default="", help="with --api openai: a peer's endpoint, e.g. "
+                                                   "http://127.0.0.1:8080/v1 (default: this deployment's own)")
+    sp.add_argument("--model", default="", help="with --api openai: the served model name (default: the spec's name)")
+    sp.add_argument("--label", default="", help="with --api openai: report as validate_openai_<label>.*")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,30 +33,61 @@ def cmd_serve(args) -> int:
     if args.dry_run:
         print(" ".join(server.command(s, s.repo_dir.parent / ".backends")))
         return 0
+    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
+
+    if s.openai.enabled and not server.port_free(s.triton.host, s.openai.port) and not openai_api.running_pid(s):
+        raise server.ServerError(f"openai.port: port {s.openai.port} on {s.triton.host} is already in use; stop "
+                                 "whatever holds it or set openai.port (or openai.enabled: false) in the spec")
     if not all((s.repo_dir / m / "config.pbtxt").is_file() for m in s.triton.models):
         write_repo(s)
     srv = server.start(s, timeout=args.timeout)
-    print(f"serving {s.name}: gRPC {srv.grpc_url}; try `python -m pipeline client {args.spec} --prompt \"Hi\" "
-          f"--stream`; stop with `make stop`")
+    if s.openai.enabled:
+        try:
+            openai_api.start(s)
+        except BaseException:
+            server.stop(s)  # all or nothing: `make serve` never leaves half a deployment up
+            raise
+    print(f"serving {s.name}: gRPC {srv.grpc_url}"
+          + (f", OpenAI {openai_api.base_url(s)} (model {s.name!r})" if s.openai.enabled else "")
+          + f"; try `python -m pipeline client {args.spec} --prompt \"Hi\" --stream`; stop with `make stop`")
     if not args.foreground:
         return 0
     try:
         while server.running_pid(s) == srv.pid:
             time.sleep(1.0)
         print("tritonserver exited; see " + str(server.log_file(s)), file=sys.stderr)
+        openai_api.stop(s)
         return 1
     except KeyboardInterrupt:
+        openai_api.stop(s)
         server.stop(s)
         return 0
 
 
 def cmd_stop(args) -> int:
     s = specmod.load(args.spec)
+    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
 
+    if openai_api.stop(s):
+        print(f"stopped the {s.name} OpenAI endpoint")
     if server.stop(s, log=print):
         print(f"stopped the {s.name} server")
     else:
         print(f"no {s.name} server was running")
+    return 0
+
+
+def cmd_openai(args) -> int:
+    """The OpenAI endpoint alone, in the foreground, in front of a deployment already serving (any backend)."""
+    s = specmod.load(args.spec)
+    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
+
+    if args.port:
+        s.openai.port = args.port
+    cfg = openai_api.front_config(s)
+    s.report_dir.mkdir(parents=True, exist_ok=True)
+    openai_api.config_file(s).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    openai_api.serve(str(openai_api.config_file(s)))
     return 0
 
 
@@ -116,7 +149,10 @@ def register(verb) -> None:
     sp.add_argument("--timeout", type=float, default=None, help="seconds to wait (default triton.startup_timeout_s)")
     sp.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
     sp.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
-    verb("stop", cmd_stop, "stop the server started by `serve`")
+    verb("stop", cmd_stop, "stop the server (and its OpenAI endpoint) started by `serve`")
+    sp = verb("openai", cmd_openai, "run the OpenAI-compatible endpoint in the foreground in front of a running "
+                                    "deployment (`serve` starts it by itself; docs/openai.md)")
+    sp.add_argument("--port", type=int, default=0, help="port (default: openai.port of the spec)")
     sp = verb("client", cmd_client, "send one request over gRPC and print the answer and its perf metrics")
     sp.add_argument("--prompt", required=True)
     sp.add_argument("--stream", action="store_true", help="print the text as it streams")

@@ -1,0 +1,801 @@
+"""The OpenAI-compatible HTTP endpoint in front of a running deployment (docs/openai.md).
+
+`serve` starts it beside tritonserver, bound to triton.host on openai.port, as its own process
+(Starlette on uvicorn); `stop` stops it. Every request becomes one Triton request over a gRPC
+stream through the project's client (pipeline.client), so the served model's contract is the
+only one: a client that goes away cancels its stream, and the model stops decoding it at its next
+step. The front applies the model's chat template (once) to chat messages, checks every parameter
+against the engine's limits before Triton sees it, answers errors as OpenAI does
+(`{"error": {message, type, param, code}}` with the matching status), cuts the text before a stop
+sequence, and adds the request's speculative figures as the `speculative` extension field. With
+PIPELINE_API_KEY set in its environment, every /v1 request needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
+from pipeline.spec import Spec
+
+API_KEY_ENV = "PIPELINE_API_KEY"
+MAX_BODY_BYTES = 16 * 2**20
+MAX_STOP = 16
+STOP_GRACE_S = 1.0  # after a stop sequence shows, the model's own stop (and its figures) may still come this long
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+# Known OpenAI parameters the deployment cannot honour: (the neutral values that are served, what to do instead).
+UNSUPPORTED = {
+    "logprobs": ((None, False, 0), "log probabilities are not returned; omit it"),
+    "top_logprobs": ((None, 0), "log probabilities are not returned; omit it"),
+    "logit_bias": ((None, {}), "logit bias is not supported; omit it"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not supported; send 0 or omit it"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not supported; send 0 or omit it"),
+    "repetition_penalty": ((None, 1, 1.0), "penalties are not supported; send 1 or omit it"),
+    "tools": ((None, []), "tool calling is not supported; omit it"),
+    "tool_choice": ((None, "none", "auto"), "tool calling is not supported; omit it"),
+    "functions": ((None, []), "function calling is not supported; omit it"),
+    "function_call": ((None, "none"), "function calling is not supported; omit it"),
+    "best_of": ((None, 1), "one completion per request; send 1 or omit it"),
+    "echo": ((None, False), "the prompt is not echoed; omit it"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported; omit it"),
+    "audio": ((None,), "audio output is not supported; omit it"),
+    "modalities": ((None, ["text"]), "text is the only modality; omit it"),
+    "prediction": ((None,), "predicted outputs are not supported; omit it"),
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP status, message, type, param, code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+CLIENT_GONE = ApiError(499, "the client closed the connection before the answer was ready", None,
+                       "client_closed_request")
+
+
+@dataclass
+class FrontConfig:
+    """What the endpoint needs to know about the deployment (written to reports/<name>/openai.json; no secrets)."""
+
+    name: str
+    host: str
+    port: int
+    grpc_url: str
+    triton_model: str
+    tokenizer_dir: str
+    max_input_len: int
+    max_seq_len: int
+    max_draft_len: int = 0
+    methods: list[str] = field(default_factory=list)  # empty: unknown (the model checks `method` itself)
+    default_method: str | None = None
+    decoupled: bool = True
+    request_timeout_s: float = 600.0
+
+
+# ----------------------------------------------------------------------------------------------- the deployment side
+
+
+def pid_file(spec: Spec) -> Path:
+    return spec.report_dir / "openai.pid"
+
+
+def log_file(spec: Spec) -> Path:
+    return spec.report_dir / "openai.log"
+
+
+def config_file(spec: Spec) -> Path:
+    return spec.report_dir / "openai.json"
+
+
+
+
+def _tokenizer_dir(spec: Spec) -> Path:
+    for d in (spec.engine_dir / "target", spec.path(spec.target.source)):
+        if (d / "tokenizer_config.json").is_file():
+            return d
+    raise FileNotFoundError(f"no tokenizer in {spec.engine_dir / 'target'} or target.source; the OpenAI endpoint "
+                            "needs the model's tokenizer (build the engine first: `make engine`)")
+
+
+def front_config(spec: Spec) -> FrontConfig:
+    """The endpoint's view of the deployment: limits and methods from the built engines, as the model sees them."""
+    from pipeline.triton.repo import client_model, default_methods
+    from pipeline.triton.server import grpc_url
+
+    tdir = _tokenizer_dir(spec)
+    cfg_path = spec.engine_dir / "target" / "config.json"
+    bc = json.loads(cfg_path.read_text()).get("build_config", {}) if cfg_path.is_file() else {}
+    methods: list[str] = []
+    default = None
+    if spec.backend == "torch" and cfg_path.is_file():
+        from pipeline.load import served_methods
+
+        methods = served_methods(spec)
+        if "medusa" in methods:
+            methods.append("medusa_typical")
+        default = next((m for m in default_methods(spec) if m in methods), "baseline")
+    model = client_model(spec) if spec.backend == "torch" else "ensemble"
+    return FrontConfig(name=spec.name, host=spec.triton.host, port=spec.openai.port, grpc_url=grpc_url(spec),
+                       triton_model=model, tokenizer_dir=str(tdir.resolve()),
+                       max_input_len=int(bc.get("max_input_len", spec.limits.max_input_len)),
+                       max_seq_len=int(bc.get("max_seq_len", spec.limits.max_seq_len)),
+                       max_draft_len=int(bc.get("max_draft_len", spec.limits.max_draft_len)),
+                       methods=methods, default_method=default,
+                       decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled)
+
+
+def _alive(pid: int, cfg: Path) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        cmd = p.cmdline()
+        return p.status() != psutil.STATUS_ZOMBIE and __name__ in cmd and str(cfg.resolve()) in cmd
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def running_pid(spec: Spec) -> int | None:
+    f = pid_file(spec)
+    try:
+        pid = int(json.loads(f.read_text())["pid"])
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        return None
+    return pid if _alive(pid, config_file(spec)) else None
+
+
+def health(url: str, timeout: float = 2.0) -> int:
+    """HTTP status of GET <root>/health (0 when nothing answers)."""
+    import urllib.error
+    import urllib.request
+
+    root = url.removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(f"{root}/health", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError):
+        return 0
+
+
+def start(spec: Spec, timeout: float = 120.0, log=print) -> int:
+    """Start the endpoint for this spec's running deployment; return its pid once /health answers 200."""
+    from pipeline.triton.server import ServerError, log_tail, port_free
+
+    pid = running_pid(spec)
+    if pid:
+        raise ServerError(f"the OpenAI endpoint for {spec.name!r} is already running (pid {pid}, {base_url(spec)}); "
+                          "stop it with `make stop`")
+    if not port_free(spec.triton.host, spec.openai.port):
+        raise ServerError(f"openai.port: port {spec.openai.port} on {spec.triton.host} is already in use; stop "
+                          f"whatever holds it (`ss -ltnp | grep {spec.openai.port}`) or set openai.port in the spec")
+    spec.report_dir.mkdir(parents=True, exist_ok=True)
+    cfg = front_config(spec)
+    config_file(spec).write_text(json.dumps(asdict(cfg), indent=2))
+    logp = log_file(spec)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, "-m", __name__, str(config_file(spec).resolve())]
+    with open(logp, "w") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=str(spec.report_dir), start_new_session=True)
+    pid_file(spec).write_text(json.dumps({"pid": proc.pid, "url": base_url(spec), "started": time.time()}))
+    t0 = time.monotonic()
+    while health(base_url(spec)) != 200:
+        if proc.poll() is not None:
+            pid_file(spec).unlink(missing_ok=True)
+            raise ServerError(f"the OpenAI endpoint exited with code {proc.returncode}. Last lines of {logp}:\n"
+                              f"{log_tail(logp)}")
+        if time.monotonic() - t0 > timeout:
+            stop(spec)
+            raise ServerError(f"the OpenAI endpoint did not answer /health with 200 within {timeout:.0f}s. Last "
+                              f"lines of {logp}:\n{log_tail(logp)}")
+        time.sleep(0.25)
+    key = " (API key from PIPELINE_API_KEY required)" if os.environ.get(API_KEY_ENV) else ""
+    log(f"OpenAI endpoint ready in {time.monotonic() - t0:.1f}s: {base_url(spec)}, model {spec.name!r}{key} "
+        f"(log {logp})")
+    return proc.pid
+
+
+def stop(spec: Spec, timeout: float = 10.0) -> bool:
+    """Stop this spec's endpoint (SIGTERM, then SIGKILL); True when one was running."""
+    import psutil
+
+    pid = running_pid(spec)
+    if pid is None:
+        pid_file(spec).unlink(missing_ok=True)
+        return False
+    try:
+        p = psutil.Process(pid)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout)
+    except psutil.TimeoutExpired:
+        p.kill()
+        p.wait(5)
+    except psutil.NoSuchProcess:
+        pass
+    pid_file(spec).unlink(missing_ok=True)
+    return True
+
+
+# --------------------------------------------------------------------------------------------- request checking
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def bad(message: str, param: str | None, code: str = "invalid_value", status: int = 400) -> ApiError:
+    return ApiError(status, message, param, code)
+
+
+@dataclass
+class Job:
+    """One checked OpenAI request, ready for Triton."""
+
+    kind: str  # "chat" or "text"
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    method: str | None
+    options: dict
+
+
+class Front:
+    """The request logic, Triton-free except for `run` (tests and the harness reuse `check`)."""
+
+    def __init__(self, cfg: FrontConfig, tokenizer, api_key: str | None = None):
+        self.cfg, self.tok, self.api_key = cfg, tokenizer, api_key or None
+        self.created = int(time.time())
+
+    # -- parameters
+    def check(self, body, kind: str) -> Job:
+        cfg = self.cfg
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object", None, "invalid_type")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad("model: missing; send the deployment's name: " + cfg.name, "model", "missing_required_parameter")
+        if model != cfg.name:
+            raise ApiError(404, f"The model {model!r} does not exist; this deployment serves {cfg.name!r} "
+                                "(GET /v1/models lists it)", "model", "model_not_found")
+        for key, (neutral, why) in UNSUPPORTED.items():
+            v = body.get(key)
+            if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
+                raise bad(f"{key}: got {json.dumps(v)[:80]}; {why}", key, "unsupported_parameter")
+        rf = body.get("response_format")
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise bad(f"response_format: got {json.dumps(rf)[:80]}; only {{\"type\": \"text\"}} is served (no JSON "
+                      "mode or schemas); omit it", "response_format", "unsupported_parameter")
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise bad(f"n: got {json.dumps(n)}; one choice per request: send 1 (or omit it) and repeat the request "
+                      "for more", "n", "unsupported_parameter")
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise bad(f"stream: got {json.dumps(stream)}; send true or false", "stream", "invalid_type")
+        if stream and not cfg.decoupled:
+            raise bad("stream: this deployment is served with triton.decoupled: false and answers in one piece; "
+                      "send stream: false", "stream", "unsupported_parameter")
+        so = body.get("stream_options")
+        include_usage = False
+        if so is not None:
+            if not stream:
+                raise bad("stream_options: only allowed with stream: true", "stream_options")
+            if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+                raise bad("stream_options: send {\"include_usage\": true|false}", "stream_options", "invalid_type")
+            include_usage = bool(so.get("include_usage", False))
+        prompt, param = (self._chat_prompt(body.get("messages")), "messages") if kind == "chat" else (
+            self._text_prompt(body.get("prompt")), "prompt")
+        ids = self._encode(prompt)
+        if len(ids) > cfg.max_input_len:
+            raise bad(f"This model's maximum prompt length is {cfg.max_input_len} tokens (limits.max_input_len); "
+                      f"your {param} came to {len(ids)} tokens. Shorten it", param, "context_length_exceeded")
+        room = cfg.max_seq_len - len(ids)
+        mt = body.get("max_completion_tokens") if kind == "chat" else None
+        mt_key = "max_completion_tokens"
+        if mt is None:
+            mt, mt_key = body.get("max_tokens"), "max_tokens"
+        if mt is None:
+            mt = room
+        elif not _is_int(mt) or mt < 1:
+            raise bad(f"{mt_key}: got {json.dumps(mt)}; send a positive integer", mt_key)
+        elif mt > room:
+            raise bad(f"{mt_key}: got {mt}; this model's maximum context length is {cfg.max_seq_len} tokens "
+                      f"(limits.max_seq_len) and the {param} take {len(ids)}, so at most {room} can be generated",
+                      mt_key, "context_length_exceeded")
+        opts: dict = {}
+        t = body.get("temperature")
+        if t is not None:
+            if not _is_num(t) or not 0 <= t <= 2:
+                raise bad(f"temperature: got {json.dumps(t)}; send a number between 0 and 2", "temperature")
+            opts["temperature"] = float(t)
+        else:
+            opts["temperature"] = 1.0  # OpenAI's default
+        p = body.get("top_p")
+        if p is not None:
+            if not _is_num(p) or not 0 <= p <= 1:
+                raise bad(f"top_p: got {json.dumps(p)}; send a number between 0 and 1", "top_p")
+            opts["top_p"] = max(float(p), 1e-9)  # 0: the single most likely token (the model's own rule)
+        k = body.get("top_k")
+        if k is not None:
+            if not _is_int(k) or k < -1:
+                raise bad(f"top_k: got {json.dumps(k)}; send 0 or -1 (off) or a positive integer", "top_k")
+            opts["top_k"] = max(k, 0)
+        seed = body.get("seed")
+        if seed is not None:
+            if not _is_int(seed) or not 0 <= seed < 2**63:
+                raise bad(f"seed: got {json.dumps(seed)}; send an integer between 0 and 2**63 - 1", "seed")
+            opts["seed"] = seed
+        nd = body.get("num_draft_tokens")
+        if nd is not None:
+            if not _is_int(nd) or not 0 <= nd <= max(cfg.max_draft_len, 0):
+                raise bad(f"num_draft_tokens: got {json.dumps(nd)}; send 0 to {cfg.max_draft_len} (max_draft_len)",
+                          "num_draft_tokens")
+            opts["num_draft_tokens"] = nd
+        method = body.get("method")
+        if method is not None:
+            if not isinstance(method, str) or (cfg.methods and method not in cfg.methods):
+                raise bad(f"method: got {json.dumps(method)}; this deployment serves "
+                          f"{', '.join(cfg.methods) or 'its default method'}", "method")
+        elif nd == 0:
+            method = "baseline"
+        else:
+            method = cfg.default_method
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
+            raise bad(f"stop: got {json.dumps(body.get('stop'))[:80]}; send a string or a list of up to {MAX_STOP} "
+                      "strings", "stop", "invalid_type")
+        stop = [s for s in stop if s]
+        return Job(kind, prompt, len(ids), mt, stream, include_usage, stop, method, opts)
+
+    def _chat_prompt(self, messages) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages: send a non-empty list of {\"role\", \"content\"} objects", "messages",
+                      "missing_required_parameter" if messages is None else "invalid_type")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad(f"{where}: send an object with a string role and content", where, "invalid_type")
+            role = "system" if m["role"] == "developer" else m["role"]
+            if role not in ("system", "user", "assistant"):
+                raise bad(f"{where}.role: got {m['role']!r}; send system, developer, user or assistant (tool "
+                          "messages need tool calling, which is not supported)", f"{where}.role")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"),
+                                                                                                  str):
+                        raise bad(f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                  "are served", f"{where}.content", "unsupported_parameter")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            if content is None and role == "assistant":
+                content = ""
+            if not isinstance(content, str):
+                raise bad(f"{where}.content: send a string or a list of text parts", f"{where}.content",
+                          "invalid_type")
+            out.append({"role": role, "content": content})
+        if getattr(self.tok, "chat_template", None):
+            try:
+                return self.tok.apply_chat_template(out, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - the template's own refusal (say, roles out of order)
+                raise bad(f"messages: the model's chat template refused them: {e}", "messages") from None
+        return "\n".join(m["content"] for m in out)
+
+    @staticmethod
+    def _text_prompt(prompt) -> str:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            raise bad("prompt: send one string (one prompt per request; token-id prompts are not served)", "prompt",
+                      "unsupported_parameter")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad("prompt: send a non-empty string", "prompt",
+                      "missing_required_parameter" if prompt is None else "invalid_value")
+        return prompt
+
+    def _encode(self, prompt: str) -> list[int]:
+        """Token ids as the served model counts them (pipeline.triton.parse: special tokens unless it has a BOS)."""
+        if len(prompt) > 64 * self.cfg.max_input_len + 1024:
+            raise bad(f"the prompt is {len(prompt)} characters, far above the {self.cfg.max_input_len} tokens of "
+                      "limits.max_input_len; shorten it", None, "context_length_exceeded")
+        bos = getattr(self.tok, "bos_token", None)
+        return list(self.tok(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"])
+
+    def count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+    def authorized(self, header: str | None) -> bool:
+        if not self.api_key:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+class StopScanner:
+    """Cuts a growing text before the first stop sequence, holding back a tail that may begin one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.text, self.sent, self.hit, self.matched = stops, "", 0, False, ""
+
+    def feed(self, piece: str) -> str:
+        """The text that is safe to send now."""
+        if self.hit:
+            return ""
+        self.text += piece
+        hits = [(i, s) for i, s in ((self.text.find(s, self.sent), s) for s in self.stops) if i >= 0]
+        if hits:
+            cut, self.matched = min(hits)
+            out, self.text, self.sent, self.hit = self.text[self.sent:cut], self.text[:cut], cut, True
+            return out
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text) - self.sent), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        safe = len(self.text) - hold
+        out, self.sent = self.text[self.sent:safe], safe
+        return out
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class Run:
+    """One Triton request on its own thread (pipeline.client.generate over a gRPC stream); events to asyncio."""
+
+    def __init__(self, front: Front, job: Job, loop: asyncio.AbstractEventLoop, rid: str):
+        self.front, self.job, self.loop, self.rid = front, job, loop, rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.gone = threading.Event()  # the HTTP client left: cancel the Triton request
+        self.scan = StopScanner(job.stop)
+        self.raw: list[str] = []
+        self.hit_at = 0.0
+        self.pieces_after_hit = 0
+        self.thread = threading.Thread(target=self._work, daemon=True, name=f"openai-{rid}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _piece(self, piece: str) -> None:
+        if self.scan.hit:
+            self.pieces_after_hit += 1
+            return
+        self.raw.append(piece)
+        out = self.scan.feed(piece)
+        if self.scan.hit:
+            self.hit_at = time.monotonic()
+        if out:
+            self._put(("piece", out))
+
+    def _cancel(self) -> bool:
+        """Cancel when the client left, or when a stop sequence showed and the model did not stop by itself (another
+        piece came, or STOP_GRACE_S passed): a stop it matched itself ends with its final response and figures."""
+        return self.gone.is_set() or (self.scan.hit and (self.pieces_after_hit > 0
+                                                         or time.monotonic() - self.hit_at > STOP_GRACE_S))
+
+    def _work(self) -> None:
+        from pipeline.client import RequestError, generate
+
+        cfg, job = self.front.cfg, self.job
+        try:
+            r = generate(cfg.grpc_url, cfg.triton_model, job.prompt, job.max_tokens, method=job.method,
+                         stream=cfg.decoupled, unary=not cfg.decoupled, timeout=cfg.request_timeout_s,
+                         on_piece=self._piece if cfg.decoupled else None,
+                         cancel=self._cancel if cfg.decoupled else None,
+                         request_id=self.rid, stop_words=job.stop or None, exclude_input_in_output=True,
+                         return_perf_metrics=True, **job.options)
+            if not cfg.decoupled:
+                self._piece(r["text"])
+            self._put(("done", r))
+        except RequestError as e:
+            self._put(("error", e))
+        except Exception as e:  # noqa: BLE001 - an unreachable server, a broken stream: answered, never raised
+            self._put(("error", e))
+
+    def finish(self, r: dict) -> tuple[str, dict, dict]:
+        """(the held-back tail, usage, speculative figures) once the request has ended."""
+        tail = "" if self.scan.hit else self.scan.flush()
+        complete = bool(r.get("complete")) and r.get("num_output_tokens") is not None
+        out_tokens = int(r["num_output_tokens"]) if complete else self.front.count("".join(self.raw))
+        if self.scan.hit:  # as OpenAI counts: the completion up to and including its stop sequence
+            out_tokens = min(out_tokens, self.front.count(self.scan.text + self.scan.matched))
+        prompt_tokens = int(r.get("num_input_tokens") or self.job.prompt_tokens)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
+                 "total_tokens": prompt_tokens + out_tokens}
+        spec = {"method": self.job.method, "acceptance_rate": r.get("acceptance_rate") if complete else None,
+                "accepted_draft_tokens": r.get("total_accepted_draft_tokens") if complete else None,
+                "draft_tokens": r.get("total_draft_tokens") if complete else None}
+        return tail, usage, spec
+
+    def finish_reason(self, r: dict, usage: dict) -> str:
+        if self.scan.hit:
+            return "stop"
+        return "length" if usage["completion_tokens"] >= self.job.max_tokens else "stop"
+
+
+def triton_error(e: Exception) -> ApiError:
+    """A Triton-side failure as an OpenAI error: the model's refusals (`input: got ...`) are the client's (400)."""
+    import re
+
+    from pipeline.client import RequestTimeout
+
+    msg = str(e)
+    if isinstance(e, RequestTimeout):
+        return ApiError(504, f"the deployment did not finish in time: {msg}", None, "timeout", "server_error")
+    if re.match(r"^[a-z_]+: ", msg):
+        return ApiError(400, msg, msg.split(":", 1)[0], "invalid_value")
+    if "unavailable" in msg.lower() or "connect" in msg.lower():
+        return ApiError(503, f"the deployment is not reachable: {msg}", None, "service_unavailable", "server_error")
+    return ApiError(500, f"the deployment failed the request: {msg}", None, "server_error", "server_error")
+
+
+# --------------------------------------------------------------------------------------------------- the ASGI app
+
+
+def make_app(front: Front):
+    """The Starlette application over `front`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    cfg = front.cfg
+    ready = {"at": 0.0, "ok": False}
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def auth(request: Request) -> None:
+        if not front.authorized(request.headers.get("authorization")):
+            raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key this "
+                                f"endpoint was started with ({API_KEY_ENV})", None, "invalid_api_key")
+
+    def model_card() -> dict:
+        return {"id": cfg.name, "object": "model", "created": front.created, "owned_by": "pipeline",
+                "methods": cfg.methods, "default_method": cfg.default_method, "max_model_len": cfg.max_seq_len}
+
+    async def models(request: Request):
+        try:
+            auth(request)
+        except ApiError as e:
+            return error(e)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request: Request):
+        try:
+            auth(request)
+            if request.path_params["model"] != cfg.name:
+                raise ApiError(404, f"The model {request.path_params['model']!r} does not exist; this deployment "
+                                    f"serves {cfg.name!r}", "model", "model_not_found")
+        except ApiError as e:
+            return error(e)
+        return JSONResponse(model_card())
+
+    def triton_ready() -> bool:
+        import tritonclient.grpc as grpcclient
+
+        try:
+            with grpcclient.InferenceServerClient(cfg.grpc_url) as c:
+                return bool(c.is_server_ready(client_timeout=2) and c.is_model_ready(cfg.triton_model,
+                                                                                      client_timeout=2))
+        except Exception:  # noqa: BLE001 - not reachable is not ready
+            return False
+
+    async def health_route(request: Request):
+        if time.monotonic() - ready["at"] > 1.0:
+            ready["ok"], ready["at"] = await asyncio.to_thread(triton_ready), time.monotonic()
+        if ready["ok"]:
+            return JSONResponse({"status": "ok", "model": cfg.name})
+        return JSONResponse({"status": "unavailable", "model": cfg.name, "triton": cfg.grpc_url}, status_code=503)
+
+    async def body_of(request: Request):
+        size = request.headers.get("content-length")
+        if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are read", None,
+                           "request_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "request_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"We could not parse the JSON body of your request ({e}); send a JSON object",
+                           None, "invalid_json") from None
+
+    def chunk(kind: str, rid: str, created: int, delta: str | None, finish: str | None, first: bool = False) -> dict:
+        if kind == "chat":
+            d: dict = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": cfg.name, "system_fingerprint": None,
+                "choices": [choice]}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    async def next_event(run: Run, request: Request, poll: bool):
+        """The next event of the run; while none comes, notice a client that left (non-streamed requests)."""
+        getter = asyncio.ensure_future(run.queue.get())  # one getter throughout: a timed-out wait loses nothing
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=0.2)
+                if done:
+                    return getter.result()
+                if poll and await request.is_disconnected():
+                    run.gone.set()  # cancels the Triton request
+                    return "gone", None
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    async def complete(request: Request, kind: str):
+        try:
+            auth(request)
+            job = front.check(await body_of(request), kind)
+        except ApiError as e:
+            return error(e)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+        run = Run(front, job, asyncio.get_running_loop(), rid)
+        run.start()
+        if not job.stream:
+            text: list[str] = []
+            try:
+                while True:
+                    what, value = await next_event(run, request, poll=True)
+                    if what == "piece":
+                        text.append(value)
+                    elif what == "error":
+                        return error(triton_error(value))
+                    elif what == "gone":
+                        return error(CLIENT_GONE)  # nobody reads it: the client has left
+                    else:
+                        break
+            except BaseException:
+                run.gone.set()  # the client left (or the server stops): cancel the Triton request
+                raise
+            tail, usage, spec = run.finish(value)
+            content = "".join(text) + tail
+            finish = run.finish_reason(value, usage)
+            if kind == "chat":
+                choice = {"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
+                          "logprobs": None, "finish_reason": finish}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+                obj = "text_completion"
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": cfg.name,
+                                 "system_fingerprint": None, "choices": [choice], "usage": usage,
+                                 "speculative": spec})
+
+        # Streamed: the first event decides between an HTTP error and a 200 stream (a refusal is never mid-stream).
+        try:
+            first = await next_event(run, request, poll=True)
+        except BaseException:
+            run.gone.set()
+            raise
+        if first[0] == "error":
+            return error(triton_error(first[1]))
+        if first[0] == "gone":
+            return error(CLIENT_GONE)
+
+        async def events():
+            what, value = first
+            try:
+                if kind == "chat":
+                    yield sse({**chunk(kind, rid, created, None, None, first=True),
+                               **({"usage": None} if job.include_usage else {})})
+                while True:
+                    if what == "piece":
+                        c = chunk(kind, rid, created, value, None)
+                        yield sse({**c, "usage": None} if job.include_usage else c)
+                    elif what == "error":
+                        yield sse(triton_error(value).body())
+                        break
+                    else:
+                        tail, usage, spec = run.finish(value)
+                        if tail:
+                            c = chunk(kind, rid, created, tail, None)
+                            yield sse({**c, "usage": None} if job.include_usage else c)
+                        last = {**chunk(kind, rid, created, None, run.finish_reason(value, usage)),
+                                "speculative": spec}
+                        yield sse({**last, "usage": None} if job.include_usage else last)
+                        if job.include_usage:
+                            yield sse({"id": rid, "object": last["object"], "created": created, "model": cfg.name,
+                                       "system_fingerprint": None, "choices": [], "usage": usage,
+                                       "speculative": spec})
+                        break
+                    what, value = await run.queue.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                run.gone.set()  # a client that left mid-stream: its Triton request is cancelled at once
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chat(request: Request):
+        return await complete(request, "chat")
+
+    async def completions(request: Request):
+        return await complete(request, "text")
+
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None,
+                                     code).body(), status_code=exc.status_code)
+
+    async def crash(request: Request, exc: Exception):
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error",
+                                     "server_error").body(), status_code=500)
+
+    routes = [Route("/health", health_route), Route("/v1/models", models), Route("/v1/models/{model:path}", one_model),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: crash})
+
+
+def serve(config_path: str) -> None:
+    """Run the endpoint in this process until SIGTERM (what `start` launches)."""
+    import uvicorn
+
+    from pipeline.runtime.engine_io import load_tokenizer
+
+    cfg = FrontConfig(**json.loads(Path(config_path).read_text()))
+    front = Front(cfg, load_tokenizer(Path(cfg.tokenizer_dir)), os.environ.get(API_KEY_ENV))
+    print(f"OpenAI endpoint for {cfg.name!r} on {cfg.host}:{cfg.port} -> Triton {cfg.grpc_url} model "
+          f"{cfg.triton_model}; methods {cfg.methods or '(the model says)'}, default {cfg.default_method}; "
+          f"API key {'required' if front.api_key else 'not required'}", flush=True)
+    uvicorn.run(make_app(front), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible endpoint `serve` starts, driven by real clients: the official `openai` package, raw HTTP
+sockets and the project's own OpenAI client, over the tiny models on the real tritonserver (one per module)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pipeline import spec as specmod
+from pipeline.client import chat_text, generate
+from pipeline.triton import openai_api
+from pipeline.triton import server as srvmod
+from tests.conftest import write_spec
+
+PROMPT = "Explain how rain forms over the ocean."
+LONG_PROMPT = "What is photosynthesis?"  # the tiny model streams it a token at a time (others: one piece, bytes)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_root, tiny_engine):
+    """`python -m pipeline serve` on a tiny target that is its own draft, with Medusa heads: every method."""
+    from pipeline.cli import main
+    from pipeline.engine import build_target
+    from pipeline.train.draft import build_draft
+    from pipeline.train.medusa import build_medusa
+
+    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    path = write_spec(tiny_root, name="oai", draft={"source": "models/target"},
+                      medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
+                              "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
+                      triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      # room for a stream long enough to be abandoned mid-way
+                      limits={"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8},
+                      validate={"max_prompts": 2, "max_new_tokens": 8, "concurrency": [1, 3]})
+    s = specmod.load(path)
+    quiet = lambda *a, **k: None  # noqa: E731
+    build_target(s, log=quiet)
+    build_draft(s, log=quiet)
+    build_medusa(s, log=quiet)
+    assert main(["serve", str(path)]) == 0
+    try:
+        yield s
+    finally:
+        main(["stop", str(path)])
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    from openai import OpenAI
+
+    return OpenAI(base_url=openai_api.base_url(deployment), api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tok(deployment):
+    from pipeline.runtime.engine_io import load_tokenizer
+
+    return load_tokenizer(deployment.engine_dir / "target")
+
+
+def _grpc(s, text: str, n: int, method: str | None = None) -> dict:
+    return generate(srvmod.grpc_url(s), "ensemble", text, n, method=method)
+
+
+def _raw(s, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    root = openai_api.base_url(s).removesuffix("/v1")
+    req = urllib.request.Request(root + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _metric(s, name: str) -> float:
+    text = urllib.request.urlopen(srvmod.metrics_url(s), timeout=10).read().decode()
+    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
+def test_serve_starts_the_endpoint_on_the_spec_host_and_lists_the_deployment(deployment, client):
+    s = deployment
+    assert openai_api.running_pid(s) is not None
+    assert openai_api.health(openai_api.base_url(s)) == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["oai"]
+    card = models.data[0].model_extra
+    assert {"baseline", "draft_target", "prompt_lookup", "medusa"} <= set(card["methods"])
+    assert card["default_method"] == "draft_target"
+    import psutil
+
+    listening = {c.laddr for c in psutil.Process(openai_api.running_pid(s)).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN}
+    assert {(a.ip, a.port) for a in listening} == {("127.0.0.1", s.openai.port)}
+
+
+def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(deployment, client, tok):
+    """The endpoint applies the model's chat template once: its greedy answer is the gRPC path's answer to the
+    client-side templated prompt, for every method, with usage and the speculative figures of the request."""
+    s = deployment
+    for method in ("baseline", "prompt_lookup", "draft_target", "medusa"):
+        want = _grpc(s, chat_text(tok, PROMPT), 12, method)
+        r = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=12, temperature=0, extra_body={"method": method})
+        assert r.choices[0].message.content == want["text"], method
+        assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+        n = want["num_output_tokens"]
+        assert r.usage.completion_tokens == n and r.usage.prompt_tokens == want["num_input_tokens"]
+        assert r.usage.total_tokens == r.usage.prompt_tokens + n
+        assert r.choices[0].finish_reason == ("length" if n == 12 else "stop")
+        fig = r.model_extra["speculative"]
+        assert fig["method"] == method
+        assert fig["draft_tokens"] == want["total_draft_tokens"]
+        assert fig["accepted_draft_tokens"] == want["total_accepted_draft_tokens"]
+        assert fig["acceptance_rate"] == pytest.approx(want["acceptance_rate"])
+        if method == "draft_target":  # the target is its own draft: every drafted token is accepted
+            assert fig["draft_tokens"] > 0 and fig["acceptance_rate"] == 1.0
+        if method == "baseline":
+            assert fig["draft_tokens"] == 0
+
+
+def test_streamed_chat_and_completions_equal_their_unary_answers_with_usage_last(deployment, client):
+    r = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}], max_tokens=14,
+                                       temperature=0)
+    chunks = list(client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}],
+                                                 max_tokens=14, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1, "it streams piece by piece"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == r.choices[0].finish_reason
+    assert finals[0].model_extra["speculative"]["method"] == "draft_target", "the deployment's default"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # Text completions: the prompt as it is, no template; streamed equals unary equals gRPC.
+    want = _grpc(deployment, PROMPT, 10, "baseline")["text"]
+    t = client.completions.create(model="oai", prompt=PROMPT, max_tokens=10, temperature=0,
+                                  extra_body={"method": "baseline"})
+    assert t.choices[0].text == want and t.object == "text_completion"
+    streamed = client.completions.create(model="oai", prompt=PROMPT, max_tokens=10, temperature=0, stream=True,
+                                         extra_body={"method": "baseline"})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+
+
+def _first_new(text: str, size: int) -> str | None:
+    """A `size`-character piece of the first half of `text` that first occurs past its start."""
+    return next((text[i:i + size] for i in range(2, len(text) // 2) if text.find(text[i:i + size]) >= 2
+                 and "\ufffd" not in text[i:i + size]), None)
+
+
+def test_stop_sequences_cut_the_text_before_them(deployment, client):
+    # Sampled with a seed (the same answer every time; the tiny model's greedy answers repeat one character).
+    kw = dict(model="oai", max_tokens=24, temperature=1.0, seed=5, extra_body={"method": "baseline"})
+    full = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    stops = [_first_new(full, 2), "\u00a7never\u00a7"]
+    assert stops[0], full
+    want = full[:full.find(stops[0])]
+    r = client.completions.create(prompt=PROMPT, stop=stops, **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.completion_tokens < 24
+    streamed = list(client.completions.create(prompt=PROMPT, stop=stops[0], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["stop"]
+    msgs = [{"role": "user", "content": PROMPT}]
+    text = client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+    stop = _first_new(text, 2)
+    assert stop, text
+    cut = client.chat.completions.create(messages=msgs, stop=[stop], **kw)
+    assert cut.choices[0].message.content == text[:text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats_and_temperature_changes_the_answer(deployment, client):
+    kw = dict(model="oai", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=11,
+              extra_body={"method": "baseline"})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    greedy = client.completions.create(**{**kw, "temperature": 0}).choices[0].text
+    others = {client.completions.create(**{**kw, "seed": s}).choices[0].text for s in range(4)}
+    assert others - {greedy}, "sampling at T=1 gives other answers than greedy"
+
+
+def test_errors_are_openai_shaped_with_the_right_status(deployment, client):
+    import openai
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    cases = [
+        (openai.NotFoundError, dict(model="nope", messages=msgs), "model", "model_not_found"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, n=2), "n", "unsupported_parameter"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, max_tokens=0), "max_tokens", "invalid_value"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, max_tokens=10_000), "max_tokens",
+         "context_length_exceeded"),
+        (openai.BadRequestError, dict(model="oai", messages=[{"role": "user", "content": "rain " * 400}]),
+         "messages", "context_length_exceeded"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, temperature=3), "temperature", "invalid_value"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, logprobs=True), "logprobs",
+         "unsupported_parameter"),
+        (openai.BadRequestError, dict(model="oai", messages=msgs, extra_body={"method": "beam"}), "method",
+         "invalid_value"),
+        (openai.BadRequestError, dict(model="oai", messages=[]), "messages", "invalid_type"),
+    ]
+    for exc, kw, param, code in cases:
+        with pytest.raises(exc) as e:
+            client.chat.completions.create(**kw)
+        err = e.value.body
+        assert err["param"] == param and err["code"] == code and err["type"] == "invalid_request_error", kw
+        assert err["message"]
+    # Raw HTTP: bad JSON, a body that is no object, an unknown route, a wrong verb.
+    s = deployment
+    for method, path, body, status, code in [("POST", "/v1/chat/completions", b"{not json", 400, "invalid_json"),
+                                             ("POST", "/v1/completions", b"[1, 2]", 400, "invalid_type"),
+                                             ("GET", "/v1/nothing", None, 404, "not_found"),
+                                             ("GET", "/v1/chat/completions", None, 405, "method_not_allowed")]:
+        got, out = _raw(s, method, path, body)
+        assert got == status and out["error"]["code"] == code, (path, out)
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+    # None of these hurt the deployment: the next request is served as before.
+    ok = client.chat.completions.create(model="oai", messages=msgs, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_a_bad_request_during_a_stream_does_not_disturb_it(deployment, client):
+    want = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": LONG_PROMPT}],
+                                          max_tokens=60, temperature=0, extra_body={"method": "baseline"})
+    got: dict = {}
+
+    def stream() -> None:
+        chunks = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": LONG_PROMPT}],
+                                                max_tokens=60, temperature=0, stream=True,
+                                                extra_body={"method": "baseline"})
+        got["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for body in (b"{", b'{"model": "oai", "messages": "x"}', json.dumps({"model": "oai", "prompt": "x",
+                                                                         "max_tokens": -1}).encode()):
+        assert _raw(deployment, "POST", "/v1/completions", body)[0] == 400
+    t.join(timeout=120)
+    assert got["text"] == want.choices[0].message.content
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(deployment):
+    """A raw HTTP client reads the first event of a long stream and closes its socket: the decode stops (the
+    server counts it cancelled, far short of its budget) within a second or so, and the next request is served."""
+    s = deployment
+    budget = 440
+    full = _grpc(s, LONG_PROMPT, budget, "baseline")
+    assert full["num_output_tokens"] == budget, "precondition: this greedy answer runs to its budget"
+    before, tokens_before = _metric(s, "spec_decode_requests_cancelled_total"), _metric(
+        s, "spec_decode_cancelled_tokens_total")
+    body = json.dumps({"model": "oai", "prompt": LONG_PROMPT, "max_tokens": budget, "temperature": 0,
+                       "stream": True, "method": "baseline"}).encode()
+    sock = socket.create_connection(("127.0.0.1", s.openai.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    seen = b""
+    while b"data: {" not in seen:
+        seen += sock.recv(4096)
+    assert seen.startswith(b"HTTP/1.1 200")
+    sock.close()
+    gone = time.monotonic()
+    while _metric(s, "spec_decode_requests_cancelled_total") == before and time.monotonic() - gone < 10:
+        time.sleep(0.05)
+    freed_after = time.monotonic() - gone
+    assert _metric(s, "spec_decode_requests_cancelled_total") == before + 1
+    assert _metric(s, "spec_decode_cancelled_tokens_total") - tokens_before < budget
+    assert freed_after < 2.0, f"the request was cancelled {freed_after:.2f}s after its client left"
+    assert _grpc(s, LONG_PROMPT, 5, "baseline")["num_output_tokens"] == 5
+
+
+def test_api_key_from_the_environment_is_required_when_set(deployment, monkeypatch):
+    """A second endpoint on the same deployment started with PIPELINE_API_KEY refuses requests without it."""
+    import dataclasses
+
+    import openai
+
+    s = deployment
+    other = dataclasses.replace(s, openai=dataclasses.replace(s.openai, port=srvmod.free_port()), name=s.name)
+    monkeypatch.setenv(openai_api.API_KEY_ENV, "s3cret")
+    rdir = s.report_dir / "keyed"
+    monkeypatch.setattr(openai_api, "pid_file", lambda spec: rdir / "openai.pid")
+    monkeypatch.setattr(openai_api, "config_file", lambda spec: rdir / "openai.json")
+    monkeypatch.setattr(openai_api, "log_file", lambda spec: rdir / "openai.log")
+    rdir.mkdir(parents=True, exist_ok=True)
+    openai_api.start(other, log=lambda *a: None)
+    try:
+        url = openai_api.base_url(other)
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+        r = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0).completions.create(
+            model="oai", prompt=PROMPT, max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        assert "s3cret" not in (rdir / "openai.json").read_text()
+    finally:
+        openai_api.stop(other)
+
+
+def test_project_client_reads_text_usage_and_figures_like_the_grpc_client(deployment, tok):
+    from pipeline import openai_client
+
+    s = deployment
+    url = openai_api.base_url(s)
+    want = _grpc(s, chat_text(tok, PROMPT), 10, "prompt_lookup")
+    for stream in (True, False):
+        r = openai_client.generate(url, "oai", PROMPT, 10, method="prompt_lookup", stream=stream)
+        assert r["complete"] and r["text"] == want["text"]
+        for key in ("num_output_tokens", "num_input_tokens", "total_draft_tokens", "total_accepted_draft_tokens"):
+            assert r[key] == want[key], (stream, key)
+        assert r["speculative"]["method"] == "prompt_lookup" and 0 < r["ttft_s"] <= r["latency_s"]
+    with pytest.raises(openai_client.ApiRequestError) as e:
+        openai_client.generate(url, "nope", PROMPT, 4)
+    assert e.value.status == 404 and e.value.error["code"] == "model_not_found"
+
+
+def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(deployment):
+    """`load --api openai`, soak-like and short: streamed and unary HTTP clients, every method, sampled and greedy,
+    clients that cancel after the first piece or drop their connection; the server counts those as cancelled."""
+    from pipeline.cli import main
+    from pipeline.load import run_load
+
+    s = deployment
+    r = run_load(s, 6, 8.0, 8, ("baseline", "prompt_lookup", "draft_target", "medusa"), model="oai", num_prompts=3,
+                 temperatures=(0.0, 0.7), cancel_every=4, disconnect_every=5, unary_every=2, api="openai",
+                 log=lambda *a: None)
+    assert r["api"] == "openai" and r["url"] == openai_api.base_url(s)
+    assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
+    assert r["greedy_requests"] > 0 and r["streamed"] > 0 and r["unary"] > 0 and r["cancelled"] > 0
+    assert 0 < r["server_cancelled"] <= r["cancelled"]
+    assert json.loads((s.report_dir / "load_openai.json").read_text())["requests"] == r["requests"]
+    rc = main(["load", str(Path(s.root) / "build" / "oai.yaml"), "--api", "openai", "--concurrency", "2",
+               "--duration", "2", "--max-tokens", "4", "--prompts", "2"])
+    r = json.loads((s.report_dir / "load_openai.json").read_text())
+    assert rc == 0 and r["concurrency"] == 2 and r["greedy_requests"] > 0 and r["greedy_mismatches"] == 0
+
+
+def test_validate_through_the_endpoint_reports_every_method_exact(deployment):
+    from pipeline.validate_api import run_validate_api
+
+    s = deployment
+    r = run_validate_api(s, log=lambda *a: None)
+    assert set(r["methods"]) == {"baseline", "draft_target", "prompt_lookup", "medusa"}
+    for m, e in r["methods"].items():
+        assert e["greedy_identical"] == e["greedy_total"] == 2 and e["complete"] == 2, m
+        assert e["tokens_per_s"] > 0
+    assert r["methods"]["draft_target"]["acceptance_rate"] == 1.0, "the target drafts for itself"
+    assert r["methods"]["baseline"]["acceptance_rate"] is None
+    assert r["grpc_identical"] == {"identical": 2, "total": 2} and r["repeat_identical"]
+    assert [c["greedy_mismatches"] for c in r["batch_curve"]] == [0, 0]
+    assert json.loads((s.report_dir / "validate_openai.json").read_text())["methods"].keys() == r["methods"].keys()
+
+
+def test_stop_scanner_holds_back_what_may_begin_a_stop_sequence():
+    sc = openai_api.StopScanner(["END", "\n\n"])
+    assert sc.feed("abc E") == "abc "
+    assert sc.feed("N") == ""
+    assert sc.feed("x\n") == "ENx"
+    assert sc.feed("\nmore") == "" and sc.hit
+    assert sc.text == "abc ENx"
+    none = openai_api.StopScanner([])
+    assert none.feed("a") == "a" and none.flush() == ""
+
+
+def test_openai_port_is_checked_in_the_spec(tiny_root):
+    with pytest.raises(specmod.SpecError, match="openai.port: got 70000"):
+        specmod.load(write_spec(tiny_root, name="badport", openai={"port": 70000}))
+    with pytest.raises(specmod.SpecError, match="openai.port: got 8001; is also triton.grpc_port"):
+        specmod.load(write_spec(tiny_root, name="clash", openai={"port": 8001}))
+    with pytest.raises(specmod.SpecError, match="openai.portt: unknown key"):
+        specmod.load(write_spec(tiny_root, name="typo", openai={"portt": 1}))
+    assert specmod.load(write_spec(tiny_root, name="off", openai={"port": 8001, "enabled": False}))
