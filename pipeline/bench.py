@@ -171,10 +171,10 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         report["methods"]["draft_target"]["vs_hf_assisted"] = (
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
-    # llama.cpp on the target's own GGUF (plain, and its bindings' prompt lookup briefly), when installed.
+    # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
     from pipeline import peers as gguf
 
-    report["peers"].update(gguf.gguf_peers(spec, ids, new, log, lookup=(1, 8 if quick else 32)))
+    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
 
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
@@ -314,8 +314,17 @@ def bench_markdown(r: dict) -> str:
         lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
                      f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} |")
     for name, e in r["peers"].items():
-        who = f"llama.cpp {e.get('version', '')} ({name})" if name.startswith("llama_cpp") else f"transformers {name}"
-        speed = "not installed (make peers)" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:.1f}"
+        if name == "llama_cpp_server" and e.get("tokens_per_s") is not None:
+            lines.append(f"| llama-server plain | {e['plain']['tokens_per_s']:.1f} (decode "
+                         f"{e['plain']['decode_tokens_per_s']:.1f}) | | | | |")
+            if e.get("draft"):
+                d = e["draft"]
+                acc = f"{d['acceptance']:.2f}" if d.get("acceptance") is not None else ""
+                lines.append(f"| llama-server + draft (n-max {d['spec_draft_n_max']}) | {d['tokens_per_s']:.1f} "
+                             f"(decode {d['decode_tokens_per_s']:.1f}) | | {acc} | | |")
+            continue
+        who = "llama.cpp llama-server" if name.startswith("llama_cpp") else f"transformers {name}"
+        speed = f"n/a ({e.get('note', '')})" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:.1f}"
         lines.append(f"| {who} | {speed} | | | | |")
     rf = r["roofline"]
     n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")

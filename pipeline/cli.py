@@ -146,7 +146,7 @@ def _extra_verbs():
     import importlib
 
     out = []
-    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick"):
+    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick", "pipeline.peers"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
