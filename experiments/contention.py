@@ -5,7 +5,7 @@ engine, warms up, then decodes `--new` greedy tokens of one prompt, quiet and be
 (`pipeline.contention.measure`). It prints quiet and busy tokens/s and the slowdown per configuration.
 
     python experiments/contention.py --engine engines/qwen_coder --new 32 --method baseline
-    python experiments/contention.py --hidden 1536 --layers 8 --new 64        # a random model, built on the fly
+    python experiments/contention.py --layers 8 --new 64        # a random model of the target's layer shape, built here
 
 A configuration is `threads:policy`, policy one of `default` (libgomp's own), `passive` (OMP_WAIT_POLICY=PASSIVE),
 `active` or a GOMP_SPINCOUNT value.
@@ -35,13 +35,24 @@ def _env(policy: str) -> dict:
     return env
 
 
-def _build(root: Path, hidden: int, layers: int) -> Path:
+def _build(root: Path, hidden: int, layers: int, intermediate: int) -> Path:
+    """A random Qwen2 model with the flagship target's layer shape (hidden 1536, 12 heads, 2 KV heads, MLP 8960)
+    and fewer layers, built into an engine as the pipeline builds one (bf16)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from pipeline import spec as specmod
     from pipeline.engine import build_target
-    from tests.conftest import make_model_dir, write_spec
+    from tests.conftest import train_tokenizer, write_spec
 
-    make_model_dir(root / "models" / "target", layers=layers, hidden=hidden, heads=hidden // 128,
-                   kv_heads=2, vocab=2048, family="qwen2")
+    tok = train_tokenizer(2048)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 128, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=True, use_sliding_window=False)
+    out = root / "models" / "target"
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
     s = specmod.load(write_spec(root, name="busy", dtype="bfloat16"))
     build_target(s, log=lambda *a: None)
     return s.engine_dir
@@ -74,6 +85,7 @@ def main() -> int:
     ap.add_argument("--root", default="", help="where to build the random model (kept; default: a temporary dir)")
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=8960)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--method", default="baseline")
@@ -86,7 +98,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.root or tmp)
         built = root / "engines" / "busy" / "config.json"
-        engine = args.engine or str(built.parent if built.is_file() else _build(root, args.hidden, args.layers))
+        engine = args.engine or str(built.parent if built.is_file()
+                                    else _build(root, args.hidden, args.layers, args.intermediate))
         out = {}
         for cfg in args.configs.split(","):
             threads, policy = cfg.split(":")
