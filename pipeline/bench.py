@@ -176,6 +176,12 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
     report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
 
+    # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
+    from pipeline.contention import served_section
+
+    report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
+        spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
+
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
     from pipeline.precision import read_bytes
@@ -305,6 +311,26 @@ def environment(spec: Spec) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}
 
 
+def contention_lines(c: dict) -> list[str]:
+    """bench.md's busy-machine table: quiet and busy tokens/s and the slowdown per decoder."""
+    rows = [(f"ours, {m}", e) for m, e in (c.get("ours") or {}).items() if isinstance(e, dict)]
+    if "plain" in (c.get("llama_cpp_server") or {}):
+        rows.append(("llama-server plain", c["llama_cpp_server"]["plain"]))
+    notes = [f"{who}: {e['note']}" for who, e in (("ours", c.get("ours")), ("llama-server", c.get("llama_cpp_server")))
+             if isinstance(e, dict) and "note" in e]
+    if c.get("note"):
+        notes.append(c["note"])
+    if not rows and not notes:
+        return []
+    out = ["", f"## A busy machine ({c.get('new_tokens', '')} tokens, one Python busy loop beside the server, "
+           f"{c.get('cores', '')} cores)", ""]
+    if rows:
+        out += ["| decoder | quiet tokens/s | busy tokens/s | slowdown |", "|---|---|---|---|"]
+        out += [f"| {who} | {e['quiet_tokens_per_s']:.1f} | {e['busy_tokens_per_s']:.1f} | {e['slowdown']:.2f}x |"
+                for who, e in rows]
+    return out + [f"- {n}" for n in notes]
+
+
 def bench_markdown(r: dict) -> str:
     lines = [f"# Benchmark: {r['spec']} ({r['dtype']}, batch {r['batch']}, {r['new_tokens']} new tokens, "
              f"{r['prompts']} prompts, greedy)", "",
@@ -343,6 +369,7 @@ def bench_markdown(r: dict) -> str:
     for m, e in r["temperature_0.7"].items():
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "
                      f"{e['mean_accepted_len']:.2f} |")
+    lines += contention_lines(r.get("contention") or {})
     bf, b8 = r["bf16"], r["batch8"]
     lines += ["", f"bf16: ours {bf['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
               f"{bf['hf_generate_tokens_per_s']:.1f} ({bf['ratio']:.2f}x).",
