@@ -130,6 +130,13 @@ def build(log=print, jobs: int | None = None) -> Path:
                     *CMAKE_ARGS], check=True, stdout=subprocess.DEVNULL)
     subprocess.run([cmake, "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 1), "--target", *BINARIES],
                    check=True)
+    return install(bdir, log)
+
+
+def install(bdir: Path, log=print) -> Path:
+    """Copy the binaries of a finished build (`bdir`/bin) into this CPU's install directory, which appears only
+    once complete: they are copied into `<install>.partial-<pid>`, which is then renamed into place."""
+    dest = install_dir()
     part = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
     shutil.rmtree(part, ignore_errors=True)
     (part / "bin").mkdir(parents=True)
