@@ -168,12 +168,12 @@ class Mode:
 def server_command(exe: Path, gguf: Path, port: int, threads: int, ctx: int, mode: Mode = Mode()) -> list[str]:
     """llama-server's command line: one slot, 127.0.0.1, the GGUF's chat template (jinja), no web UI; with a
     draft, `--spec-type draft-simple` (without it the server loads the draft and never drafts) and the draft's
-    own thread count and context."""
+    thread count (its context follows the target's: this llama.cpp has no flag for it)."""
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-c", str(ctx), "-np", "1", "--jinja", "--no-webui"]
     if mode.draft is not None:
         cmd += ["-md", str(mode.draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(mode.n_max),
-                "-td", str(threads), "-cd", str(ctx)]
+                "-td", str(threads)]
     return cmd
 
 
