@@ -14,11 +14,12 @@ if TYPE_CHECKING:
 # How long an OpenMP thread that waits (at a barrier, or for the next parallel region) spins before it sleeps.
 # libgomp's default, 300,000 pause instructions (several milliseconds, longer than the kernel's time slice),
 # made a thread whose partner was preempted by another process spin through its own share of the CPU at every
-# barrier: a decode beside one busy process ran 2.2x slower (a random 8-layer model of the target's layer
-# shape) and up to 10-19x served. 1000 pauses (tens of microseconds) still covers a parallel region's normal
-# imbalance, so a quiet decode keeps its speed; a waiter then yields its core. Measured in
-# experiments/contention.py (docs/peers.md). The environment's own value wins; libgomp reads it once, when it is
-# loaded, so it is set before torch is imported (pipeline/__main__.py) and for the served stubs (server_env).
+# barrier: the served flagship target fell from 10.3 to 0.67 tokens/s beside one busy process (15x). 1000 pauses
+# (tens of microseconds) still covers a parallel region's normal imbalance, so a quiet decode keeps its speed
+# (10.6 tokens/s served), and a waiter then yields its core: 5.4 tokens/s busy (1.9x). Measured with
+# experiments/contention.py and bench's contention section (docs/peers.md). The environment's own value wins;
+# libgomp reads it once, when it is loaded, so it is set before torch is imported (pipeline/__main__.py) and for
+# the served stubs (server_env).
 OMP_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 
