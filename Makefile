@@ -22,11 +22,11 @@ setup: $(VENV)/.installed
 fetch: setup
 	$(PY) -m pipeline fetch $(SPEC)
 
-# Optional peer: llama.cpp through llama-cpp-python, built from source (about 20 minutes on 2 cores).
-# bench and validate run it on the target's GGUF when it is installed.
+# Optional peer: llama.cpp's llama-server (and llama-bench), built from the sources vendored in the pinned
+# llama-cpp-python sdist into ~/.cache/spec-pipeline/llama.cpp-<version>-<cpu>/ (about 12 minutes on 2 cores,
+# once per CPU). bench and validate run it on the target's GGUF when it is built (docs/peers.md).
 peers: setup
-	$(VENV)/bin/pip install --quiet diskcache==5.6.3 jinja2 typing-extensions
-	$(VENV)/bin/pip install --quiet --no-deps llama-cpp-python==0.3.36
+	$(PY) -m pipeline peers $(SPEC)
 
 engine: fetch
 	$(PY) -m pipeline engine $(SPEC) $(ARGS)

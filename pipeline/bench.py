@@ -171,10 +171,16 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         report["methods"]["draft_target"]["vs_hf_assisted"] = (
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
-    # llama.cpp on the target's own GGUF (plain, and its bindings' prompt lookup briefly), when installed.
+    # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
     from pipeline import peers as gguf
 
-    report["peers"].update(gguf.gguf_peers(spec, ids, new, log, lookup=(1, 8 if quick else 32)))
+    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
+
+    # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
+    from pipeline.contention import served_section
+
+    report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
+        spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
 
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
@@ -305,6 +311,26 @@ def environment(spec: Spec) -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}
 
 
+def contention_lines(c: dict) -> list[str]:
+    """bench.md's busy-machine table: quiet and busy tokens/s and the slowdown per decoder."""
+    rows = [(f"ours, {m}", e) for m, e in (c.get("ours") or {}).items() if isinstance(e, dict)]
+    if "plain" in (c.get("llama_cpp_server") or {}):
+        rows.append(("llama-server plain", c["llama_cpp_server"]["plain"]))
+    notes = [f"{who}: {e['note']}" for who, e in (("ours", c.get("ours")), ("llama-server", c.get("llama_cpp_server")))
+             if isinstance(e, dict) and "note" in e]
+    if c.get("note"):
+        notes.append(c["note"])
+    if not rows and not notes:
+        return []
+    out = ["", f"## A busy machine ({c.get('new_tokens', '')} tokens, one Python busy loop beside the server, "
+           f"{c.get('cores', '')} cores)", ""]
+    if rows:
+        out += ["| decoder | quiet tokens/s | busy tokens/s | slowdown |", "|---|---|---|---|"]
+        out += [f"| {who} | {e['quiet_tokens_per_s']:.1f} | {e['busy_tokens_per_s']:.1f} | {e['slowdown']:.2f}x |"
+                for who, e in rows]
+    return out + [f"- {n}" for n in notes]
+
+
 def bench_markdown(r: dict) -> str:
     lines = [f"# Benchmark: {r['spec']} ({r['dtype']}, batch {r['batch']}, {r['new_tokens']} new tokens, "
              f"{r['prompts']} prompts, greedy)", "",
@@ -314,8 +340,17 @@ def bench_markdown(r: dict) -> str:
         lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
                      f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} |")
     for name, e in r["peers"].items():
-        who = f"llama.cpp {e.get('version', '')} ({name})" if name.startswith("llama_cpp") else f"transformers {name}"
-        speed = "not installed (make peers)" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:.1f}"
+        if name == "llama_cpp_server" and e.get("tokens_per_s") is not None:
+            lines.append(f"| llama-server plain | {e['plain']['tokens_per_s']:.1f} (decode "
+                         f"{e['plain']['decode_tokens_per_s']:.1f}) | | | | |")
+            if e.get("draft"):
+                d = e["draft"]
+                acc = f"{d['acceptance']:.2f}" if d.get("acceptance") is not None else ""
+                lines.append(f"| llama-server + draft (n-max {d['spec_draft_n_max']}) | {d['tokens_per_s']:.1f} "
+                             f"(decode {d['decode_tokens_per_s']:.1f}) | | {acc} | | |")
+            continue
+        who = "llama.cpp llama-server" if name.startswith("llama_cpp") else f"transformers {name}"
+        speed = f"n/a ({e.get('note', '')})" if e.get("tokens_per_s") is None else f"{e['tokens_per_s']:.1f}"
         lines.append(f"| {who} | {speed} | | | | |")
     rf = r["roofline"]
     n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
@@ -334,6 +369,7 @@ def bench_markdown(r: dict) -> str:
     for m, e in r["temperature_0.7"].items():
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "
                      f"{e['mean_accepted_len']:.2f} |")
+    lines += contention_lines(r.get("contention") or {})
     bf, b8 = r["bf16"], r["batch8"]
     lines += ["", f"bf16: ours {bf['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
               f"{bf['hf_generate_tokens_per_s']:.1f} ({bf['ratio']:.2f}x).",

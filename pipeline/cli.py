@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extra_verbs():
     """Verbs owned by other stages register themselves here (each module's `register(verb)`)."""
     out = []
-    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick"):
+    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick", "pipeline.peers"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -11,6 +11,24 @@ if TYPE_CHECKING:
     from pipeline.spec import Spec
 
 
+# How long an OpenMP thread that waits (at a barrier, or for the next parallel region) spins before it sleeps.
+# libgomp's default, 300,000 pause instructions (several milliseconds, longer than the kernel's time slice),
+# made a thread whose partner was preempted by another process spin through its own share of the CPU at every
+# barrier: the served flagship target fell from 10.3 to 0.67 tokens/s beside one busy process (15x). 1000 pauses
+# (tens of microseconds) still covers a parallel region's normal imbalance, so a quiet decode keeps its speed
+# (10.6 tokens/s served), and a waiter then yields its core: 5.4 tokens/s busy (1.9x). Measured with
+# experiments/contention.py and bench's contention section (docs/peers.md). The environment's own value wins;
+# libgomp reads it once, when it is loaded, so it is set before torch is imported (pipeline/__main__.py) and for
+# the served stubs (server_env).
+OMP_ENV = {"GOMP_SPINCOUNT": "1000"}
+
+
+def apply_omp_env(env) -> None:
+    """Set OMP_ENV's variables in `env` (os.environ or a child's environment) where it does not set them."""
+    for k, v in OMP_ENV.items():
+        env.setdefault(k, v)
+
+
 def setup_threads(spec: Spec) -> None:
     """One setting for torch's threads and the C kernels' (spec `threads`; 0 leaves the defaults)."""
     from pipeline.runtime import kernels  # heavy (torch, the C kernels): only when threads are set

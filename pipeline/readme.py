@@ -54,8 +54,8 @@ def _peers(report: dict) -> list[str]:
     if hfa and "draft_target" in methods:
         parts.append(f"transformers assisted generation with the same draft {hfa:.1f} tokens/s (draft_target "
                      f"{methods['draft_target']['tokens_per_s'] / hfa:.2f}x it)")
-    for key, what in (("llama_cpp", "llama.cpp on the target's own GGUF"),
-                      ("llama_cpp_lookup", "llama.cpp with its prompt-lookup decoding")):
+    for key, what in (("llama_cpp_server", "llama.cpp's llama-server on the target's own GGUF (the better of plain "
+                                           "and with the draft's GGUF)"),):
         tps = (peers.get(key) or {}).get("tokens_per_s")
         if tps:
             ratio = (f" (draft_target {methods['draft_target']['tokens_per_s'] / tps:.2f}x it)"

@@ -166,9 +166,10 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         else:
             report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
         del hf
+        # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
         from pipeline import peers
 
-        report["peers"].update(peers.gguf_peers(spec, ids, new, log))
+        report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
 
         # 3b. Concurrency curve.
         report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
@@ -514,7 +515,10 @@ def markdown(r: dict) -> str:
         tps = p.get("tokens_per_s")
         who = name if name.startswith("llama_cpp") else f"transformers {name}"
         cell = f"{tps:.1f}" if tps else f"n/a ({p.get('note', '')})"
-        lines.append(f"| {who} | {cell} | | | | | | | |")
+        if name == "llama_cpp_server" and tps:
+            lines += peers_rows(p)
+        else:
+            lines.append(f"| {who} | {cell} | | | | | | | |")
     for m, e in r["methods"].items():
         for d in e["divergences"]:
             lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
@@ -556,6 +560,18 @@ def markdown(r: dict) -> str:
     lines += ["## Environment", "", f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores, "
               f"{env['torch_threads']} torch threads); packages {env['packages']}", ""]
     return "\n".join(lines)
+
+
+def peers_rows(p: dict) -> list[str]:
+    """validate.md's rows for llama-server: plain, and speculative with its acceptance."""
+    rows = [f"| llama-server plain | {p['plain']['tokens_per_s']:.1f} (decode {p['plain']['decode_tokens_per_s']:.1f}) "
+            "| | | | | | | |"]
+    d = p.get("draft")
+    if d:
+        acc = f"{d['acceptance']:.2f}" if d.get("acceptance") is not None else ""
+        rows.append(f"| llama-server + draft (n-max {d['spec_draft_n_max']}) | {d['tokens_per_s']:.1f} (decode "
+                    f"{d['decode_tokens_per_s']:.1f}) | | {acc} | | | | | |")
+    return rows
 
 
 def cmd_validate(args) -> int:

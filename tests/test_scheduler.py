@@ -348,3 +348,25 @@ def test_the_models_load_and_decode_on_one_thread_that_is_not_the_callers(bundle
 
     with pytest.raises(ValueError, match="engine_dir"):
         Scheduler.on_own_thread(broken)
+
+
+# ---- warm-up --------------------------------------------------------------------------------------
+
+
+def test_the_warm_up_decodes_every_method_answers_nobody_counts_nothing_and_leaves_the_scheduler_idle(bundle, parser):
+    from pipeline.triton.scheduler import warmup_request
+
+    counted = []
+    sched = Scheduler(bundle, 4, count=lambda what, method, value: counted.append((what, method, value)))
+    prompt, new = warmup_request(bundle, 8)
+    assert 0 < len(prompt) <= int(bundle.config["build_config"]["max_input_len"]) and new == 8
+    steps_before = sched.pool.model is bundle.target
+    took = sched.warm_up(prompt, new, bundle.methods())
+    assert set(took) == set(bundle.methods()) and all(s > 0 for s in took.values())
+    assert counted == [] and not sched.waiting and sched.inbox.empty() and not sched.pool.rows and steps_before
+    # and it serves as before: a greedy request after the warm-up gives the same text as on a fresh scheduler
+    f = Fake()
+    sched.submit(_parse(parser, "hello there", 6), f)
+    _drain(sched, [f])
+    assert f.err is None and f.final[0] == _solo(bundle, parser, "hello there", 6)
+    assert [c for c in counted if c[0] == "requests" and c[2] > 0] == [("requests", "baseline", 1)]

@@ -98,7 +98,7 @@ class TritonPythonModel:
         from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
-        from pipeline.triton.scheduler import Scheduler
+        from pipeline.triton.scheduler import WARMUP_TOKENS, Scheduler, warmup_request
 
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
         # Both served models decode in their own stub process: they take turns at steps (pipeline/triton/gate.py).
@@ -113,7 +113,13 @@ class TritonPythonModel:
 
             threads.append(f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}")
             bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
-            return Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
+            sched = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
+            warm = int(_param(cfg, "warmup_tokens", str(WARMUP_TOKENS)) or 0)  # 0: none
+            if warm > 0:  # ready means warm: the first request decodes as fast as the rest (docs/peers.md)
+                prompt, new = warmup_request(bundle, warm)
+                took = sched.warm_up(prompt, new, bundle.methods())
+                threads.append("warm-up " + ", ".join(f"{m} {s:.1f} s" for m, s in took.items()))
+            return sched
 
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
@@ -137,7 +143,7 @@ class TritonPythonModel:
             decoupled=pb_utils.using_decoupled_model_transaction_policy(cfg))
         self.parser = RequestParser(bundle.tokenizer, limits)
         pb_utils.Logger.log_info(f"{self.model_name}: serving {self.methods} (default {default_method}; "
-                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {threads[0]}; "
+                                 f"{'decoupled' if limits.decoupled else 'not decoupled'}; {'; '.join(threads)}; "
                                  f"kernel path {kernels.path()})")
 
     @staticmethod

@@ -52,6 +52,25 @@ QUEUED_CHECK_S = 1.0
 QUEUED_POLLS_PER_S = 32.0  # a long queue is polled no more often than this in all (each poll is a round trip)
 
 
+# New tokens per method of the warm-up decode each served model runs before it reports ready (model parameter
+# `warmup_tokens`; 0: none), on a prompt of up to WARMUP_PROMPT_TOKENS.
+WARMUP_TOKENS = 32
+WARMUP_PROMPT_TOKENS = 96
+WARMUP_TEXT = ("Write a Python function that reads a CSV file of orders, groups the orders by customer, and returns "
+               "the total amount per customer, sorted from the largest total to the smallest. Add type hints and a "
+               "docstring, and explain how it handles a missing amount or a malformed line. ")
+
+
+def warmup_request(bundle, new: int) -> tuple[list[int], int]:
+    """The warm-up's prompt (a chat-formatted coding request, cut to fit the engine) and its token budget."""
+    from pipeline.common import chat_ids
+
+    bc = bundle.config["build_config"]
+    max_in, max_seq = int(bc["max_input_len"]), int(bc["max_seq_len"])
+    prompt = chat_ids(bundle.tokenizer, WARMUP_TEXT * 2)[: min(WARMUP_PROMPT_TOKENS, max(1, max_in // 2))]
+    return prompt, max(1, min(new, max_seq - len(prompt) - bundle.max_draft_len - 2))
+
+
 class Cancelled(Exception):
     """Every row of a speculative batch was cancelled by its client."""
 
@@ -152,6 +171,37 @@ class Scheduler:
             raise box["error"]
         box["scheduler"].worker = worker
         return box["scheduler"]
+
+    def warm_up(self, prompt: list[int], new: int, methods: list[str]) -> dict[str, float]:
+        """Decode one request of `new` tokens per method through the serving path itself (the continuous batch, the
+        speculative batches), answering nobody and counting nothing, before the model reports ready: what the first
+        request would otherwise pay (the OpenMP team of this thread, first touch of the caches and the per-step
+        buffers, lazily built tables, first calls into the kernels) is paid here. Returns seconds per method."""
+        from pipeline.runtime.generate import Request
+
+        class _Nobody:
+            def send(self, texts, results, final) -> None:
+                pass
+
+            def error(self, message: str, cancelled: bool = False) -> None:
+                pass
+
+            def cancelled(self) -> bool:
+                return False
+
+        count, self.replies.count = self.replies.count, (lambda what, method, value: None)
+        took = {}
+        try:
+            for m in methods:
+                t = time.perf_counter()
+                self.submit(Parsed(f"warm-up-{m}", texts=[""], reqs=[Request(list(prompt), new)], method=m),
+                            _Nobody())
+                while self.waiting or self.pool.rows or not self.inbox.empty():
+                    self.tick()
+                took[m] = time.perf_counter() - t
+        finally:
+            self.replies.count = count
+        return took
 
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True

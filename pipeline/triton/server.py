@@ -72,6 +72,9 @@ def server_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from pipeline.common import apply_omp_env
+
+    apply_omp_env(env)  # the stubs' OpenMP waits: spin briefly, then yield the core (pipeline/common.py)
     return env
 
 
