@@ -98,9 +98,29 @@ def share_weights(model: nn.Module, where: Path) -> int:
                 old.data = view  # every module holding this Parameter (a tied head) sees the move
             else:
                 table[name] = view
+    _own_small(model)
     kernels.weights_moved()
     _trim()
     return sum(e[4] for e in layout)
+
+
+def _own_small(model: nn.Module) -> None:
+    """Give the tensors too small to share (norms, biases) storage of their own: safetensors' load_file hands out
+    views of one mapping of the engine file, so a single norm left pointing into it kept all of model.safetensors
+    mapped and resident (measured: 217 MB of a 217 MB engine, beside the shared copy)."""
+    done: dict[int, Tensor] = {}
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is None or t.device.type != "cpu" or t.numel() * t.element_size() >= MIN_BYTES:
+                    continue
+                key = t.data_ptr()
+                if key not in done:
+                    done[key] = t.detach().clone()
+                if isinstance(t, nn.Parameter):
+                    t.data = done[key]
+                else:
+                    table[name] = done[key]
 
 
 def _view(region: mmap.mmap, at: int, n: int) -> Tensor:
