@@ -384,17 +384,6 @@ def test_client_verb_streams_and_prints_perf_metrics(served, capsys):
     assert "max_tokens: got 0" in capsys.readouterr().err
 
 
-def test_stop_leaves_no_process_and_frees_the_ports(served):
-    s, srv = served
-    procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]
-    assert len(procs) >= 2, "tritonserver and its python-backend stub"
-    assert srvmod.stop(s)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
-    assert not srvmod.pid_file(s).exists()
-    assert all(srvmod.port_free("127.0.0.1", port) for port in srvmod.ports(s).values())
-    assert not srvmod.stop(s)
-
-
 def test_both_served_models_map_one_copy_of_the_weights(served):
     """ensemble and tensorrt_llm_bls are two stub processes of one model: both map the same shared weights file
     (pipeline/runtime/shared.py) instead of holding a copy each, and neither keeps the engine file mapped."""
@@ -419,3 +408,14 @@ def test_both_served_models_map_one_copy_of_the_weights(served):
     assert all(m[f]["Rss"] > 0 for m in maps)
     for p in stubs:
         assert not [m.path for m in p.memory_maps() if m.path.endswith("model.safetensors")], p.pid
+
+
+def test_stop_leaves_no_process_and_frees_the_ports(served):
+    s, srv = served
+    procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]
+    assert len(procs) >= 2, "tritonserver and its python-backend stub"
+    assert srvmod.stop(s)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+    assert not srvmod.pid_file(s).exists()
+    assert all(srvmod.port_free("127.0.0.1", port) for port in srvmod.ports(s).values())
+    assert not srvmod.stop(s)

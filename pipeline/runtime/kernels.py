@@ -166,22 +166,27 @@ def _status(rc: int, fn: str) -> None:
                          "cannot read")
 
 
-def _need(ok: bool, fn: str, arg: str, value, must: str) -> None:
-    if not ok:
-        raise ValueError(f"kernels.{fn}: {arg} is {value}; it must {must}")
+def _fail(fn: str, arg: str, value, must: str) -> None:
+    """Raise the boundary's error. Callers test their condition first (`if not ok: _fail(...)`), so the message
+    is built only on failure: the checks run on every decode step."""
+    raise ValueError(f"kernels.{fn}: {arg} is {value}; it must {must}")
 
 
 def _cpu(fn: str, arg: str, t: torch.Tensor, dtype: torch.dtype | tuple, shape: tuple | None = None) -> None:
     """t is a contiguous, element-aligned CPU tensor of `dtype` (one or a tuple), of `shape` (None: any size there)."""
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    _need(t.device.type == "cpu", fn, f"{arg}.device", t.device, "be cpu")
-    _need(t.dtype in dtypes, fn, f"{arg}.dtype", t.dtype, f"be {' or '.join(map(str, dtypes))}")
+    if not (t.device.type == "cpu"):
+        _fail(fn, f"{arg}.device", t.device, "be cpu")
+    if t.dtype not in dtypes:
+        _fail(fn, f"{arg}.dtype", t.dtype, f"be {' or '.join(map(str, dtypes))}")
     if shape is not None:
-        _need(t.dim() == len(shape) and all(w is None or w == n for w, n in zip(shape, t.shape)), fn,
-              f"{arg}.shape", list(t.shape), f"be {['*' if w is None else w for w in shape]}")
-    _need(t.is_contiguous(), fn, arg, f"a non-contiguous view (strides {t.stride()})", "be contiguous (.contiguous())")
-    _need(t.data_ptr() % t.element_size() == 0, fn, f"{arg}.data_ptr()", hex(t.data_ptr()),
-          f"be a multiple of its element size {t.element_size()}")
+        if not (t.dim() == len(shape) and all(w is None or w == n for w, n in zip(shape, t.shape))):
+            _fail(fn, f"{arg}.shape", list(t.shape), f"be {['*' if w is None else w for w in shape]}")
+    if not (t.is_contiguous()):
+        _fail(fn, arg, f"a non-contiguous view (strides {t.stride()})", "be contiguous (.contiguous())")
+    if not (t.data_ptr() % t.element_size() == 0):
+        _fail(fn, f"{arg}.data_ptr()", hex(t.data_ptr()),
+              f"be a multiple of its element size {t.element_size()}")
 
 
 def _choose() -> tuple[str, ctypes.CDLL | None]:
@@ -277,20 +282,26 @@ def _weight_args(w, fn: str = "linear", arg: str = "w") -> tuple[int, int | None
         _cpu(fn, f"{arg}.qweight", w.qweight, {"i8": torch.int8, "i8t": torch.int8, "bf16t": torch.bfloat16}.get(
             name, torch.uint8))
         bits = {"i8": 8, "i8t": 8, "bf16t": 16}.get(name, 4)
-        _need(w.qweight.numel() * w.qweight.element_size() * 8 >= rows * K * bits, fn, f"{arg}.qweight.shape",
-              list(w.qweight.shape), f"hold {rows} x {K} {bits}-bit weights (out_features x in_features)")
+        if not (w.qweight.numel() * w.qweight.element_size() * 8 >= rows * K * bits):
+            _fail(fn, f"{arg}.qweight.shape",
+                  list(w.qweight.shape), f"hold {rows} x {K} {bits}-bit weights (out_features x in_features)")
         if name != "bf16t":
             want = rows if w.algo == "int8" else rows * (K // gs) if gs and K % gs == 0 else None
             _cpu(fn, f"{arg}.scales", w.scales, torch.float32 if w.algo == "int8" else torch.bfloat16)
-            _need(want is None or w.scales.numel() >= want, fn, f"{arg}.scales.shape", list(w.scales.shape),
-                  f"hold {want} scales")
+            if not (want is None or w.scales.numel() >= want):
+                _fail(fn, f"{arg}.scales.shape", list(w.scales.shape),
+                      f"hold {want} scales")
         if name in ("i4", "i4t", "i4a8"):
             m = 16 if name == "i4a8" else 32
-            _need(gs > 0 and gs % m == 0, fn, f"{arg}.group_size", gs, f"be a positive multiple of {m}")
-            _need(K % gs == 0, fn, f"{arg}.in_features", K, f"be a multiple of the group size {gs}")
+            if not (gs > 0 and gs % m == 0):
+                _fail(fn, f"{arg}.group_size", gs, f"be a positive multiple of {m}")
+            if not (K % gs == 0):
+                _fail(fn, f"{arg}.in_features", K, f"be a multiple of the group size {gs}")
         need_k, need_n = {"i4t": (128, 8), "bf16t": (32, 4), "i8t": (16, 8)}.get(name, (1, 1))
-        _need(K % need_k == 0, fn, f"{arg}.in_features", K, f"be a multiple of {need_k} in layout {name} (quant.tile)")
-        _need(N % need_n == 0, fn, f"{arg}.out_features", N, f"be a multiple of {need_n} in layout {name} (quant.tile)")
+        if not (K % need_k == 0):
+            _fail(fn, f"{arg}.in_features", K, f"be a multiple of {need_k} in layout {name} (quant.tile)")
+        if not (N % need_n == 0):
+            _fail(fn, f"{arg}.out_features", N, f"be a multiple of {need_n} in layout {name} (quant.tile)")
         return w.qweight.data_ptr(), None if name == "bf16t" else w.scales.data_ptr(), codes[name], gs, N, K
     if w.dtype not in TENSOR_WT:
         raise ValueError(f"kernels.{fn}: {arg}.dtype is {w.dtype}; the CPU kernels read float32 or bfloat16 weights "
@@ -298,7 +309,8 @@ def _weight_args(w, fn: str = "linear", arg: str = "w") -> tuple[int, int | None
     if not w.is_contiguous():
         raise ValueError(f"kernels.{fn}: {arg} is not contiguous; the CPU kernels need contiguous weights")
     _cpu(fn, arg, w, w.dtype, (None, None))
-    _need(w.shape[0] > 0 and w.shape[1] > 0, fn, f"{arg}.shape", list(w.shape), "have no zero dimension")
+    if not (w.shape[0] > 0 and w.shape[1] > 0):
+        _fail(fn, f"{arg}.shape", list(w.shape), "have no zero dimension")
     return w.data_ptr(), None, codes[TENSOR_WT[w.dtype]], 0, w.shape[0], w.shape[1]
 
 
@@ -326,7 +338,8 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if _quantized(w) and w.act8 and not w.blocks_a8:
         return _torch_linear(x, w)
     wp, sp, wt, gs, N, K = _weight_args(w if _quantized(w) else w.contiguous())
-    _need(x.shape[-1] == K, "linear", "x.shape", list(x.shape), f"end in the weight's in_features {K}")
+    if not (x.shape[-1] == K):
+        _fail("linear", "x.shape", list(x.shape), f"end in the weight's in_features {K}")
     xc = x.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     _status(lib.skinny_matmul(xc.data_ptr(), wp, sp, y.data_ptr(), rows, K, N, _threads, wt, gs), "linear")
@@ -365,16 +378,19 @@ def fused_linear(x: torch.Tensor, w, *, norm: torch.Tensor | None = None, eps: f
     wp, sp, wt, gs, N, K = _weight_args(w, "fused_linear")
     _cpu("fused_linear", "x", x, torch.float32)
     width = 2 * K if swiglu else K
-    _need(x.dim() >= 1 and x.shape[-1] == width, "fused_linear", "x.shape", list(x.shape),
-          f"end in {width} (the weight's in_features {K}{', twice for SwiGLU' if swiglu else ''})")
-    _need(not (swiglu and norm is not None), "fused_linear", "norm", "given with swiglu", "be None with swiglu")
+    if not (x.dim() >= 1 and x.shape[-1] == width):
+        _fail("fused_linear", "x.shape", list(x.shape),
+              f"end in {width} (the weight's in_features {K}{', twice for SwiGLU' if swiglu else ''})")
+    if not (not (swiglu and norm is not None)):
+        _fail("fused_linear", "norm", "given with swiglu", "be None with swiglu")
     S = x.numel() // width
     if norm is not None:
         _cpu("fused_linear", "norm", norm, torch.float32, (K,))
     if out is not None:
         _cpu("fused_linear", "out", out, torch.float32)
-        _need(out.shape == (*x.shape[:-1], N), "fused_linear", "out.shape", list(out.shape),
-              f"be {[*x.shape[:-1], N]}")
+        if not (out.shape == (*x.shape[:-1], N)):
+            _fail("fused_linear", "out.shape", list(out.shape),
+                  f"be {[*x.shape[:-1], N]}")
     y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     mode = 2 if swiglu else (1 if norm is not None else 0)
     _status(lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, wp, sp, y.data_ptr(),
@@ -398,10 +414,12 @@ def _check_rope(fn: str, qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
                 sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int,
                 bias: torch.Tensor | None) -> None:
     """rope_write's arguments: shapes that agree, and every position and slot inside the tables and the caches."""
-    _need(hq > 0 and hkv > 0 and hq % hkv == 0, fn, "hq, hkv", (hq, hkv), "be positive, hq a multiple of hkv")
+    if not (hq > 0 and hkv > 0 and hq % hkv == 0):
+        _fail(fn, "hq, hkv", (hq, hkv), "be positive, hq a multiple of hkv")
     _cpu(fn, "qkv", qkv, torch.float32, (None, None, hq + 2 * hkv, None))
     B, S, _, D = qkv.shape
-    _need(D % 2 == 0, fn, "head_dim", D, "be even (half-rotation RoPE)")
+    if not (D % 2 == 0):
+        _fail(fn, "head_dim", D, "be even (half-rotation RoPE)")
     for name, t in (("pos", pos), ("slots", slots)):
         _cpu(fn, name, t, torch.int64, (B, S))
     _cpu(fn, "cos", cos, torch.float32, (None, D))
@@ -417,7 +435,8 @@ def _check_rope(fn: str, qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
 def _in_range(fn: str, arg: str, t: torch.Tensor, n: int, what: str) -> None:
     if t.numel():
         lo, hi = (int(v) for v in torch.aminmax(t))
-        _need(0 <= lo and hi < n, fn, f"{arg} (min, max)", (lo, hi), f"lie in [0, {n}) ({what})")
+        if not (0 <= lo and hi < n):
+            _fail(fn, f"{arg} (min, max)", (lo, hi), f"lie in [0, {n}) ({what})")
 
 
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None, kv_len: int,
@@ -428,12 +447,15 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.T
     B, S, Hq, D = q.shape
     _cpu("attention", "kc", kc, torch.float32, (B, None, None, D))
     _cpu("attention", "vc", vc, torch.float32, tuple(kc.shape))
-    _need(Hq % kc.shape[1] == 0, "attention", "kc.shape[1] (kv heads)", kc.shape[1], f"divide the {Hq} query heads")
-    _need(0 <= kv_len <= kc.shape[2], "attention", "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
+    if not (Hq % kc.shape[1] == 0):
+        _fail("attention", "kc.shape[1] (kv heads)", kc.shape[1], f"divide the {Hq} query heads")
+    if not (0 <= kv_len <= kc.shape[2]):
+        _fail("attention", "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
     if mask is not None:
         _cpu("attention", "mask", mask, (torch.uint8, torch.bool), (B, S, kv_len))
     else:
-        _need(slots is not None, "attention", "slots", None, "be given when mask is None")
+        if not (slots is not None):
+            _fail("attention", "slots", None, "be given when mask is None")
         _cpu("attention", "slots", slots, torch.int64, (B, S))
     out = torch.empty_like(q)
     _status(_lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if mask is None else mask.data_ptr(),
@@ -513,9 +535,10 @@ def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Te
     chain = [("wqkv", (nqkv, H), ((hq + 2 * hkv) * head_dim, H)), ("wo", (no, ko), (H, hq * head_dim)),
              ("w13", (n13, k13), (2 * (n13 // 2), H)), ("w2", (n2, k2), (H, n13 // 2))]
     for name, got, want in chain:
-        _need(got == want, "layer_plan", f"{name} (out_features, in_features)", got,
-              f"be {want} (hidden {H}, {hq} + 2 x {hkv} heads of {head_dim}, down's in_features half of gate/up's "
-              "out_features)")
+        if not (got == want):
+            _fail("layer_plan", f"{name} (out_features, in_features)", got,
+                  f"be {want} (hidden {H}, {hq} + 2 x {hkv} heads of {head_dim}, down's in_features half of gate/up's "
+                  "out_features)")
     for name, t in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
         _cpu("layer_plan", name, t, torch.float32, (H,))
     if bias is not None:
@@ -538,20 +561,24 @@ def decoder_layers(plans, n: int, x: torch.Tensor, pos: torch.Tensor, slots: tor
                    sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> None:
     """`decoder_layer` for each of the n layers in turn, in one C call: plans from `plan_array`, k / v the cache's
     [layers, B, H_kv, length, D] buffers (each layer's block contiguous, as KVCache.rows keeps it)."""
-    _need(0 <= n <= len(plans), "decoder_layers", "n", n, f"lie in [0, {len(plans)}] (the plans given)")
+    if not (0 <= n <= len(plans)):
+        _fail("decoder_layers", "n", n, f"lie in [0, {len(plans)}] (the plans given)")
     _cpu("decoder_layers", "x", x, torch.float32, (None, None, None))
     B, S, H = x.shape
-    _need(k.dim() == 5 and n <= k.shape[0], "decoder_layers", "k.shape", list(k.shape), f"be [>= {n} layers, B, H_kv, "
-          "length, D]")
-    _check_step("decoder_layers", x, pos, slots, cos, sin, k[0] if n else k, v[0] if n else v, mask, kv_len)
+    if not (k.dim() == 5 and max(n, 1) <= k.shape[0]):
+        _fail("decoder_layers", "k.shape", list(k.shape),
+              f"be [>= {max(n, 1)} layers, B, H_kv, length, D]")
+    _check_step("decoder_layers", x, pos, slots, cos, sin, k[0], v[0], mask, kv_len)
     for name, t in (("k", k), ("v", v)):
-        _need(t.shape == k.shape and t.stride() == k.stride(), "decoder_layers", f"{name}.shape", list(t.shape),
-              f"be {list(k.shape)} with strides {k.stride()}")
+        if not (t.shape == k.shape and t.stride() == k.stride()):
+            _fail("decoder_layers", f"{name}.shape", list(t.shape),
+                  f"be {list(k.shape)} with strides {k.stride()}")
     if n:  # the plans of one model share these (layer_plan checked each plan's own shapes)
         p0 = plans[0].contents
-        _need((p0.qkv.K, p0.hkv, p0.d) == (H, k.shape[2], k.shape[4]), "decoder_layers",
-              "the plans' (hidden, kv heads, head_dim)", (p0.qkv.K, p0.hkv, p0.d),
-              f"be x's hidden size and the cache's: {(H, k.shape[2], k.shape[4])}")
+        if not ((p0.qkv.K, p0.hkv, p0.d) == (H, k.shape[2], k.shape[4])):
+            _fail("decoder_layers",
+                  "the plans' (hidden, kv heads, head_dim)", (p0.qkv.K, p0.hkv, p0.d),
+                  f"be x's hidden size and the cache's: {(H, k.shape[2], k.shape[4])}")
     _status(_lib.decoder_layers(plans, n, x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
                                 sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[3],
                                 None if mask is None else mask.data_ptr(), kv_len, _threads), "decoder_layers")
@@ -565,17 +592,22 @@ def _check_step(fn: str, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
     for name, t in (("pos", pos), ("slots", slots)):
         _cpu(fn, name, t, torch.int64, (B, S))
     for name, t in (("kc", kc), ("vc", vc)):
-        _need(t.dim() == 4 and t.shape[0] == B, fn, f"{name}.shape", list(t.shape), f"be [{B}, H_kv, length, D]")
-        _need(t.device.type == "cpu" and t.dtype == torch.float32, fn, name, f"{t.dtype} on {t.device}",
-              "be float32 on cpu")
+        if not (t.dim() == 4 and t.shape[0] == B):
+            _fail(fn, f"{name}.shape", list(t.shape), f"be [{B}, H_kv, length, D]")
+        if not (t.device.type == "cpu" and t.dtype == torch.float32):
+            _fail(fn, name, f"{t.dtype} on {t.device}",
+                  "be float32 on cpu")
         inner = (t.shape[2] * t.shape[3], t.shape[3], 1)
-        _need(t.stride()[1:] == inner, fn, f"{name}.stride()", t.stride(), f"end in {inner} (each row's heads, slots "
-              "and columns contiguous)")
-    _need(vc.shape == kc.shape, fn, "vc.shape", list(vc.shape), f"be kc's {list(kc.shape)}")
+        if not (t.stride()[1:] == inner):
+            _fail(fn, f"{name}.stride()", t.stride(), f"end in {inner} (each row's heads, slots "
+                  "and columns contiguous)")
+    if not (vc.shape == kc.shape):
+        _fail(fn, "vc.shape", list(vc.shape), f"be kc's {list(kc.shape)}")
     D = kc.shape[3]
     _cpu(fn, "cos", cos, torch.float32, (None, D))
     _cpu(fn, "sin", sin, torch.float32, tuple(cos.shape))
-    _need(0 <= kv_len <= kc.shape[2], fn, "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
+    if not (0 <= kv_len <= kc.shape[2]):
+        _fail(fn, "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
     if mask is not None:
         _cpu(fn, "mask", mask, (torch.uint8, torch.bool), (B, S, kv_len))
     _in_range(fn, "pos", pos, cos.shape[0], "the RoPE tables' rows")
@@ -590,8 +622,9 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: to
     RMSNorm + gate/up, SwiGLU + down, both residuals."""
     _cpu("decoder_layer", "x", x, torch.float32, (None, None, plan.qkv.K))
     _check_step("decoder_layer", x, pos, slots, cos, sin, kc, vc, mask, kv_len)
-    _need((kc.shape[1], kc.shape[3]) == (plan.hkv, plan.d), "decoder_layer", "kc.shape", list(kc.shape),
-          f"have {plan.hkv} kv heads of {plan.d} (the plan's)")
+    if not ((kc.shape[1], kc.shape[3]) == (plan.hkv, plan.d)):
+        _fail("decoder_layer", "kc.shape", list(kc.shape),
+              f"have {plan.hkv} kv heads of {plan.d} (the plan's)")
     B, S, _ = x.shape
     _status(_lib.decoder_layer(ctypes.byref(plan), x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(),
                                cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2],
