@@ -384,6 +384,32 @@ def test_client_verb_streams_and_prints_perf_metrics(served, capsys):
     assert "max_tokens: got 0" in capsys.readouterr().err
 
 
+def test_both_served_models_map_one_copy_of_the_weights(served):
+    """ensemble and tensorrt_llm_bls are two stub processes of one model: both map the same shared weights file
+    (pipeline/runtime/shared.py) instead of holding a copy each, and neither keeps the engine file mapped."""
+    from pipeline.runtime import shared
+
+    s, srv = served
+    for model in ("ensemble", "tensorrt_llm_bls"):  # each stub decodes: its weight pages are mapped in
+        assert generate(srv.grpc_url, model, PROMPT, 4, end_id=UNUSED_END)["complete"]
+    stubs = []
+    for p in psutil.Process(srv.pid).children(recursive=True):
+        try:
+            if "triton_python_backend_stub" in " ".join(p.cmdline()):
+                stubs.append(p)
+        except psutil.Error:  # a helper process that has just exited
+            continue
+    assert len(stubs) == 2
+    maps = [shared.shared_mappings(p.pid) for p in stubs]
+    target = str(s.engine_dir / "target")
+    files = [{f for f in m if f.startswith(target)} for m in maps]
+    assert len(files[0]) == 1 and files[0] == files[1], maps
+    (f,) = files[0]
+    assert all(m[f]["Rss"] > 0 for m in maps)
+    for p in stubs:
+        assert not [m.path for m in p.memory_maps() if m.path.endswith("model.safetensors")], p.pid
+
+
 def test_stop_leaves_no_process_and_frees_the_ports(served):
     s, srv = served
     procs = [psutil.Process(srv.pid), *psutil.Process(srv.pid).children(recursive=True)]

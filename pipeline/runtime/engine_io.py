@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from pipeline.runtime import quant
+from pipeline.runtime import quant, shared
 from pipeline.runtime.model import ModelConfig, Transformer, build_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,7 +86,13 @@ def load_model_dir(engine_dir: Path, device: str = "cpu", dtype: str | None = No
         raise EngineError(f"{engine_dir}: int4 weights in layout {cfg['runtime'].get('quant_format')!r}, this "
                           f"runtime reads {quant.FORMAT!r}; rebuild with `python -m pipeline engine SPEC --force`")
     dt = DTYPES[dtype or cfg["pretrained_config"]["dtype"]]
-    return build_model(mcfg, state, dt, resolve_device(device), act8=quant.int8_activations(cfg)), cfg
+    dev = resolve_device(device)
+    share = shared.enabled() and dev.type == "cpu"  # one copy for every process serving this engine
+    model = build_model(mcfg, state, dt, dev, act8=quant.int8_activations(cfg), hugepages=not share)
+    del state
+    if share:
+        shared.share_weights(model, engine_dir)
+    return model, cfg
 
 
 def load_tokenizer(engine_dir: Path):

@@ -9,6 +9,11 @@ failed compile or a missing CPU feature is logged once (logger `pipeline.kernels
 what runs ("avx512", "avx2" or "torch") for the reports' `environment`. `PIPELINE_KERNEL=avx2|avx512|torch`
 forces a path.
 
+The boundary: every entry point checks what the C code assumes (dtype, device, contiguity, element alignment, shapes
+that chain, the layouts' multiples, cache slots in range) and raises ValueError naming the argument, its value and
+what it must be; skinny.c refuses the same shapes again (weights_ok) and reports failed allocations, raised here as
+MemoryError. The weight-type codes are skinny.c's own table (`skinny_weight_types`), read when the library is bound.
+
 Weights are fp32 or bf16 tensors, or `quant.QLinear` layers (int8 / int4 / bf16 tiled), decoded in registers. With
 bf16 and int4 weights each activation row is rounded to bf16 at the matmul (vdpbf16ps takes bf16 pairs);
 fp32 and int8 weights multiply fp32 activations; W4A8 layers (int4 weights, `act8`) quantize each activation row
@@ -36,7 +41,15 @@ SRC = Path(__file__).with_name("skinny.c")
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                         "-mavx512vnni"],
              "avx2": ["-mavx2", "-mfma"]}
-WT = {torch.float32: 0, torch.bfloat16: 1}  # skinny.c's WT_F32, WT_BF16; int8 = 2, int4 = 3
+# Both builds: only the fused multiply-adds written in skinny.c (fmaf, FMA intrinsics) fuse. GCC's default for GNU C is
+# -ffp-contract=fast, which lets each build fuse a * b + c on its own, so plain C arithmetic (RoPE, RMSNorm, SwiGLU,
+# the int8 row scale) could round differently in the two builds; the bit-for-bit contract needs it off.
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# skinny.c's weight types the Python side names (codes from the library, `weight_types()`): fp32 / bf16 tensors by
+# dtype; QLinear layouts in _weight_args.
+TENSOR_WT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+WEIGHT_TYPE_NAMES = ("f32", "bf16", "i8", "i4", "bf16t", "i4t", "i8t", "i4a8")
+SK_EARG, SK_ENOMEM = 1, 2  # skinny.c's status codes
 log = logging.getLogger("pipeline.kernels")
 _libs: dict[str, ctypes.CDLL | None] = {}
 _lib = None
@@ -88,13 +101,14 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
     flags = ISA_FLAGS[isa]
-    tag = hashlib.sha256(SRC.read_bytes() + " ".join(flags).encode() + platform.node().encode()).hexdigest()[:16]
+    key = SRC.read_bytes() + " ".join(CFLAGS + flags).encode() + platform.node().encode()
+    tag = hashlib.sha256(key).hexdigest()[:16]
     so = _build_dir() / f"skinny-{isa}-{tag}.so"
     if not so.is_file():
         so.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
         os.close(fd)
-        cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(SRC), "-o", tmp]
+        cmd = [cc, *CFLAGS, *flags, str(SRC), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp)
@@ -117,15 +131,62 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.rmsnorm.argtypes = [P, P, F32, P, Int, Int]
     lib.decoder_layer.argtypes = [P, P, Int, Int] + [P] * 6 + [Int, P, Int, Int]
     lib.decoder_layers.argtypes = [P, Int, P, Int, Int] + [P] * 6 + [ctypes.c_int64, Int, P, Int, Int]
-    for f in (lib.skinny_matmul, lib.fused_linear, lib.rope_write, lib.attention, lib.rmsnorm, lib.decoder_layer,
-              lib.decoder_layers):
+    for f in (lib.skinny_matmul, lib.fused_linear, lib.attention, lib.decoder_layer, lib.decoder_layers):
+        f.restype = Int  # skinny.c's SK_OK / SK_EARG / SK_ENOMEM
+    for f in (lib.rope_write, lib.rmsnorm):
         f.restype = None
+    lib.skinny_weight_types.restype = ctypes.c_char_p
+    lib.skinny_contract_probe.argtypes = [F32, F32, F32]
+    lib.skinny_contract_probe.restype = F32
     lib.skinny_isa.restype = ctypes.c_char_p
     lib.argmax_prob.argtypes = [P, Int, Int, P, P]
     lib.argmax_prob.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
+    table = dict(item.split("=") for item in lib.skinny_weight_types().decode().split())
+    lib.weight_types = {name: int(code) for name, code in table.items()}
+    missing = [n for n in WEIGHT_TYPE_NAMES if n not in lib.weight_types]
+    if missing:
+        raise RuntimeError(f"{so}: skinny.c's weight-type table lacks {missing} (it has {table})")
     return lib
+
+
+def weight_types() -> dict[str, int]:
+    """skinny.c's weight-type codes by name (its WEIGHT_TYPES table), from the library in use; {} without one."""
+    lib = _load()
+    return dict(lib.weight_types) if lib is not None else {}
+
+
+def _status(rc: int, fn: str) -> None:
+    """Raise for a failed C call: the Python checks run first, so SK_EARG means they missed a case."""
+    if rc == SK_ENOMEM:
+        raise MemoryError(f"kernels.{fn}: skinny.c could not allocate its scratch buffers")
+    if rc != 0:
+        raise ValueError(f"kernels.{fn}: skinny.c refused the arguments (status {rc}): shapes or a weight type it "
+                         "cannot read")
+
+
+def _fail(fn: str, arg: str, value, must: str) -> None:
+    """Raise the boundary's error. Callers test their condition first (`if not ok: _fail(...)`), so the message
+    is built only on failure: the checks run on every decode step."""
+    raise ValueError(f"kernels.{fn}: {arg} is {value}; it must {must}")
+
+
+def _cpu(fn: str, arg: str, t: torch.Tensor, dtype: torch.dtype | tuple, shape: tuple | None = None) -> None:
+    """t is a contiguous, element-aligned CPU tensor of `dtype` (one or a tuple), of `shape` (None: any size there)."""
+    dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not (t.device.type == "cpu"):
+        _fail(fn, f"{arg}.device", t.device, "be cpu")
+    if t.dtype not in dtypes:
+        _fail(fn, f"{arg}.dtype", t.dtype, f"be {' or '.join(map(str, dtypes))}")
+    if shape is not None:
+        if not (t.dim() == len(shape) and all(w is None or w == n for w, n in zip(shape, t.shape))):
+            _fail(fn, f"{arg}.shape", list(t.shape), f"be {['*' if w is None else w for w in shape]}")
+    if not (t.is_contiguous()):
+        _fail(fn, arg, f"a non-contiguous view (strides {t.stride()})", "be contiguous (.contiguous())")
+    if not (t.data_ptr() % t.element_size() == 0):
+        _fail(fn, f"{arg}.data_ptr()", hex(t.data_ptr()),
+              f"be a multiple of its element size {t.element_size()}")
 
 
 def _choose() -> tuple[str, ctypes.CDLL | None]:
@@ -200,24 +261,57 @@ def _quantized(w) -> bool:
     return hasattr(w, "qweight") and hasattr(w, "scales")
 
 
-def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
-    """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear."""
+def _weight_args(w, fn: str = "linear", arg: str = "w") -> tuple[int, int | None, int, int, int, int]:
+    """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear, after checking that
+    the kernel can read it (skinny.c's weights_ok, and buffers as large as the shapes say)."""
+    codes = _load().weight_types
     if _quantized(w):
-        if w.algo == "int8":  # skinny.c's WT_I8T (quant.tile), WT_I8
-            return w.qweight.data_ptr(), w.scales.data_ptr(), 6 if w.tiled else 2, 0, w.out_features, w.in_features
-        if w.algo == "bf16":
-            return w.qweight.data_ptr(), None, 4, 0, w.out_features, w.in_features
-        if w.act8 and not w.blocks_a8:
-            raise ValueError("a W4A8 layer runs on the CPU kernel only in its 16-row blocks: lay the model out with "
-                             "quant.tile_model (build_model does)")
-        wt = 7 if w.act8 else 5 if w.tiled else 3  # skinny.c's WT_I4A8 (quant.tile_a8), WT_I4T (quant.tile), WT_I4
-        return w.qweight.data_ptr(), w.scales.data_ptr(), wt, w.group_size, w.out_features, w.in_features
-    if w.dtype not in WT:
-        raise ValueError(f"weight dtype {w.dtype}: the CPU kernels read float32 or bfloat16 weights "
+        N, K, gs = w.out_features, w.in_features, w.group_size
+        if w.algo == "int8":  # quant.tile's 8 x 16 tiles, or row-major
+            name = "i8t" if w.tiled else "i8"
+        elif w.algo == "bf16":
+            name = "bf16t"
+        elif w.act8:
+            if not w.blocks_a8:
+                raise ValueError("a W4A8 layer runs on the CPU kernel only in its 16-row blocks: lay the model out "
+                                 "with quant.tile_model (build_model does)")
+            name = "i4a8"
+        else:
+            name = "i4t" if w.tiled else "i4"
+        rows = -(-N // 16) * 16 if name == "i4a8" else N
+        _cpu(fn, f"{arg}.qweight", w.qweight, {"i8": torch.int8, "i8t": torch.int8, "bf16t": torch.bfloat16}.get(
+            name, torch.uint8))
+        bits = {"i8": 8, "i8t": 8, "bf16t": 16}.get(name, 4)
+        if not (w.qweight.numel() * w.qweight.element_size() * 8 >= rows * K * bits):
+            _fail(fn, f"{arg}.qweight.shape",
+                  list(w.qweight.shape), f"hold {rows} x {K} {bits}-bit weights (out_features x in_features)")
+        if name != "bf16t":
+            want = rows if w.algo == "int8" else rows * (K // gs) if gs and K % gs == 0 else None
+            _cpu(fn, f"{arg}.scales", w.scales, torch.float32 if w.algo == "int8" else torch.bfloat16)
+            if not (want is None or w.scales.numel() >= want):
+                _fail(fn, f"{arg}.scales.shape", list(w.scales.shape),
+                      f"hold {want} scales")
+        if name in ("i4", "i4t", "i4a8"):
+            m = 16 if name == "i4a8" else 32
+            if not (gs > 0 and gs % m == 0):
+                _fail(fn, f"{arg}.group_size", gs, f"be a positive multiple of {m}")
+            if not (K % gs == 0):
+                _fail(fn, f"{arg}.in_features", K, f"be a multiple of the group size {gs}")
+        need_k, need_n = {"i4t": (128, 8), "bf16t": (32, 4), "i8t": (16, 8)}.get(name, (1, 1))
+        if not (K % need_k == 0):
+            _fail(fn, f"{arg}.in_features", K, f"be a multiple of {need_k} in layout {name} (quant.tile)")
+        if not (N % need_n == 0):
+            _fail(fn, f"{arg}.out_features", N, f"be a multiple of {need_n} in layout {name} (quant.tile)")
+        return w.qweight.data_ptr(), None if name == "bf16t" else w.scales.data_ptr(), codes[name], gs, N, K
+    if w.dtype not in TENSOR_WT:
+        raise ValueError(f"kernels.{fn}: {arg}.dtype is {w.dtype}; the CPU kernels read float32 or bfloat16 weights "
                          "(set dtype: float32 or bfloat16)")
     if not w.is_contiguous():
-        raise ValueError("the CPU kernels need contiguous weights")
-    return w.data_ptr(), None, WT[w.dtype], 0, w.shape[0], w.shape[1]
+        raise ValueError(f"kernels.{fn}: {arg} is not contiguous; the CPU kernels need contiguous weights")
+    _cpu(fn, arg, w, w.dtype, (None, None))
+    if not (w.shape[0] > 0 and w.shape[1] > 0):
+        _fail(fn, f"{arg}.shape", list(w.shape), "have no zero dimension")
+    return w.data_ptr(), None, codes[TENSOR_WT[w.dtype]], 0, w.shape[0], w.shape[1]
 
 
 def _dot_bf16(w) -> bool:
@@ -239,14 +333,16 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     lib = _load()
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (lib is None or x.device.type != "cpu" or rows == 0 or x.dtype != torch.float32
-            or not _quantized(w) and (w.dtype not in WT or torch.is_grad_enabled() and w.requires_grad)):
+            or not _quantized(w) and (w.dtype not in TENSOR_WT or torch.is_grad_enabled() and w.requires_grad)):
         return _torch_linear(x, w)
     if _quantized(w) and w.act8 and not w.blocks_a8:
         return _torch_linear(x, w)
     wp, sp, wt, gs, N, K = _weight_args(w if _quantized(w) else w.contiguous())
+    if not (x.shape[-1] == K):
+        _fail("linear", "x.shape", list(x.shape), f"end in the weight's in_features {K}")
     xc = x.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    lib.skinny_matmul(xc.data_ptr(), wp, sp, y.data_ptr(), rows, K, N, _threads, wt, gs)
+    _status(lib.skinny_matmul(xc.data_ptr(), wp, sp, y.data_ptr(), rows, K, N, _threads, wt, gs), "linear")
     return y
 
 
@@ -279,19 +375,33 @@ def fused_linear(x: torch.Tensor, w, *, norm: torch.Tensor | None = None, eps: f
                  swiglu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """pre(x) @ w.T where pre is RMSNorm(norm) or SwiGLU; with `out`, the product is added into it."""
     lib = _load()
-    K = x.shape[-1] // 2 if swiglu else x.shape[-1]
-    S = x.numel() // x.shape[-1]
-    wp, sp, wt, gs, N, _ = _weight_args(w)
+    wp, sp, wt, gs, N, K = _weight_args(w, "fused_linear")
+    _cpu("fused_linear", "x", x, torch.float32)
+    width = 2 * K if swiglu else K
+    if not (x.dim() >= 1 and x.shape[-1] == width):
+        _fail("fused_linear", "x.shape", list(x.shape),
+              f"end in {width} (the weight's in_features {K}{', twice for SwiGLU' if swiglu else ''})")
+    if not (not (swiglu and norm is not None)):
+        _fail("fused_linear", "norm", "given with swiglu", "be None with swiglu")
+    S = x.numel() // width
+    if norm is not None:
+        _cpu("fused_linear", "norm", norm, torch.float32, (K,))
+    if out is not None:
+        _cpu("fused_linear", "out", out, torch.float32)
+        if not (out.shape == (*x.shape[:-1], N)):
+            _fail("fused_linear", "out.shape", list(out.shape),
+                  f"be {[*x.shape[:-1], N]}")
     y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     mode = 2 if swiglu else (1 if norm is not None else 0)
-    lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, wp, sp, y.data_ptr(),
-                     S, K, N, _threads, wt, gs, mode, int(out is not None))
+    _status(lib.fused_linear(x.data_ptr(), norm.data_ptr() if norm is not None else None, eps, wp, sp, y.data_ptr(),
+                             S, K, N, _threads, wt, gs, mode, int(out is not None)), "fused_linear")
     return y
 
 
 def rope_write(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Add the q/k/v bias (fp32, when given), rotate q/k, write k/v into the caches at `slots`; return rotated q."""
+    _check_rope("rope_write", qkv, pos, slots, cos, sin, kc, vc, hq, hkv, bias)
     B, S, _, D = qkv.shape
     q = torch.empty(B, S, hq, D, dtype=torch.float32)
     _lib.rope_write(qkv.data_ptr(), bias.data_ptr() if bias is not None else None, pos.data_ptr(), slots.data_ptr(),
@@ -300,23 +410,67 @@ def rope_write(qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: t
     return q
 
 
+def _check_rope(fn: str, qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hq: int, hkv: int,
+                bias: torch.Tensor | None) -> None:
+    """rope_write's arguments: shapes that agree, and every position and slot inside the tables and the caches."""
+    if not (hq > 0 and hkv > 0 and hq % hkv == 0):
+        _fail(fn, "hq, hkv", (hq, hkv), "be positive, hq a multiple of hkv")
+    _cpu(fn, "qkv", qkv, torch.float32, (None, None, hq + 2 * hkv, None))
+    B, S, _, D = qkv.shape
+    if not (D % 2 == 0):
+        _fail(fn, "head_dim", D, "be even (half-rotation RoPE)")
+    for name, t in (("pos", pos), ("slots", slots)):
+        _cpu(fn, name, t, torch.int64, (B, S))
+    _cpu(fn, "cos", cos, torch.float32, (None, D))
+    _cpu(fn, "sin", sin, torch.float32, tuple(cos.shape))
+    _cpu(fn, "kc", kc, torch.float32, (B, hkv, None, D))
+    _cpu(fn, "vc", vc, torch.float32, tuple(kc.shape))
+    if bias is not None:
+        _cpu(fn, "bias", bias, torch.float32, ((hq + 2 * hkv) * D,))
+    _in_range(fn, "pos", pos, cos.shape[0], "the RoPE tables' rows")
+    _in_range(fn, "slots", slots, kc.shape[2], "the cache length")
+
+
+def _in_range(fn: str, arg: str, t: torch.Tensor, n: int, what: str) -> None:
+    if t.numel():
+        lo, hi = (int(v) for v in torch.aminmax(t))
+        if not (0 <= lo and hi < n):
+            _fail(fn, f"{arg} (min, max)", (lo, hi), f"lie in [0, {n}) ({what})")
+
+
 def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None, kv_len: int,
               slots: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention of q [B, S, Hq, D] over cache slots [0, kv_len): under `mask` [B, S, kv_len] (uint8),
     or without one each query sees the slots up to its own (`slots` [B, S], int64)."""
+    _cpu("attention", "q", q, torch.float32, (None, None, None, None))
     B, S, Hq, D = q.shape
+    _cpu("attention", "kc", kc, torch.float32, (B, None, None, D))
+    _cpu("attention", "vc", vc, torch.float32, tuple(kc.shape))
+    if not (Hq % kc.shape[1] == 0):
+        _fail("attention", "kc.shape[1] (kv heads)", kc.shape[1], f"divide the {Hq} query heads")
+    if not (0 <= kv_len <= kc.shape[2]):
+        _fail("attention", "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
+    if mask is not None:
+        _cpu("attention", "mask", mask, (torch.uint8, torch.bool), (B, S, kv_len))
+    else:
+        if not (slots is not None):
+            _fail("attention", "slots", None, "be given when mask is None")
+        _cpu("attention", "slots", slots, torch.int64, (B, S))
     out = torch.empty_like(q)
-    _lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if mask is None else mask.data_ptr(),
-                   None if slots is None else slots.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1], D, kc.shape[2],
-                   kv_len, D ** -0.5, _threads)
+    _status(_lib.attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if mask is None else mask.data_ptr(),
+                           None if slots is None else slots.data_ptr(), out.data_ptr(), B, S, Hq, kc.shape[1], D,
+                           kc.shape[2], kv_len, D ** -0.5, _threads), "attention")
     return out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows x [..., K] by an fp32 weight [K], in one C call instead of five torch ops (the torch
     ops around a draft step's layers, the norm among them, took 0.7 ms once its weights had streamed by)."""
-    out = torch.empty_like(x)
+    _cpu("rmsnorm", "x", x, torch.float32)
     K = x.shape[-1]
+    _cpu("rmsnorm", "weight", weight, torch.float32, (K,))
+    out = torch.empty_like(x)
     _lib.rmsnorm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), x.numel() // K, K)
     return out
 
@@ -336,6 +490,7 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True) -> tuple[torch.Ten
 
 def stream_read(x: torch.Tensor) -> int:
     """Read every byte of a contiguous tensor once on the kernels' threads (the bench's bandwidth probe)."""
+    _cpu("stream_read", "x", x, x.dtype)
     return _lib.stream_read(x.data_ptr(), x.numel() * x.element_size() // 64 * 64, _threads)
 
 
@@ -371,12 +526,30 @@ class LayerPlan(ctypes.Structure):
 def layer_plan(wqkv, wo, w13, w2, bias: torch.Tensor | None, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
                eps: float, hq: int, hkv: int, head_dim: int) -> LayerPlan:
     """skinny.c's layer_t for `decoder_layer`: pointers, shapes and weight types of one decoder layer."""
-    lins = []
-    for w in (wqkv, wo, w13, w2):
-        wp, sp, wt, gs, N, K = _weight_args(w)
+    lins, shapes = [], []
+    for name, w in (("wqkv", wqkv), ("wo", wo), ("w13", w13), ("w2", w2)):
+        wp, sp, wt, gs, N, K = _weight_args(w, "layer_plan", name)
         lins.append(_Lin(wp, sp or 0, wt, gs, N, K))
+        shapes.append((N, K))
+    (nqkv, H), (no, ko), (n13, k13), (n2, k2) = shapes
+    chain = [("wqkv", (nqkv, H), ((hq + 2 * hkv) * head_dim, H)), ("wo", (no, ko), (H, hq * head_dim)),
+             ("w13", (n13, k13), (2 * (n13 // 2), H)), ("w2", (n2, k2), (H, n13 // 2))]
+    for name, got, want in chain:
+        if not (got == want):
+            _fail("layer_plan", f"{name} (out_features, in_features)", got,
+                  f"be {want} (hidden {H}, {hq} + 2 x {hkv} heads of {head_dim}, down's in_features half of gate/up's "
+                  "out_features)")
+    for name, t in (("attn_norm", attn_norm), ("ffn_norm", ffn_norm)):
+        _cpu("layer_plan", name, t, torch.float32, (H,))
+    if bias is not None:
+        _cpu("layer_plan", "bias", bias, torch.float32, (nqkv,))
     ptr = [0 if t is None else t.data_ptr() for t in (bias, attn_norm, ffn_norm)]
-    return LayerPlan(*lins, *ptr, eps, head_dim ** -0.5, hq, hkv, head_dim)
+    plan = LayerPlan(*lins, *ptr, eps, head_dim ** -0.5, hq, hkv, head_dim)
+    # The plan holds what it points into, so a plan can never outlive its memory (weights replaced later are the
+    # caller's to track: `weights_moved`).
+    plan._keep = tuple(t for x in (wqkv, wo, w13, w2, bias, attn_norm, ffn_norm) if x is not None
+                       for t in ((x.qweight, x.scales) if _quantized(x) else (x,)))
+    return plan
 
 
 def plan_array(plans: list[LayerPlan]):
@@ -388,10 +561,57 @@ def decoder_layers(plans, n: int, x: torch.Tensor, pos: torch.Tensor, slots: tor
                    sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> None:
     """`decoder_layer` for each of the n layers in turn, in one C call: plans from `plan_array`, k / v the cache's
     [layers, B, H_kv, length, D] buffers (each layer's block contiguous, as KVCache.rows keeps it)."""
+    if not (0 <= n <= len(plans)):
+        _fail("decoder_layers", "n", n, f"lie in [0, {len(plans)}] (the plans given)")
+    _cpu("decoder_layers", "x", x, torch.float32, (None, None, None))
+    B, S, H = x.shape
+    if not (k.dim() == 5 and max(n, 1) <= k.shape[0]):
+        _fail("decoder_layers", "k.shape", list(k.shape),
+              f"be [>= {max(n, 1)} layers, B, H_kv, length, D]")
+    _check_step("decoder_layers", x, pos, slots, cos, sin, k[0], v[0], mask, kv_len)
+    for name, t in (("k", k), ("v", v)):
+        if not (t.shape == k.shape and t.stride() == k.stride()):
+            _fail("decoder_layers", f"{name}.shape", list(t.shape),
+                  f"be {list(k.shape)} with strides {k.stride()}")
+    if n:  # the plans of one model share these (layer_plan checked each plan's own shapes)
+        p0 = plans[0].contents
+        if not ((p0.qkv.K, p0.hkv, p0.d) == (H, k.shape[2], k.shape[4])):
+            _fail("decoder_layers",
+                  "the plans' (hidden, kv heads, head_dim)", (p0.qkv.K, p0.hkv, p0.d),
+                  f"be x's hidden size and the cache's: {(H, k.shape[2], k.shape[4])}")
+    _status(_lib.decoder_layers(plans, n, x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
+                                sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[3],
+                                None if mask is None else mask.data_ptr(), kv_len, _threads), "decoder_layers")
+
+
+def _check_step(fn: str, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> None:
+    """A decoder step's arguments besides the plans: x [B, S, H]; pos / slots [B, S] int64 inside the RoPE tables and
+    the caches; one layer's caches [B, H_kv, length, D], each a contiguous block; kv_len within the cache length."""
     B, S, _ = x.shape
-    _lib.decoder_layers(plans, n, x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
-                        sin.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.shape[3],
-                        None if mask is None else mask.data_ptr(), kv_len, _threads)
+    for name, t in (("pos", pos), ("slots", slots)):
+        _cpu(fn, name, t, torch.int64, (B, S))
+    for name, t in (("kc", kc), ("vc", vc)):
+        if not (t.dim() == 4 and t.shape[0] == B):
+            _fail(fn, f"{name}.shape", list(t.shape), f"be [{B}, H_kv, length, D]")
+        if not (t.device.type == "cpu" and t.dtype == torch.float32):
+            _fail(fn, name, f"{t.dtype} on {t.device}",
+                  "be float32 on cpu")
+        inner = (t.shape[2] * t.shape[3], t.shape[3], 1)
+        if not (t.stride()[1:] == inner):
+            _fail(fn, f"{name}.stride()", t.stride(), f"end in {inner} (each row's heads, slots "
+                  "and columns contiguous)")
+    if not (vc.shape == kc.shape):
+        _fail(fn, "vc.shape", list(vc.shape), f"be kc's {list(kc.shape)}")
+    D = kc.shape[3]
+    _cpu(fn, "cos", cos, torch.float32, (None, D))
+    _cpu(fn, "sin", sin, torch.float32, tuple(cos.shape))
+    if not (0 <= kv_len <= kc.shape[2]):
+        _fail(fn, "kv_len", kv_len, f"lie in [0, {kc.shape[2]}] (the cache length)")
+    if mask is not None:
+        _cpu(fn, "mask", mask, (torch.uint8, torch.bool), (B, S, kv_len))
+    _in_range(fn, "pos", pos, cos.shape[0], "the RoPE tables' rows")
+    _in_range(fn, "slots", slots, kc.shape[2], "the cache length")
 
 
 def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor,
@@ -400,7 +620,12 @@ def decoder_layer(plan: LayerPlan, x: torch.Tensor, pos: torch.Tensor, slots: to
     """One decoder layer on x [B, S, H] (fp32, updated in place) in one C call: RMSNorm + QKV (+ bias), RoPE and
     the cache write, attention (mask None: each query sees the slots up to its own), the output projection,
     RMSNorm + gate/up, SwiGLU + down, both residuals."""
+    _cpu("decoder_layer", "x", x, torch.float32, (None, None, plan.qkv.K))
+    _check_step("decoder_layer", x, pos, slots, cos, sin, kc, vc, mask, kv_len)
+    if not ((kc.shape[1], kc.shape[3]) == (plan.hkv, plan.d)):
+        _fail("decoder_layer", "kc.shape", list(kc.shape),
+              f"have {plan.hkv} kv heads of {plan.d} (the plan's)")
     B, S, _ = x.shape
-    _lib.decoder_layer(ctypes.byref(plan), x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(), cos.data_ptr(),
-                       sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2],
-                       None if mask is None else mask.data_ptr(), kv_len, _threads)
+    _status(_lib.decoder_layer(ctypes.byref(plan), x.data_ptr(), B, S, pos.data_ptr(), slots.data_ptr(),
+                               cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2],
+                               None if mask is None else mask.data_ptr(), kv_len, _threads), "decoder_layer")

@@ -382,14 +382,15 @@ def device_type(device) -> str:
 
 
 def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, device,
-                act8: bool = False) -> Transformer:
+                act8: bool = False, hugepages: bool = True) -> Transformer:
     """Construct on the meta device and assign weights, so nothing is initialised twice.
 
     Quantized linears (`P.qweight` + `P.scales`, see quant.py) become QLinear layers and keep their
     storage dtype; a quantized head is never tied to the embedding (the embedding stays for lookup). `act8`: int4
     linears quantize their activations to int8 (W4A8, an engine whose quant_algo is W4A8). On CPU the linears are laid
     out for the kernels (quant.tile_model: W4A8 in 16-row blocks; bf16, int8 and int4 tiled where `kernels.tiles()`);
-    `float_state` gives back plain weights.
+    `float_state` gives back plain weights. `hugepages=False` leaves the weights where they are (the caller shares
+    them: pipeline/runtime/shared.py).
     """
     if device_type(device) == "cpu" and dtype == torch.float16:
         raise ValueError("dtype float16: the CPU kernels and fp32 activations of the torch runtime do not run fp16 "
@@ -422,5 +423,6 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
     if device_type(device) == "cpu":
         if kernels.available():
             tile_model(model)
-        to_hugepages(model)
+        if hugepages:
+            to_hugepages(model)
     return model.eval().requires_grad_(False)

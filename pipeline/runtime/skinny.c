@@ -30,15 +30,86 @@
 //
 // This file is compiled twice: with AVX-512 (+ AVX512_BF16: one zmm per 16 lanes, vdpbf16ps; + AVX512_VNNI:
 // vpdpbusd) and with AVX2 (two ymm; the dot product as two FMAs under FTZ|DAZ, vpdpbusd as vpmaddubsw + vpmaddwd);
-// both implement the same sequence, so the two builds agree bit for bit as well.
+// both implement the same sequence, so the two builds agree bit for bit as well. Both are compiled with
+// -ffp-contract=off (kernels.py): only the fused multiply-adds written here (fmaf, FMA intrinsics) fuse, so plain C
+// arithmetic rounds as written in either build.
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
 #include <stdlib.h>
 #include <stdatomic.h>
+#include <stdio.h>
+#include <pthread.h>
 
 enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7 };
+
+// The weight-type codes by name: kernels.py reads this table when it loads the library (skinny_weight_types), so the
+// codes are written here and nowhere else. A new weight type gets an enum value, a line here and a case in
+// weights_ok.
+static const struct { const char *name; int code; } WEIGHT_TYPES[] = {
+    {"f32", WT_F32}, {"bf16", WT_BF16}, {"i8", WT_I8}, {"i4", WT_I4}, {"bf16t", WT_BF16T}, {"i4t", WT_I4T},
+    {"i8t", WT_I8T}, {"i4a8", WT_I4A8}};
+// "name=code name=code ...", built once.
+const char *skinny_weight_types(void) {
+    static char text[512];
+    if (!text[0]) {
+        size_t at = 0;
+        for (size_t i = 0; i < sizeof WEIGHT_TYPES / sizeof WEIGHT_TYPES[0] && at < sizeof text; i++)
+            at += (size_t)snprintf(text + at, sizeof text - at, "%s%s=%d", i ? " " : "", WEIGHT_TYPES[i].name,
+                                   WEIGHT_TYPES[i].code);
+    }
+    return text;
+}
+
+// What the entry points that can fail return (kernels.py raises on anything but SK_OK): a shape or weight type the
+// kernel cannot read (kernels.py checks these first, with the argument's name; this is the C side's own guard), or
+// a scratch buffer that could not be allocated.
+enum { SK_OK = 0, SK_EARG = 1, SK_ENOMEM = 2 };
+
+// Scratch buffers: one set per calling thread, kept between calls (a decode step makes hundreds of these calls) and
+// freed when the thread ends. A slot grows to the largest request up to SCRATCH_KEEP bytes; a larger one (a long
+// prefill) is allocated for that call alone, so a thread keeps at most SC_N * SCRATCH_KEEP bytes.
+enum { SC_XQ, SC_Q8, SC_S8, SC_C8, SC_SHARE, SC_PRE, SC_ACC, SC_QKV, SC_Q, SC_O, SC_H, SC_ATT, SC_N };
+#define SCRATCH_KEEP ((size_t)8 << 20)
+typedef struct { void *p; size_t n; } slot_t;
+_Atomic long long skinny_scratch_allocs;  // scratch allocations made, for the test that hot calls make none
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void scratch_free(void *v) {
+    slot_t *s = (slot_t *)v;
+    for (int i = 0; i < SC_N; i++) free(s[i].p);
+    free(s);
+}
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+// A 64-byte aligned buffer of `bytes` for `slot`, or NULL when out of memory. *owned: the caller frees it
+// (scratch_done) because it is larger than a slot keeps.
+static void *scratch(int slot, size_t bytes, int *owned) {
+    const size_t n = bytes ? (bytes + 63) & ~(size_t)63 : 64;
+    *owned = n > SCRATCH_KEEP;
+    if (*owned) {
+        atomic_fetch_add_explicit(&skinny_scratch_allocs, 1, memory_order_relaxed);
+        return aligned_alloc(64, n);
+    }
+    pthread_once(&scratch_once, scratch_init);
+    slot_t *s = (slot_t *)pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = (slot_t *)calloc(SC_N, sizeof(slot_t))) || pthread_setspecific(scratch_key, s)) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s[slot].n < n) {
+        atomic_fetch_add_explicit(&skinny_scratch_allocs, 1, memory_order_relaxed);
+        free(s[slot].p);
+        s[slot].p = aligned_alloc(64, n);
+        s[slot].n = s[slot].p ? n : 0;
+    }
+    return s[slot].p;
+}
+static inline void scratch_done(void *p, int owned) {
+    if (owned) free(p);
+}
 
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -350,6 +421,12 @@ const char *skinny_isa(void) { return ISA_NAME; }
 // paired against row-major, 100 rounds: 1.047x / 1.081x / 1.118x at 28 / 43 / 47 GB/s read (16 KB ahead: 1.04-1.11x;
 // 4 KB: 0.93x).
 static inline int64_t pf_shift(int64_t tile) { return tile >= PF_BYTES ? 0 : (PF_BYTES - tile + 63) & ~63; }
+// Prefetch byte `off` of a buffer of `size` bytes, clamped to its last byte: on the last tiles the window runs past the
+// end of the weights (or scales), and forming a pointer past a buffer's end is undefined behaviour in C. Offsets are
+// computed as integers, and only the clamped one becomes a pointer.
+static inline void pf(const void *base, int64_t off, int64_t size) {
+    _mm_prefetch((const char *)base + (off < size ? off : size - 1), PF_HINT);
+}
 #define MAXR 8
 #define MAXG 6
 
@@ -387,10 +464,11 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
     v16 acc[MAXR][MAXG];
     const int64_t rb = row_bytes(K, wt);
     const char *wb = (const char *)w;
-    const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
+    const int64_t next = (int64_t)(n + R) * rb + pf_shift(R * rb), wsize = (int64_t)N * rb;
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     const int esize = wt == WT_F32 ? 4 : 1;
+    const int64_t row0 = (int64_t)(n / 8) * 8 * rb + (n % 8) * 16;  // rowt[0]'s offset (WT_I8T)
     int K16 = K & ~15;
     // Tiled int8 (quant.tile): the 16 columns k.. of row n at tile(n / 8) + 8 k + 16 (n % 8); K % 16 == 0.
     const char *rowt[MAXR];
@@ -398,9 +476,9 @@ static inline __attribute__((always_inline)) void tile(const void *xv, const voi
         for (int r = 0; r < R; r++) rowt[r] = wb + (int64_t)((n + r) / 8) * 8 * rb + ((n + r) % 8) * 16;
     for (int k = 0; k < K16; k += 16) {
         if (wt == WT_I8T)
-            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(rowt[0] + (int64_t)k * 8 + 8 * rb + off, PF_HINT);
+            for (int off = 0; off < R * 16; off += 64) pf(wb, row0 + (int64_t)k * 8 + 8 * rb + off, wsize);
         else
-            for (int off = 0; off < R * 16 * esize; off += 64) _mm_prefetch(next + (int64_t)k * R * esize + off, PF_HINT);
+            for (int off = 0; off < R * 16 * esize; off += 64) pf(wb, next + (int64_t)k * R * esize + off, wsize);
         v16 wv[MAXR];
         for (int r = 0; r < R; r++) {
             const char *p = wt == WT_I8T ? rowt[r] + (int64_t)k * 8 : wb + (int64_t)(n + r) * rb + (int64_t)k * esize;
@@ -438,19 +516,19 @@ static inline __attribute__((always_inline)) void tile_i4_avx2(const float *xq, 
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) acc[h][r][i] = _mm256_setzero_ps();
-    const char *snext = (const char *)(s16 + (int64_t)(n + 4 * R) * ng);
-    for (int off = 0; off < R * ng * 2; off += 64) _mm_prefetch(snext + off, PF_HINT);
+    const int64_t snext = 2 * (int64_t)(n + 4 * R) * ng, ssize = 2 * (int64_t)N * ng;
+    for (int off = 0; off < R * ng * 2; off += 64) pf(s16, snext + off, ssize);
     // Superblock sb of row n: row-major at n * rb + 64 sb; tiled at i4t_row(n) + 512 sb.
     const uint8_t *row[MAXR];
     for (int r = 0; r < R; r++)
         row[r] = wt == WT_I4T ? i4t_row(wb, n + r, rb) : (const uint8_t *)(wb + (int64_t)(n + r) * rb);
     const int64_t sbs = wt == WT_I4T ? 512 : 64;
-    const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
+    const int64_t next = (int64_t)(n + R) * rb + pf_shift(R * rb), wsize = (int64_t)N * rb;
+    const int64_t row0 = (int64_t)((const char *)row[0] - wb);
     for (int k = 0; k < K128; k += 128) {
         const int64_t at = (int64_t)k / 128 * sbs;
         for (int off = 0; off < R * 64; off += 64)
-            _mm_prefetch(wt == WT_I4T ? (const char *)row[0] + at + PF_I4T + off : next + (int64_t)k / 2 * R + off,
-                         PF_HINT);
+            pf(wb, wt == WT_I4T ? row0 + at + PF_I4T + off : next + (int64_t)k / 2 * R + off, wsize);
         for (int h = 0; h < 2; h++) {
             __m256 part[MAXR][MAXG];
             for (int r = 0; r < R; r++)
@@ -481,7 +559,7 @@ static inline __attribute__((always_inline)) void tile_i4_avx2(const float *xq, 
             for (int r = 0; r < R; r++)
                 for (int i = 0; i < G; i++) part[h][r][i] = _mm256_setzero_ps();
         for (int k = K128; k < K; k += 32) {
-            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+            for (int off = 0; off < R * 16; off += 64) pf(wb, next + (int64_t)k / 2 * R + off, wsize);
             for (int r = 0; r < R; r++) {
                 const wv32 wq = w_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2));
                 for (int i = 0; i < G; i++) {
@@ -524,7 +602,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
     v16 acc[MAXR][MAXG];
     const int64_t rb = row_bytes(K, wt);
     const char *wb = (const char *)w;
-    const char *next = wb + (int64_t)(n + R) * rb + pf_shift(R * rb);
+    const int64_t next = (int64_t)(n + R) * rb + pf_shift(R * rb), wsize = (int64_t)N * rb;
     for (int r = 0; r < R; r++)
         for (int i = 0; i < G; i++) acc[r][i] = v_zero();
     if (wt == WT_I4 || wt == WT_I4T) {
@@ -534,8 +612,8 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
         const uint16_t *s16 = (const uint16_t *)sc;
         // The scales of the tile 4 tiles on (a few cache lines), a second stream: without this prefetch the
         // 0.5B draft's int4 layers streamed 7-8% slower from DRAM (40 paired rounds, twice), the 1.5B's 1.6%.
-        const char *snext = (const char *)(s16 + (int64_t)(n + 4 * R) * ng);
-        for (int off = 0; off < R * ng * 2; off += 64) _mm_prefetch(snext + off, PF_HINT);
+        const int64_t snext = 2 * (int64_t)(n + 4 * R) * ng, ssize = 2 * (int64_t)N * ng;
+        for (int off = 0; off < R * ng * 2; off += 64) pf(s16, snext + off, ssize);
         v16 part[MAXR][MAXG];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < G; i++) part[r][i] = v_zero();
@@ -559,7 +637,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
             for (int r = 0; r < R; r++) rowt[r] = i4t_row(wb, n + r, rb);
             for (int k = 0; k < K128; k += 128) {
                 const int64_t at = (int64_t)k / 128 * 512;
-                for (int off = 0; off < R * 64; off += 64) _mm_prefetch((const char *)rowt[0] + at + PF_I4T + off, PF_HINT);
+                for (int off = 0; off < R * 64; off += 64) pf(wb, (const char *)rowt[0] - wb + at + PF_I4T + off, wsize);
                 I4_CHUNK(w_u4s(rowt[r] + at, 0), k)
                 I4_CHUNK(w_u4s(rowt[r] + at, 1), k + 32)
                 I4_CHUNK(w_u4s(rowt[r] + at, 2), k + 64)
@@ -567,7 +645,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
             }
         } else {
             for (int k = 0; k < K128; k += 128) {
-                for (int off = 0; off < R * 64; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+                for (int off = 0; off < R * 64; off += 64) pf(wb, next + (int64_t)k / 2 * R + off, wsize);
                 const uint8_t *rowp = (const uint8_t *)(wb + (int64_t)n * rb + k / 2);
                 I4_CHUNK(w_u4s(rowp + r * rb, 0), k)
                 I4_CHUNK(w_u4s(rowp + r * rb, 1), k + 32)
@@ -576,18 +654,19 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
             }
         }
         for (int k = K128; k < K; k += 32) {
-            for (int off = 0; off < R * 16; off += 64) _mm_prefetch(next + (int64_t)k / 2 * R + off, PF_HINT);
+            for (int off = 0; off < R * 16; off += 64) pf(wb, next + (int64_t)k / 2 * R + off, wsize);
             I4_CHUNK(w_u4((const uint8_t *)(wb + (int64_t)(n + r) * rb + k / 2)), k)
         }
 #undef I4_CHUNK
     } else if (wt == WT_BF16T) {
         // Rows n.. of one 4-row tile (n % 4 + R <= 4): block kb of lane l at tile + 256 kb + 64 l, so the tile
         // streams by in address order. K is a multiple of 32 here (quant.tile).
-        const char *base = wb + (int64_t)(n / TROWS) * TROWS * rb + (n % TROWS) * 64;
+        const int64_t baseo = (int64_t)(n / TROWS) * TROWS * rb + (n % TROWS) * 64;
+        const char *base = wb + baseo;
         const int64_t pfd = G == 1 ? PF_TILED1 : G == 2 ? PF_TILED2 : TROWS * rb;
         for (int kb = 0; kb < K / 32; kb++) {
             const char *blk = base + (int64_t)kb * 64 * TROWS;
-            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(blk + pfd + off, PF_HINT);
+            for (int off = 0; off < R * 64; off += 64) pf(wb, baseo + (int64_t)kb * 64 * TROWS + pfd + off, wsize);
             wv32 wq[MAXR];
             for (int r = 0; r < R; r++) wq[r] = w_bf16((const uint16_t *)(blk + 64 * r));
             for (int i = 0; i < G; i++) {
@@ -598,7 +677,7 @@ static inline __attribute__((always_inline)) void tile_dp(const void *xv, const 
     } else {
         const int K32 = K & ~31;
         for (int k = 0; k < K32; k += 32) {
-            for (int off = 0; off < R * 64; off += 64) _mm_prefetch(next + (int64_t)k * 2 * R + off, PF_HINT);
+            for (int off = 0; off < R * 64; off += 64) pf(wb, next + (int64_t)k * 2 * R + off, wsize);
             wv32 wq[MAXR];
             for (int r = 0; r < R; r++) wq[r] = w_bf16((const uint16_t *)(wb + (int64_t)(n + r) * rb) + k);
             for (int i = 0; i < G; i++) {
@@ -732,8 +811,8 @@ static inline __attribute__((always_inline)) void tile_a8(const void *xv, const 
                      int s0, int R, int G) {                                                                     \
         switch (R * 16 + G) {                                                                                    \
             CASES(T_##WT)                                                                                        \
-            default: /* not reached; one row at a time is the same arithmetic */                                 \
-                for (int r = 0; r < R; r++) NAME(x, w, sc, y, K, N, gs, n + r, s0, 1, G);                        \
+            default: /* not reached: every CASES lists T(1, 1..MAXG); one row at a time is the same arithmetic */ \
+                for (int r = 0; R > 1 && r < R; r++) NAME(x, w, sc, y, K, N, gs, n + r, s0, 1, G);               \
         }                                                                                                        \
     }
 #define T_F32(R, G) case (R) * 16 + (G): tile(x, w, sc, y, K, N, gs, n, s0, R, G, WT_F32); break;
@@ -743,8 +822,11 @@ static inline __attribute__((always_inline)) void tile_a8(const void *xv, const 
 #define T_I4(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4); break;
 #define T_BF16T(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_BF16T); break;
 #define T_I4T(R, G) case (R) * 16 + (G): tile_dp(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4T); break;
-#define T_I4A8(R, G) case (R) * 16 + (G): tile_a8(x, w, sc, y, K, N, gs, n, s0, R, G, WT_I4A8); break;
+#define T_I4A8(R, G) case (R) * 16 + (G): tile_a8(x, w, sc, y, K, N, gs, n, s0, 16, G, WT_I4A8); break;
+// W4A8 reads whole 16-row blocks (tile_a8 stops at N), so any R is the block's 16: one row at a time would be another
+// layout, not the same arithmetic, and would recurse on itself (rows() always asks for R = 16 here).
 #define TILE_CASES_A8(T) T(16, 1) T(16, 2) T(16, 3) T(16, 4) T(16, 5) T(16, 6)
+#define TILE_CASES_A8_ANY(T) TILE_CASES_A8(T) T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6)
 TILE_FN(tile_f32, tile, TILE_CASES_F, F32)
 TILE_FN(tile_i8, tile, TILE_CASES_F, I8)
 TILE_FN(tile_bf16, tile_dp, TILE_CASES_B, BF16)
@@ -752,9 +834,25 @@ TILE_FN(tile_i4, tile_dp, TILE_CASES_Q, I4)
 TILE_FN(tile_bf16t, tile_dp, TILE_CASES_T, BF16T)
 TILE_FN(tile_i4t, tile_dp, TILE_CASES_Q, I4T)
 TILE_FN(tile_i8t, tile, TILE_CASES_F, I8T)
-TILE_FN(tile_i4a8, tile_a8, TILE_CASES_A8, I4A8)
+TILE_FN(tile_i4a8, tile_a8, TILE_CASES_A8_ANY, I4A8)
 
 typedef void (*tile_fn)(const void *, const void *, const float *, float *, int, int, int, int, int, int, int);
+
+// The shapes each weight type's tiles can read (kernels.py checks the same, naming the argument): int4 reads whole
+// 32-column blocks and groups, tiled layouts whole tiles (quant.tile, quant.tile_a8), W4A8 pairs of 8-column chunks
+// per group. An unknown type is refused.
+static int weights_ok(int K, int N, int wt, int gs) {
+    if (K < 1 || N < 1) return 0;
+    switch (wt) {
+        case WT_F32: case WT_BF16: case WT_I8: return 1;
+        case WT_I4: return gs > 0 && gs % 32 == 0 && K % gs == 0;
+        case WT_I4T: return gs > 0 && gs % 32 == 0 && K % gs == 0 && K % 128 == 0 && N % 8 == 0;
+        case WT_BF16T: return K % 32 == 0 && N % TROWS == 0;
+        case WT_I8T: return K % 16 == 0 && N % 8 == 0;
+        case WT_I4A8: return gs > 0 && gs % 16 == 0 && K % gs == 0;
+        default: return 0;
+    }
+}
 
 // Weight rows per tile for S token rows (split into groups of at most MAXG).
 static int tile_rows(int S, int wt) {
@@ -777,7 +875,7 @@ static void rows(const void *x, const void *w, const float *sc, float *y, int S,
     const unsigned int csr = _mm_getcsr();
     if (dp) _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
     for (int n = n0; n < n1;) {
-        int r = n1 - n >= R ? R : 1;
+        int r = n1 - n >= R || wt == WT_I4A8 ? R : 1;
         for (int i = 0, s0 = 0; i < groups; i++) {
             int g = base + (i < extra);
             f(x, w, sc, y, K, N, gs, n, s0, r, g);
@@ -821,9 +919,12 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
 // (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
 // column 8m + i in nibble m);
 // sc: int8 [N] fp32 or int4 [N, K / gs] bf16 scales (NULL otherwise); y: [S, N] fp32. Any S.
-void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
-                   int wt, int gs) {
+// Returns SK_OK, SK_EARG when weights_ok refuses the shapes, or SK_ENOMEM (y is then not written).
+int skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
+                  int wt, int gs) {
     if (threads < 1) threads = 1;
+    if (S < 0 || !weights_ok(K, N, wt, gs)) return SK_EARG;
+    if (S == 0) return SK_OK;
     const int a8 = wt == WT_I4A8;
     // W4A8 weights come in blocks of 16 rows (the last one padded), and a thread's share starts on a block.
     const int Nr = a8 ? (N + 15) & ~15 : N, align = a8 ? 16 : 24;
@@ -831,12 +932,18 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
     chunk = (chunk + align - 1) / align * align;
     const int dp = wt == WT_BF16 || wt == WT_I4 || wt == WT_BF16T || wt == WT_I4T;
     const int Kp = (K + 31) & ~31, rows_max = S < ROW_CHUNK ? S : ROW_CHUNK;
-    xq_t *xq = dp ? (xq_t *)malloc(sizeof(xq_t) * (size_t)rows_max * Kp) : NULL;
-    int8_t *q8 = a8 ? (int8_t *)malloc((size_t)rows_max * K) : NULL;
-    float *s8 = a8 ? (float *)malloc(sizeof(float) * (size_t)rows_max * (K / gs)) : NULL;
-    int32_t *c8 = a8 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)rows_max * (K / gs)) : NULL;
+    int o_xq = 0, o_q8 = 0, o_s8 = 0, o_c8 = 0, o_sh = 0;
+    xq_t *xq = dp ? (xq_t *)scratch(SC_XQ, sizeof(xq_t) * (size_t)rows_max * Kp, &o_xq) : NULL;
+    int8_t *q8 = a8 ? (int8_t *)scratch(SC_Q8, (size_t)rows_max * K, &o_q8) : NULL;
+    float *s8 = a8 ? (float *)scratch(SC_S8, sizeof(float) * (size_t)rows_max * (K / gs), &o_s8) : NULL;
+    int32_t *c8 = a8 ? (int32_t *)scratch(SC_C8, sizeof(int32_t) * (size_t)rows_max * (K / gs), &o_c8) : NULL;
     const xa8_t xa = {q8, s8, c8};
-    share_t *share = threads > 1 ? (share_t *)aligned_alloc(64, sizeof(share_t) * (size_t)threads) : NULL;
+    share_t *share = threads > 1 ? (share_t *)scratch(SC_SHARE, sizeof(share_t) * (size_t)threads, &o_sh) : NULL;
+    int rc = SK_OK;
+    if ((dp && !xq) || (a8 && (!q8 || !s8 || !c8)) || (threads > 1 && !share)) {
+        rc = SK_ENOMEM;
+        goto done;
+    }
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
         const void *xc = x + (int64_t)c0 * K;
@@ -877,11 +984,13 @@ void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int
                 }
         }
     }
-    free(share);
-    free(xq);
-    free(q8);
-    free(s8);
-    free(c8);
+done:
+    scratch_done(share, o_sh);
+    scratch_done(xq, o_xq);
+    scratch_done(q8, o_q8);
+    scratch_done(s8, o_s8);
+    scratch_done(c8, o_c8);
+    return rc;
 }
 
 // The bandwidth probe: a pure streaming read of n bytes (a multiple of 64) split over the threads, returning an xor
@@ -925,12 +1034,16 @@ void rmsnorm(const float *x, const float *g, float eps, float *out, int S, int K
 
 // y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
 // x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
-void fused_linear(const float *x, const float *g, float eps, const void *w, const float *sc, float *y, int S, int K,
-                  int N, int threads, int wt, int gs, int mode, int accumulate) {
+// Returns skinny_matmul's status (SK_EARG also for a mode other than 0, 1, 2).
+int fused_linear(const float *x, const float *g, float eps, const void *w, const float *sc, float *y, int S, int K,
+                 int N, int threads, int wt, int gs, int mode, int accumulate) {
+    if (S < 0 || mode < 0 || mode > 2 || !weights_ok(K, N, wt, gs)) return SK_EARG;
     const float *in = x;
     float *buf = NULL;
+    int o_buf = 0, o_tmp = 0, rc;
     if (mode != 0) {
-        buf = (float *)malloc(sizeof(float) * (size_t)S * K);
+        buf = (float *)scratch(SC_PRE, sizeof(float) * (size_t)S * K, &o_buf);
+        if (!buf) return SK_ENOMEM;
         if (mode == 1) {
             rmsnorm(x, g, eps, buf, S, K);
         } else {
@@ -946,14 +1059,16 @@ void fused_linear(const float *x, const float *g, float eps, const void *w, cons
         in = buf;
     }
     if (!accumulate) {
-        skinny_matmul(in, w, sc, y, S, K, N, threads, wt, gs);
+        rc = skinny_matmul(in, w, sc, y, S, K, N, threads, wt, gs);
     } else {
-        float *tmp = (float *)malloc(sizeof(float) * (size_t)S * N);
-        skinny_matmul(in, w, sc, tmp, S, K, N, threads, wt, gs);
-        for (int64_t i = 0; i < (int64_t)S * N; i++) y[i] += tmp[i];
-        free(tmp);
+        float *tmp = (float *)scratch(SC_ACC, sizeof(float) * (size_t)S * N, &o_tmp);
+        rc = tmp ? skinny_matmul(in, w, sc, tmp, S, K, N, threads, wt, gs) : SK_ENOMEM;
+        if (rc == SK_OK)
+            for (int64_t i = 0; i < (int64_t)S * N; i++) y[i] += tmp[i];
+        scratch_done(tmp, o_tmp);
     }
-    free(buf);
+    scratch_done(buf, o_buf);
+    return rc;
 }
 
 // qkv [B, S, Hq + 2 Hkv, D]: add the q/k/v bias [(Hq + 2 Hkv) D] when given (Qwen2), rotate q and k
@@ -1017,18 +1132,33 @@ static inline __m256 exp_neg8(__m256 x) {
 // probability, 1 / sum exp(l - max), by exp_neg8, in one call: a draft step's argmax and confidence (torch's argmax,
 // softmax and amax over 65536 logits) had taken 0.3 ms of a 7.7 ms step; this takes 35 us hot, most of it the exp
 // pass, which prob = NULL skips (a draft without draft_confidence needs no probability). Rows whose max is not finite
-// get prob NaN.
+// get prob NaN. A NaN is the largest value, as torch.argmax has it: a row holding one gets the first NaN's index and
+// prob NaN (torch's softmax of that row is all NaN).
 void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
     for (int b = 0; b < B; b++) {
         const float *l = logits + (int64_t)b * N;
-        __m256 m8 = _mm256_set1_ps(-INFINITY);
+        __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
         int k = 0;
-        for (; k + 8 <= N; k += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(l + k));
+        for (; k + 8 <= N; k += 8) {
+            const __m256 v = _mm256_loadu_ps(l + k);
+            m8 = _mm256_max_ps(m8, v);
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         float t[8], mx = -INFINITY;
+        int nan = _mm256_movemask_ps(nan8) != 0;
         _mm256_storeu_ps(t, m8);
         for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
-        for (; k < N; k++) mx = l[k] > mx ? l[k] : mx;
+        for (; k < N; k++) {
+            mx = l[k] > mx ? l[k] : mx;
+            nan |= l[k] != l[k];
+        }
         int64_t at = 0;
+        if (nan) {
+            while (at < N - 1 && l[at] == l[at]) at++;
+            idx[b] = at;
+            if (prob) prob[b] = NAN;
+            continue;
+        }
         while (at < N - 1 && !(l[at] == mx)) at++;
         idx[b] = at;
         if (!prob) continue;
@@ -1063,11 +1193,14 @@ static inline float dot_d(const float *q, const float *k, int D) {
 // that computes it, nor on masked slots past its own (kv_len padding): the exponentials are summed in 8 lanes by
 // slot index (l % 8) and a masked slot adds an exact 0, and V rows of masked slots are never read.
 // Written with 8-lane AVX2 only, so both builds run the same instructions.
-void attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
-               int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
+// Returns SK_OK, SK_EARG (shapes: Hq a multiple of Hkv, kv_len <= L), or SK_ENOMEM (some outputs not written).
+int attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
+              int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
+    if (B < 0 || S < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || kv_len < 0 || kv_len > L) return SK_EARG;
     int group = Hq / Hkv;
     int items = B * S * Hq;
     const int kv8 = (kv_len + 7) & ~7;
+    _Atomic int failed = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (items > 1 && (int64_t)items * kv_len >= 512)
     for (int it = 0; it < items; it++) {
         int h = it % Hq, t = it / Hq, b = t / S;
@@ -1079,7 +1212,12 @@ void attention(const float *q, const float *kc, const float *vc, const uint8_t *
 #define SEES(l) (m ? m[l] != 0 : (l) <= own)
         float *o = out + (int64_t)it * D;
         float stack[1024] __attribute__((aligned(32)));
-        float *sc = kv8 <= 1024 ? stack : (float *)aligned_alloc(32, sizeof(float) * kv8);
+        int o_sc = 0;  // past 1024 slots: the thread's own scratch, kept between calls
+        float *sc = kv8 <= 1024 ? stack : (float *)scratch(SC_ATT, sizeof(float) * kv8, &o_sc);
+        if (!sc) {
+            atomic_store(&failed, 1);
+            continue;
+        }
         float mx = -INFINITY;
         int l = 0;
         for (; l + 4 <= kv_len; l += 4) {  // four independent dot products in flight
@@ -1130,9 +1268,10 @@ void attention(const float *q, const float *kc, const float *vc, const uint8_t *
             for (int j = 0; j < full; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
             for (int dd = 8 * full; dd < dn; dd++) o[d0 + dd] = tail[dd - 8 * full];
         }
-        if (sc != stack) free(sc);
+        if (sc != stack) scratch_done(sc, o_sc);
 #undef SEES
     }
+    return atomic_load(&failed) ? SK_ENOMEM : SK_OK;
 }
 
 // A whole decoder layer in one call (what Block.fast ran as five calls from Python): the per-call Python and
@@ -1150,35 +1289,53 @@ typedef struct {
     int hq, hkv, d;
 } layer_t;
 
-void decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos, const int64_t *slots,
-                   const float *cos_t, const float *sin_t, float *kc, float *vc, int cache_len, const uint8_t *mask,
-                   int kv_len, int threads) {
+// Returns SK_OK, or the first failing call's status (SK_EARG: a plan whose shapes do not chain; the layer then stops
+// there, x and the caches partly updated).
+int decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos, const int64_t *slots,
+                  const float *cos_t, const float *sin_t, float *kc, float *vc, int cache_len, const uint8_t *mask,
+                  int kv_len, int threads) {
     const int T = B * S, H = L->qkv.K, qd = L->hq * L->d;
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)T * L->qkv.N);
-    float *q = (float *)malloc(sizeof(float) * (size_t)T * qd);
-    float *o = (float *)malloc(sizeof(float) * (size_t)T * qd);
-    float *h = (float *)malloc(sizeof(float) * (size_t)T * L->up.N);
-    fused_linear(x, L->attn_norm, L->eps, L->qkv.w, L->qkv.sc, qkv, T, H, L->qkv.N, threads, L->qkv.wt, L->qkv.gs, 1,
-                 0);
-    rope_write(qkv, L->bias, pos, slots, cos_t, sin_t, q, kc, vc, B, S, L->hq, L->hkv, L->d, cache_len);
-    attention(q, kc, vc, mask, slots, o, B, S, L->hq, L->hkv, L->d, cache_len, kv_len, L->scale, threads);
-    fused_linear(o, NULL, 0.f, L->o.w, L->o.sc, x, T, L->o.K, L->o.N, threads, L->o.wt, L->o.gs, 0, 1);
-    fused_linear(x, L->ffn_norm, L->eps, L->up.w, L->up.sc, h, T, H, L->up.N, threads, L->up.wt, L->up.gs, 1, 0);
-    fused_linear(h, NULL, 0.f, L->down.w, L->down.sc, x, T, L->down.K, L->down.N, threads, L->down.wt, L->down.gs, 2,
-                 1);
-    free(qkv);
-    free(q);
-    free(o);
-    free(h);
+    if (L->qkv.N != (L->hq + 2 * L->hkv) * L->d || L->o.K != qd || L->o.N != H || L->up.K != H ||
+        L->down.K * 2 != L->up.N || L->down.N != H)
+        return SK_EARG;
+    int o1 = 0, o2 = 0, o3 = 0, o4 = 0, rc = SK_ENOMEM;
+    float *qkv = (float *)scratch(SC_QKV, sizeof(float) * (size_t)T * L->qkv.N, &o1);
+    float *q = (float *)scratch(SC_Q, sizeof(float) * (size_t)T * qd, &o2);
+    float *o = (float *)scratch(SC_O, sizeof(float) * (size_t)T * qd, &o3);
+    float *h = (float *)scratch(SC_H, sizeof(float) * (size_t)T * L->up.N, &o4);
+    if (qkv && q && o && h &&
+        !(rc = fused_linear(x, L->attn_norm, L->eps, L->qkv.w, L->qkv.sc, qkv, T, H, L->qkv.N, threads, L->qkv.wt,
+                            L->qkv.gs, 1, 0))) {
+        rope_write(qkv, L->bias, pos, slots, cos_t, sin_t, q, kc, vc, B, S, L->hq, L->hkv, L->d, cache_len);
+        if (!(rc = attention(q, kc, vc, mask, slots, o, B, S, L->hq, L->hkv, L->d, cache_len, kv_len, L->scale,
+                             threads)) &&
+            !(rc = fused_linear(o, NULL, 0.f, L->o.w, L->o.sc, x, T, L->o.K, L->o.N, threads, L->o.wt, L->o.gs, 0, 1)) &&
+            !(rc = fused_linear(x, L->ffn_norm, L->eps, L->up.w, L->up.sc, h, T, H, L->up.N, threads, L->up.wt,
+                                L->up.gs, 1, 0)))
+            rc = fused_linear(h, NULL, 0.f, L->down.w, L->down.sc, x, T, L->down.K, L->down.N, threads, L->down.wt,
+                              L->down.gs, 2, 1);
+    }
+    scratch_done(qkv, o1);
+    scratch_done(q, o2);
+    scratch_done(o, o3);
+    scratch_done(h, o4);
+    return rc;
 }
 
 // Every decoder layer of a step in one call: layer i reads its plan plans[i] and its K/V at kc / vc + i * layer_stride.
 // The Python loop around 24 decoder_layer calls had cost the 0.5B draft about 1 ms a step (45 us a layer) once the
 // step's weights had streamed by and evicted the interpreter's data (stage timers compiled into the layer, 100 steps).
-void decoder_layers(const layer_t *const *plans, int n, float *x, int B, int S, const int64_t *pos,
-                    const int64_t *slots, const float *cos_t, const float *sin_t, float *kc, float *vc,
-                    int64_t layer_stride, int cache_len, const uint8_t *mask, int kv_len, int threads) {
-    for (int i = 0; i < n; i++)
-        decoder_layer(plans[i], x, B, S, pos, slots, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
-                      cache_len, mask, kv_len, threads);
+int decoder_layers(const layer_t *const *plans, int n, float *x, int B, int S, const int64_t *pos,
+                   const int64_t *slots, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                   int64_t layer_stride, int cache_len, const uint8_t *mask, int kv_len, int threads) {
+    for (int i = 0; i < n; i++) {
+        const int rc = decoder_layer(plans[i], x, B, S, pos, slots, cos_t, sin_t, kc + i * layer_stride,
+                                     vc + i * layer_stride, cache_len, mask, kv_len, threads);
+        if (rc) return rc;
+    }
+    return SK_OK;
 }
+
+// a * b + c as written: kernels.py's test that the build does not contract it into a fused multiply-add (compiled
+// with -ffp-contract=off, so only the explicit fmaf and FMA intrinsics fuse, the same ones in both builds).
+float skinny_contract_probe(float a, float b, float c) { return a * b + c; }

@@ -1,16 +1,16 @@
 """Triton python-backend model (the adapter): the torch runtime behind tensorrtllm_backend's client contract.
 
-Copied into triton_repo/<name>/ensemble/1/model.py and tensorrt_llm_bls/1/model.py: both served
-models are this model, each in its own stub process with its own copy of the weights, its own
-scheduler and its own clients, so each sees its clients' cancellation, deadline and disconnect
-itself (no model forwards requests to another). One instance serves every method (`method` input;
-default from config). This file only translates between Triton and the Triton-free pieces it
-imports from the project: `pipeline.triton.parse` turns a request's tensors into runtime Requests
-(or a BadRequest naming the input), `pipeline.triton.scheduler` decodes them on one worker thread
-and answers through a `Responder`, here one that wraps the request's response sender, and
-`pipeline.triton.gate` makes the served models take turns at decoding steps (a file lock in the
-model repository). Decoupled (streaming) or not follows the model's transaction policy (spec
-`triton.decoupled`); both answer through the response sender, so `execute` never blocks on decoding.
+Copied into triton_repo/<name>/ensemble/1/model.py and tensorrt_llm_bls/1/model.py: both served models are
+this model, each in its own stub process (mapping one shared copy of the weights, pipeline/runtime/shared.py)
+with its own KV caches, its own scheduler and its own clients, so each sees its clients' cancellation,
+deadline and disconnect itself (no model forwards requests to another). One instance serves every method
+(`method` input; default from config). This file only translates between Triton and the Triton-free pieces it
+imports from the project: `pipeline.triton.parse` turns a request's tensors into runtime Requests (or a
+BadRequest naming the input), `pipeline.triton.scheduler` decodes them on one worker thread and answers
+through a `Responder`, here one that wraps the request's response sender, and `pipeline.triton.gate` makes the
+served models take turns at decoding steps (a file lock in the model repository). Decoupled (streaming) or not
+follows the model's transaction policy (spec `triton.decoupled`); both answer through the response sender, so
+`execute` never blocks on decoding.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class TritonPythonModel:
             return sched
 
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
+        # Both served models map one copy of the laid-out weights (pipeline/runtime/shared.py), not one copy each.
+        os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
         bundle = self.scheduler.bundle
         # The spec's speculation block, as the repository wrote it; 'auto' takes the k measured at build time.

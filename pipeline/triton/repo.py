@@ -135,6 +135,7 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
         "exclude_input_in_output": "true",
         "add_special_tokens": "true",
         "step_lock": "true",
+        "shared_weights": "true",  # both served models map one copy of the weights (pipeline/runtime/shared.py)
         "python_path": ":".join(python_path()),
     }
     for key, value in params.items():
