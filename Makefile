@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test lint all clean
+.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test test-fast lint ci all clean
 
 all: setup engine repo validate
 
@@ -55,11 +55,19 @@ load: setup
 readme: setup
 	$(PY) -m pipeline readme $(SPEC) $(ARGS)
 
+# The full suite (what CI runs). Tiers are markers (pyproject.toml; tests/conftest.py marks by fixture).
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
 
+# The quick loop: no tritonserver, no sampled distributions, builds or fuzzing.
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not server and not slow" $(ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check pipeline tests experiments
+	$(VENV)/bin/ruff check pipeline tests experiments .ci
+
+ci:
+	.ci/run
 
 clean:
 	rm -rf engines triton_repo reports .pytest_cache

@@ -175,6 +175,7 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow
 def test_exact_sampled_rule_preserves_the_target_distribution_and_typical_does_not():
     model = tiny_vocab_model()
     heads = random_heads(model, n=2, scale=0.3)
@@ -240,6 +241,7 @@ def write_med_spec(root: Path, med: dict) -> Path:
     return p
 
 
+@pytest.mark.slow
 def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
     from pipeline import spec as specmod
     from pipeline.engine import build_target, read_config
