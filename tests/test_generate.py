@@ -24,6 +24,7 @@ def _pair(seed=0, vocab=97):
     return hf, build_model(mc, hf_to_runtime(hf.state_dict(), mc), torch.float32, "cpu")
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate_token_for_token():
     hf, ours = _pair()
     g = torch.Generator().manual_seed(1)

@@ -94,6 +94,7 @@ class OracleHeads(MedusaHeads):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_greedy_medusa_equals_greedy_baseline_batch1_and_ragged_batch(target, tree):
     m = make_engine(random_heads(target.model), TREES[tree])
@@ -109,6 +110,7 @@ def test_greedy_medusa_equals_greedy_baseline_batch1_and_ragged_batch(target, tr
         assert g.steps >= 2 and len(g.tokens) >= g.steps - 1
 
 
+@pytest.mark.slow
 def test_good_heads_accept_several_tokens_per_step_and_stay_exact(target):
     reqs = chat_reqs(target, [1, 2, 7], max_new=40)
     base = generate(target.model, reqs)
@@ -357,6 +359,7 @@ def test_greedy_tree_acceptance_and_counters_equal_a_replay(target, tree):
         assert cut  # some row's budget cut its last accepted path short
 
 
+@pytest.mark.slow
 def test_compaction_leaves_the_cache_as_prefill_would_for_every_path_length(target):
     """After some steps the handed-off cache must hold, slot for slot, the K/V a plain prefill of the committed
     context writes: an accepted path of any length is moved into contiguous slots (a skipped or wrong move
