@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test lint all clean gpu-check
+.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test test-fast lint ci all clean gpu-check
 
 all: setup engine repo validate
 
@@ -55,6 +55,7 @@ load: setup
 readme: setup
 	$(PY) -m pipeline readme $(SPEC) $(ARGS)
 
+# The full suite (what CI runs). Tiers are markers (pyproject.toml; tests/conftest.py marks by fixture).
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
 
@@ -62,8 +63,15 @@ test: setup
 gpu-check: setup
 	SPEC=build/qwen_coder_trtllm.yaml bash scripts/gpu_check.sh
 
+# The quick loop: no tritonserver, no sampled distributions, builds or fuzzing.
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not server and not slow" $(ARGS)
+
 lint: setup
-	$(VENV)/bin/ruff check pipeline tests experiments
+	$(VENV)/bin/ruff check pipeline tests experiments .ci
+
+ci:
+	.ci/run
 
 clean:
 	rm -rf engines triton_repo reports .pytest_cache

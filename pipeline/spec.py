@@ -420,8 +420,22 @@ def _validate_trtllm(spec: Spec) -> None:
            "the Gemma converter is planned for weight-only int8/int4 only")
 
 
-def validate(spec: Spec) -> Spec:
-    """Cross-field checks that types alone cannot express."""
+def resolve_device(device: str, cuda_available: bool | None = None) -> str:
+    """The device the torch runtime will run on: 'cpu' or 'cuda' ('auto' is CUDA when torch sees a GPU).
+
+    Device-dependent spec checks run on this, so `auto` is held to the rules of what it becomes on this
+    machine; `cuda_available` lets a test (or a planner for another machine) say what the answer would be."""
+    if device != "auto":
+        return device
+    if cuda_available is None:
+        import torch  # heavy: imported only when a spec says device: auto
+
+        cuda_available = torch.cuda.is_available()
+    return "cuda" if cuda_available else "cpu"
+
+
+def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
+    """Cross-field checks that types alone cannot express (`cuda_available`: see resolve_device)."""
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name)), "name", spec.name,
            "use letters, digits, '.', '_' or '-' (it names engines/<name>/ and triton_repo/<name>/)")
     _check(spec.threads >= 0, "threads", spec.threads, "must be 0 (all cores) or a positive count")
@@ -453,21 +467,25 @@ def validate(spec: Spec) -> Spec:
         _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
                spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
                "number of tokens: set it to 0 for the tensorrt_llm backend")
+    # What the torch runtime runs on; `auto` is named in the errors so a user sees why it was refused.
+    device = resolve_device(spec.device, cuda_available) if spec.backend == "torch" else spec.device
+    on = f"device: {spec.device}" + (f" (on this machine: {device})" if spec.device == "auto" else "")
     for key, q, g in (("target", spec.target.quantization, spec.target.group_size),
                       ("draft", spec.draft.quantization, spec.draft.group_size)):
         if spec.backend == "torch":
             _check(q in ("none", "int8", "int4", "int4_a8"), f"{key}.quantization", q,
                    "the torch backend quantizes none, int8, int4 or int4_a8 (int4_awq and fp8 need "
                    "backend: tensorrt_llm)")
-            _check(q != "int4_a8" or spec.device != "cuda", f"{key}.quantization", q,
-                   "int8 activations run in the CPU kernels (on CUDA torch would only emulate them, slowly): use "
-                   "int4 on device: cuda, or backend: tensorrt_llm, which builds int4_a8 as W4A8_AWQ")
+            _check(q != "int4_a8" or device != "cuda", f"{key}.quantization", q,
+                   f"int8 activations run in the CPU kernels (on CUDA torch would only emulate them, slowly), the "
+                   f"{on}: use int4 on CUDA, device: cpu, or backend: tensorrt_llm, which builds int4_a8 as "
+                   "W4A8_AWQ")
         if q in ("int4", "int4_a8", "int4_awq"):
             _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
-    if spec.backend == "torch" and spec.device == "cpu":
+    if spec.backend == "torch" and device == "cpu":
         # The CPU kernels read fp32 or bf16 weights and keep fp32 activations; fp16 weights gave NaN there.
         for key, dt in (("dtype", spec.dtype), ("draft.dtype", spec.draft.dtype)):
-            _check(dt != "float16", key, dt, "the torch backend on device: cpu runs float32 or bfloat16 weights "
+            _check(dt != "float16", key, dt, f"the torch backend on the CPU ({on}) runs float32 or bfloat16 weights "
                    "(bfloat16 is the same size as float16); float16 is for device: cuda or backend: tensorrt_llm")
     _check(spec.draft.quantization == "none" or spec.has_draft, "draft.quantization", spec.draft.quantization,
            "quantizes the draft model: set draft.source, or leave quantization: none")
@@ -542,11 +560,11 @@ def decode_config(spec: Spec, measured_k: int | None = None) -> SpecDecodeConfig
         raise SpecError(str(e)) from None
 
 
-def parse(data: Any, root: str | Path = ".") -> Spec:
-    """Build and validate a Spec from already-parsed YAML data."""
+def parse(data: Any, root: str | Path = ".", cuda_available: bool | None = None) -> Spec:
+    """Build and validate a Spec from already-parsed YAML data (`cuda_available`: see resolve_device)."""
     spec = _build(Spec, data, "")
     spec.root = str(root)
-    return validate(spec)
+    return validate(spec, cuda_available)
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -227,3 +227,52 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         timer.cancel()
+
+
+# ---- test tiers (markers registered in pyproject.toml; `make test-fast` runs -m "not server and not slow") ----
+# Marks follow the fixtures a test uses, so a new test that takes a server fixture is tiered without a decorator:
+# - server: it starts tritonserver (a fixture with "served", "server" or "harness" in its name, or an explicit
+#   @pytest.mark.server on a test that starts one itself). Checked: pipeline.triton.server.start fails any test
+#   not marked server, so the quick loop cannot quietly grow a server.
+# - harness: the TensorRT-LLM stand-in harness (the `harness` fixture); these are server tests too.
+# - slow: heavy without a server: distributions checked by sampling (`small_pair`), the bench run (`bench`), engine
+#   builds (`big_root`, `qwen_root`), and the tests marked @pytest.mark.slow by hand (fuzzing, subprocess builds).
+SERVER_FIXTURE_WORDS = ("served", "server", "harness")
+SLOW_FIXTURES = {"small_pair", "bench", "big_root", "qwen_root"}
+_server_tests: set[str] = set()
+_running: list[str] = []  # the node id of the test now running
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(item.fixturenames)
+        if any(word in name for name in names for word in SERVER_FIXTURE_WORDS):
+            item.add_marker(pytest.mark.server)
+        if "harness" in names:
+            item.add_marker(pytest.mark.harness)
+        if names & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("server") is not None:
+            _server_tests.add(item.nodeid)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _running[:] = [nodeid]
+
+
+def pytest_sessionstart(session):
+    from pipeline.triton import server
+
+    real = server.start
+    if getattr(real, "tier_guarded", False):
+        return
+
+    def start(*args, **kwargs):
+        if _running and _running[0] not in _server_tests:
+            pytest.fail(f"{_running[0]} starts tritonserver but is not marked `server`: take the server from a "
+                        f"fixture whose name has one of {SERVER_FIXTURE_WORDS} in it, or mark the test "
+                        "@pytest.mark.server (tests/conftest.py, test tiers)", pytrace=False)
+        return real(*args, **kwargs)
+
+    start.tier_guarded = True
+    server.start = start

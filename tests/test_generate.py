@@ -1,5 +1,6 @@
 """Baseline decoding: equals transformers' generate; sampling, stopping and batching behave."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -23,6 +24,7 @@ def _pair(seed=0, vocab=97):
     return hf, build_model(mc, hf_to_runtime(hf.state_dict(), mc), torch.float32, "cpu")
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate_token_for_token():
     hf, ours = _pair()
     g = torch.Generator().manual_seed(1)
@@ -95,7 +97,8 @@ def test_warp_applies_temperature_top_k_and_top_p():
 
 def _nucleus_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sp, idx = probs.sort(dim=-1, descending=True)
-    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
+    before = torch.nn.functional.pad(sp.cumsum(-1), (1, 0))[..., :-1]  # the mass of the more likely tokens
+    sp = sp.masked_fill(before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, idx, sp)
     return kept / kept.sum(-1, keepdim=True)
 
@@ -111,6 +114,63 @@ def test_top_p_over_a_large_vocabulary_keeps_the_nucleus_a_full_sort_keeps(sprea
     kept = (got > 0).sum(-1)
     assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, rtol=1e-6, atol=0)
     assert ((kept <= sampling.TOP_P_CANDIDATES) if spread > 1 else (kept > sampling.TOP_P_CANDIDATES)).all(), kept
+
+
+# Powers of two, distinct but for the last two: every running total is exact, so "the mass before a token
+# equals top_p" is exact too. Tokens are stored shuffled so that position is not rank.
+DYADIC = [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.015625]
+SHUFFLE = [3, 0, 6, 2, 1, 4, 5]
+
+
+@pytest.mark.parametrize("kept", [1, 2, 3, 4])
+def test_top_p_drops_the_token_whose_preceding_mass_equals_top_p(kept):
+    """The nucleus is the smallest set of most likely tokens holding top_p: with top_p equal to the mass of the
+    `kept` most likely tokens, the next token (whose preceding mass is exactly top_p) is out; a hair above
+    top_p it is in."""
+    from pipeline.runtime.sampling import _nucleus
+
+    probs = torch.zeros(7)
+    probs[SHUFFLE] = torch.tensor(DYADIC)
+    top_p = sum(DYADIC[:kept])
+    got = _nucleus(probs[None], top_p)[0]
+    ranked = got[SHUFFLE]
+    assert (ranked[:kept] > 0).all() and (ranked[kept:] == 0).all(), ranked
+    assert torch.equal(ranked[:kept], torch.tensor(DYADIC[:kept]) / top_p)
+    above = _nucleus(probs[None], float(np.nextafter(np.float32(top_p), np.float32(1))))[0][SHUFFLE]
+    assert (above[:kept + 1] > 0).all() and (above[kept + 1:] == 0).all(), above
+    # and through warp, with probabilities a softmax made (temperature 1 leaves them as they are)
+    logits = torch.log(probs)
+    p = warp(logits, SamplingParams(temperature=1.0, top_p=float(torch.softmax(logits, -1)[SHUFFLE[0]])))
+    assert int((p > 0).sum()) == 1 and int(p.argmax()) == SHUFFLE[0]
+
+
+def test_top_p_equal_to_the_top_token_keeps_it_alone_for_any_distribution():
+    """The preceding mass of the second token is exactly the first's probability, however the sums round: top_p
+    set to it keeps one token (cumsum - p can round below it and let the second in)."""
+    from pipeline.runtime.sampling import _nucleus
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(400, 12, generator=g), -1)
+    for row in probs:
+        top2 = row.topk(2).values
+        if top2[0] == top2[1]:
+            continue
+        got = _nucleus(row[None], float(top2[0]))[0]
+        assert int((got > 0).sum()) == 1 and got.max() == 1.0, row
+        two = _nucleus(row[None], float(top2[0] + top2[1]))[0]  # a float32 sum, as the running total is
+        assert int((two > 0).sum()) == 2, row
+
+
+def test_top_p_past_the_candidate_window_stops_at_the_same_boundary():
+    """A flat distribution's nucleus reaches past the top-256 candidates (the full-sort path): top_p equal to
+    the mass of 300 tokens keeps exactly 300, and within the window (200 tokens) exactly 200."""
+    from pipeline.runtime import sampling
+
+    probs = torch.full((1, 1024), 1 / 1024)
+    for n in (200, 300):
+        assert (n > sampling.TOP_P_CANDIDATES) == (n == 300)
+        got = sampling._nucleus(probs, n / 1024)
+        assert int((got > 0).sum()) == n and torch.allclose(got[got > 0], torch.tensor(1 / n))
 
 
 def test_bad_sampling_params_name_the_field():

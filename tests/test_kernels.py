@@ -477,12 +477,14 @@ def _kernel_path_in_subprocess(env: dict) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
+@pytest.mark.slow
 def test_a_failed_compile_is_logged_and_reported_as_the_torch_path(tmp_path):
     res = _kernel_path_in_subprocess({"CC": "false", "PIPELINE_CACHE": str(tmp_path)})
     assert "PATH=torch" in res.stdout
     assert "skinny kernel failed" in res.stderr
 
 
+@pytest.mark.slow
 def test_forced_path_is_reported():
     res = _kernel_path_in_subprocess({"PIPELINE_KERNEL": "avx2"})
     assert "PATH=avx2" in res.stdout, res.stderr

@@ -94,6 +94,7 @@ class OracleHeads(MedusaHeads):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", sorted(TREES))
 def test_greedy_medusa_equals_greedy_baseline_batch1_and_ragged_batch(target, tree):
     m = make_engine(random_heads(target.model), TREES[tree])
@@ -109,6 +110,7 @@ def test_greedy_medusa_equals_greedy_baseline_batch1_and_ragged_batch(target, tr
         assert g.steps >= 2 and len(g.tokens) >= g.steps - 1
 
 
+@pytest.mark.slow
 def test_good_heads_accept_several_tokens_per_step_and_stay_exact(target):
     reqs = chat_reqs(target, [1, 2, 7], max_new=40)
     base = generate(target.model, reqs)
@@ -175,6 +177,7 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow
 def test_exact_sampled_rule_preserves_the_target_distribution_and_typical_does_not():
     model = tiny_vocab_model()
     heads = random_heads(model, n=2, scale=0.3)
@@ -240,6 +243,7 @@ def write_med_spec(root: Path, med: dict) -> Path:
     return p
 
 
+@pytest.mark.slow
 def test_build_trains_heads_grows_auto_tree_and_decodes_exactly(tiny_root):
     from pipeline import spec as specmod
     from pipeline.engine import build_target
@@ -364,6 +368,7 @@ def test_greedy_tree_acceptance_and_counters_equal_a_replay(target, tree):
         assert cut  # some row's budget cut its last accepted path short
 
 
+@pytest.mark.slow
 def test_compaction_leaves_the_cache_as_prefill_would_for_every_path_length(target):
     """After some steps the handed-off cache must hold, slot for slot, the K/V a plain prefill of the committed
     context writes: an accepted path of any length is moved into contiguous slots (a skipped or wrong move

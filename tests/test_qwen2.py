@@ -87,6 +87,7 @@ def test_qwen2_greedy_equals_transformers_generate():
         assert res.tokens == ref
 
 
+@pytest.mark.slow
 def test_qwen2_speculative_greedy_equals_baseline_in_a_ragged_batch():
     _, mc, target = _qwen(seed=3)
     # A partly agreeing Qwen2 draft: the target's weights with noise (biases included).

@@ -301,6 +301,7 @@ def test_a_damaged_engine_file_is_named_at_load(tiny_engine, tmp_path, damage):
         load_bundle(eng.parent)
 
 
+@pytest.mark.server
 def test_a_server_on_a_damaged_engine_fails_fast_naming_the_file(tiny_root, tiny_engine):
     import shutil
 

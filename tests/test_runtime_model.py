@@ -67,8 +67,11 @@ def test_runtime_layout_round_trips_to_hf_keys():
         assert torch.equal(back[k], v), k
 
 
-def test_verify_pass_logits_equal_single_token_decode_bitwise():
-    """k+1-token verification must see exactly what plain decoding sees (no numeric drift)."""
+def test_verify_pass_logits_equal_single_token_decode_to_float_rounding():
+    """k+1-token verification sees what plain decoding sees, up to float rounding. Not bit for bit: the matmul
+    kernels are row-count independent (skinny.c), but attention (torch's SDPA over k+1 queries or one) rounds
+    differently, by about 1e-7 on these logits; a real drift (a wrong position, a stale cache slot) is far
+    larger than the bound."""
     _, ours = _pair()
     ids = torch.randint(0, 97, (1, 10))
     c1, c2 = ours.new_cache(1, 64), ours.new_cache(1, 64)
@@ -77,4 +80,4 @@ def test_verify_pass_logits_equal_single_token_decode_bitwise():
     multi = ours.logits(ours(ids[:, 4:10], torch.arange(4, 10)[None], c1))[0]
     for t in range(4, 10):
         one = ours.logits(ours(ids[:, t:t + 1], torch.tensor([[t]]), c2))[0, 0]
-        assert (one - multi[t - 4]).abs().max() <= 1e-5
+        assert (one - multi[t - 4]).abs().max() <= 1e-6

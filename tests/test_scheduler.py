@@ -370,3 +370,39 @@ def test_the_warm_up_decodes_every_method_answers_nobody_counts_nothing_and_leav
     _drain(sched, [f])
     assert f.err is None and f.final[0] == _solo(bundle, parser, "hello there", 6)
     assert [c for c in counted if c[0] == "requests" and c[2] > 0] == [("requests", "baseline", 1)]
+
+
+def test_a_ragged_speculative_batch_reports_per_row_and_total_acceptance_it_can_have(bundle, parser):
+    """Prompt-lookup rows in one batch: greedy ones and sampled ones (whose varied text gives matches of
+    different lengths, or none, round by round). Accepted never exceeds drafted per row and per position, a
+    greedy row's perf outputs equal its solo run's (padding is nobody's proposal), and the served totals (the
+    scheduler's counters) are the sums of the rows'."""
+    rows = [(PROMPTS[0], {}), (PROMPTS[1], {"temperature": np.float32(1.0), "seed": np.uint64(3)}),
+            ("one two three one two three one two", {}),
+            (PROMPTS[2], {"temperature": np.float32(1.0), "seed": np.uint64(4)}),
+            (PROMPTS[3], {"temperature": np.float32(1.5), "seed": np.uint64(5)})]
+
+    def run(group: list) -> tuple[list, dict]:
+        counts: dict = {}
+        sched = Scheduler(bundle, 8, count=lambda w, m, v: counts.__setitem__((w, m), counts.get((w, m), 0) + v))
+        fakes = [Fake() for _ in group]
+        for (p, opts), f in zip(group, fakes, strict=True):
+            sched.submit(_parse(parser, p, 40, method="prompt_lookup", num_draft_tokens=4, return_perf_metrics=True,
+                                **opts), f)
+        _drain(sched, fakes)
+        assert all(f.err is None for f in fakes), [f.err for f in fakes]
+        return [f.results[0] for f in fakes], counts
+
+    batch, counts = run(rows)
+    for r in batch:
+        assert 0 <= r.draft_accepted <= r.draft_proposed
+        assert all(a <= p for a, p in zip(r.accepted_per_position, r.proposed_per_position, strict=True))
+    assert len({tuple(r.proposed_per_position) for r in batch}) > 1, "the rows were not ragged"
+    keys = ("tokens", "steps", "draft_proposed", "draft_accepted", "proposed_per_position", "accepted_per_position")
+    for row, r in zip(rows, batch, strict=True):
+        if not row[1]:
+            (one,), _ = run([row])
+            assert {k: getattr(r, k) for k in keys} == {k: getattr(one, k) for k in keys}
+    assert counts[("proposed", "prompt_lookup")] == sum(r.draft_proposed for r in batch)
+    assert counts[("accepted", "prompt_lookup")] == sum(r.draft_accepted for r in batch)
+    assert 0 < counts[("accepted", "prompt_lookup")] <= counts[("proposed", "prompt_lookup")]

@@ -192,3 +192,70 @@ def test_each_check_refuses_its_bad_value_and_names_the_key(base, fragment, path
 def test_values_at_the_bounds_are_accepted(base, fragment):
     specmod.parse(merged(base, fragment))
 
+
+
+# ---- checks that depend on the device run on what `device` resolves to ----
+
+# (fragment, key path, words of the fix): refused on the device named in the test below, accepted on the other.
+REFUSED_ON_CUDA = [
+    ({"target": {"quantization": "int4_a8"}}, "target.quantization", "int8 activations run in the CPU kernels"),
+    ({"draft": {"source": "train", "quantization": "int4_a8"}}, "draft.quantization",
+     "int8 activations run in the CPU kernels"),
+]
+REFUSED_ON_CPU = [
+    ({"dtype": "float16"}, "dtype", "runs float32 or bfloat16 weights"),
+    ({"draft": {"source": "train", "dtype": "float16"}}, "draft.dtype", "runs float32 or bfloat16 weights"),
+]
+
+
+def test_auto_resolves_to_cuda_only_when_torch_sees_a_gpu():
+    import torch
+
+    assert specmod.resolve_device("auto", cuda_available=True) == "cuda"
+    assert specmod.resolve_device("auto", cuda_available=False) == "cpu"
+    assert specmod.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert specmod.resolve_device("cpu", cuda_available=True) == "cpu"  # an explicit device is kept
+    assert specmod.resolve_device("cuda", cuda_available=False) == "cuda"  # (engine loading refuses it later)
+
+
+@pytest.mark.parametrize("fragment, path, fix", REFUSED_ON_CUDA, ids=[r[1] for r in REFUSED_ON_CUDA])
+@pytest.mark.parametrize("device, cuda", [("cuda", None), ("auto", True)], ids=["cuda", "auto-on-a-gpu"])
+def test_a_cuda_only_refusal_holds_for_auto_on_a_gpu_machine(fragment, path, fix, device, cuda):
+    with pytest.raises(specmod.SpecError) as e:
+        specmod.parse(merged(TORCH, {"device": device}, fragment), cuda_available=cuda)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and fix in msg, msg
+    assert f"device: {device}" in msg, msg
+    # the same spec where auto becomes the CPU is fine: the CPU kernels run int8 activations
+    specmod.parse(merged(TORCH, {"device": device}, fragment) | {"device": "cpu"})
+    specmod.parse(merged(TORCH, {"device": "auto"}, fragment), cuda_available=False)
+
+
+@pytest.mark.parametrize("fragment, path, fix", REFUSED_ON_CPU, ids=[r[1] for r in REFUSED_ON_CPU])
+@pytest.mark.parametrize("device, cuda", [("cpu", None), ("auto", False)], ids=["cpu", "auto-without-a-gpu"])
+def test_a_cpu_only_refusal_holds_for_auto_without_a_gpu(fragment, path, fix, device, cuda):
+    with pytest.raises(specmod.SpecError) as e:
+        specmod.parse(merged(TORCH, {"device": device}, fragment), cuda_available=cuda)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}: ") and fix in msg, msg
+    assert f"device: {device}" in msg, msg
+    specmod.parse(merged(TORCH, {"device": "cuda"}, fragment))
+    specmod.parse(merged(TORCH, {"device": "auto"}, fragment), cuda_available=True)
+
+
+def test_auto_on_this_machine_is_checked_as_what_torch_will_run_on():
+    """No availability given: the checks ask torch, as engine loading does (this machine has no GPU in CI)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    refused, accepted = (REFUSED_ON_CUDA, REFUSED_ON_CPU) if on_gpu else (REFUSED_ON_CPU, REFUSED_ON_CUDA)
+    for fragment, path, _ in refused:
+        with pytest.raises(specmod.SpecError, match=f"^{path}: .*device: auto \\(on this machine: "):
+            specmod.parse(merged(TORCH, {"device": "auto"}, fragment))
+    for fragment, _, _ in accepted:
+        specmod.parse(merged(TORCH, {"device": "auto"}, fragment))
+
+
+def test_the_tensorrt_llm_backend_keeps_auto_as_the_gpu_it_plans_for():
+    """Plans for TensorRT-LLM are written on machines without a GPU: auto there is the GPU it will run on."""
+    specmod.parse(merged(TRT, {"device": "auto", "dtype": "float16"}), cuda_available=False)

@@ -9,12 +9,14 @@ import tempfile
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import spec as specmod
 
+pytestmark = pytest.mark.slow  # 150 generated documents per property
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TMP = Path(tempfile.mkdtemp(prefix="spec-fuzz-"))
 BASE = {"name": "fuzz", "target": {"source": "models/target"}}

@@ -108,6 +108,7 @@ def test_spec_refuses_draft_lookup_that_the_external_draft_flow_cannot_run():
         load(DTM, speculation__draft_confidence=0.7)
 
 
+@pytest.mark.slow
 def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm():
     cmd = [sys.executable, "-m", "pipeline", "engine", str(DTM)]
     dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -37,6 +37,7 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
     return s
 
 
+@pytest.mark.server
 def test_validate_writes_the_report_from_server_responses(tiny_all):
     from pipeline.triton.repo import write_repo
     from pipeline.triton.server import running_pid

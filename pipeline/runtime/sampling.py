@@ -65,12 +65,19 @@ TOP_P_CANDIDATES = 256
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
-    """Keep the most likely tokens while the mass before each is below top_p, renormalized."""
+    """Keep the most likely tokens while the mass before each is below top_p, renormalized.
+
+    The boundary: a token whose preceding mass equals top_p exactly is dropped, because the tokens before it
+    already hold top_p (the smallest set reaching top_p; Hugging Face's TopPLogitsWarper draws the same line).
+    The preceding mass is the running total of the more likely tokens, read from the cumulative sum one place
+    back; `cumsum - vals` would round differently (top_p equal to the top token's probability could keep a
+    second token)."""
     vals, idx = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)
-    before = vals.cumsum(-1) - vals
-    if vals.shape[-1] < probs.shape[-1] and bool((before[..., -1] + vals[..., -1] < top_p).any()):
+    total = vals.cumsum(-1)
+    if vals.shape[-1] < probs.shape[-1] and bool((total[..., -1] < top_p).any()):
         vals, idx = probs.sort(dim=-1, descending=True)  # the nucleus reaches past the candidates
-        before = vals.cumsum(-1) - vals
+        total = vals.cumsum(-1)
+    before = torch.cat([torch.zeros_like(total[..., :1]), total[..., :-1]], dim=-1)
     kept = torch.zeros_like(probs).scatter_(-1, idx, vals.masked_fill(before >= top_p, 0.0))
     return kept / kept.sum(-1, keepdim=True)
 
