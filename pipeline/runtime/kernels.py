@@ -88,7 +88,8 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
     flags = ISA_FLAGS[isa]
-    tag = hashlib.sha256(SRC.read_bytes() + " ".join(flags).encode() + platform.node().encode()).hexdigest()[:16]
+    src = SRC.read_bytes() + SRC.with_name("gguf_kernels.c").read_bytes()  # skinny.c #includes it
+    tag = hashlib.sha256(src + " ".join(flags).encode() + platform.node().encode()).hexdigest()[:16]
     so = _build_dir() / f"skinny-{isa}-{tag}.so"
     if not so.is_file():
         so.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +126,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.argmax_prob.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
+    lib.gguf_dequant.argtypes = [P, Int, P]
+    lib.gguf_dequant.restype = None
     return lib
 
 
@@ -203,6 +206,8 @@ def _quantized(w) -> bool:
 def _weight_args(w) -> tuple[int, int | None, int, int, int, int]:
     """(weight ptr, scales ptr, skinny.c weight type, group size, N, K) for a tensor or a QLinear."""
     if _quantized(w):
+        if w.algo == "gguf":  # skinny.c's WT_GGUF: a gg_desc_t of the layer's GGUF parts (gguf_weights.GGUFLinear)
+            return w.desc_ptr(), None, 8, 0, w.out_features, w.in_features
         if w.algo == "int8":  # skinny.c's WT_I8T (quant.tile), WT_I8
             return w.qweight.data_ptr(), w.scales.data_ptr(), 6 if w.tiled else 2, 0, w.out_features, w.in_features
         if w.algo == "bf16":
@@ -226,6 +231,8 @@ def _dot_bf16(w) -> bool:
 
 
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
+    if _quantized(w) and w.algo == "gguf":
+        return w.reference(x)  # the kernel's arithmetic in torch (gguf_weights.reference_matmul)
     if _quantized(w) and w.act8:
         return w.linear_a8(x)
     weight = w.weight if _quantized(w) else w

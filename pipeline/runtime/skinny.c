@@ -38,7 +38,8 @@
 #include <stdlib.h>
 #include <stdatomic.h>
 
-enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7 };
+enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7,
+       WT_GGUF = 8 /* GGUF Q4_K / Q6_K panels: gguf_kernels.c */ };
 
 static inline float hsum256(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -816,6 +817,8 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
     }
 }
 
+#include "gguf_kernels.c"
+
 // x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
 // superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
 // (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
@@ -823,6 +826,10 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
 // sc: int8 [N] fp32 or int4 [N, K / gs] bf16 scales (NULL otherwise); y: [S, N] fp32. Any S.
 void skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                    int wt, int gs) {
+    if (wt == WT_GGUF) {  // w is a gg_desc_t
+        gguf_matmul(x, (const gg_desc_t *)w, y, S, K, N, threads);
+        return;
+    }
     if (threads < 1) threads = 1;
     const int a8 = wt == WT_I4A8;
     // W4A8 weights come in blocks of 16 rows (the last one padded), and a thread's share starts on a block.
