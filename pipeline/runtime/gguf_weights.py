@@ -11,9 +11,9 @@ Activations are quantized per 32 columns to int8 at each matmul (gguf_kernels.c)
 arithmetic in torch, bit for bit (the torch fallback and the tests' reference).
 
 A layer is up to four parts of one input width (the runtime fuses q/k/v and gate/up, and a Q4_K_M GGUF mixes Q4_K and
-Q6_K among them): `GGUFLinear` holds every part's packed bytes in one buffer (`qweight`) and a table `parts` [n, 4]
-(ggml type, rows, first output row, byte offset). In an engine's safetensors a layer `P` is `P.gguf_w` + `P.gguf_parts`.
-The draft's Q5_0 / Q8_0 tensors are not supported here (the draft keeps int4_a8).
+Q6_K among them): `GGUFLinear` holds every part's packed bytes in one buffer (`qweight`) and a table `parts` [n, 5]
+(ggml type, rows, first output row, byte offset, input width). In an engine's safetensors a layer `P` is `P.gguf_w` +
+`P.gguf_parts`. The draft's Q5_0 / Q8_0 tensors are not supported here (the draft keeps int4_a8).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime import kernels
-from pipeline.runtime.quant import QLinear
+from pipeline.runtime.quant import GGUF_FORMAT, QLinear
 
 Q4_K, Q6_K = 12, 14  # ggml type ids (gguf.GGMLQuantizationType)
 TYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
 GGUF_BLOCK = {Q4_K: 144, Q6_K: 210}   # bytes per 256 weights in the GGUF
 RECORD = {Q4_K: 2432, Q6_K: 3392}     # bytes per 16 rows x 256 columns in the kernel's panels
-FORMAT = "gguf-panels/1"              # joins an engine's input hash: a changed layout rebuilds, never misreads
+FORMAT = GGUF_FORMAT  # joins an engine's input hash (quant.layout_tag): a changed layout rebuilds, never misreads
 MAX_PARTS = 4
 
 
@@ -122,6 +122,21 @@ def q4k_exact(raw: np.ndarray) -> tuple[int, int]:
 
     md, ed = split(d)
     mm, em = split(dmin)
+    # d sc q is a multiple of 2^ed below 2^(ed + 21), dmin m of 2^em below 2^(em + 17), so their difference a multiple
+    # of 2^min below 2^(max + 1): where that span fits 24 bits every value does (every sub-block of the Qwen2.5-Coder
+    # GGUFs); only the rest is checked value by value.
+    span = np.maximum(ed + 21, em + 17) + 1 - np.minimum(ed, em)
+    easy = ((span <= 24) | (md == 0) | (mm == 0))[..., None] | (m == 0)
+    hard = ~easy
+    if not hard.any():
+        return int(easy.size), int(easy.size)
+    rows = hard.any(axis=(1, 2))
+    e = _q4k_exact_values(md[rows], ed[rows], mm[rows], em[rows], sc[rows], m[rows])
+    return int(easy.sum()) + int((e & hard[rows]).sum()), int(easy.size)
+
+
+def _q4k_exact_values(md, ed, mm, em, sc, m) -> np.ndarray:
+    """Per sub-block: are all 16 values md sc q 2^ed - mm m 2^em representable in fp32 (exact integers)."""
     e0 = np.minimum(ed, em)[..., None, None]
     q = np.arange(16, dtype=np.int64)
     V = ((md[..., None] * sc.astype(np.int64))[..., None] * q << (ed[..., None, None] - e0)) \
@@ -129,8 +144,7 @@ def q4k_exact(raw: np.ndarray) -> tuple[int, int]:
     a = np.abs(V)
     low = a & -a
     bits = np.frexp(a.astype(np.float64))[1] - np.frexp(np.maximum(low, 1).astype(np.float64))[1]
-    ok = ((a == 0) | (bits < 24)).all(axis=-1)
-    return int(ok.sum()), int(ok.size)
+    return ((a == 0) | (bits < 24)).all(axis=-1)
 
 
 def reference_dequantize(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
@@ -248,14 +262,14 @@ class _Desc(ctypes.Structure):
 
 def pack_parts(tensors: list[tuple[int, np.ndarray]], K: int) -> tuple[Tensor, Tensor]:
     """GGUF tensors (ggml type, uint8 rows) stacked along the output rows -> (qweight uint8 [bytes], parts int64
-    [n, 4]: type, rows, first output row, byte offset)."""
+    [n, 5]: type, rows, first output row, byte offset, input width)."""
     if not 1 <= len(tensors) <= MAX_PARTS:
         raise ValueError(f"{len(tensors)} parts: a GGUF layer has 1 to {MAX_PARTS}")
     blobs, table, n0, off = [], [], 0, 0
     for qtype, raw in tensors:
         b = pack(qtype, raw, K)
         blobs.append(b)
-        table.append([qtype, raw.shape[0], n0, off])
+        table.append([qtype, raw.shape[0], n0, off, K])
         n0 += raw.shape[0]
         off += b.size
     return torch.from_numpy(np.concatenate(blobs)), torch.tensor(table, dtype=torch.int64)
@@ -267,7 +281,7 @@ class GGUFLinear(QLinear):
     A QLinear for the code that lays out and plans layers (`algo` "gguf", never tiled or re-quantized): `qweight` is
     the packed parts, `scales` empty (the scales live in the panels)."""
 
-    def __init__(self, qweight: Tensor, parts: Tensor, in_features: int, bias: Tensor | None = None):
+    def __init__(self, qweight: Tensor, parts: Tensor, bias: Tensor | None = None):
         nn.Module.__init__(self)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", torch.empty(0))
@@ -277,12 +291,12 @@ class GGUFLinear(QLinear):
         else:
             self.bias = None
         self.algo, self.act8, self.blocks_a8, self.tiled, self.group_size = "gguf", False, False, True, 0
-        self.in_features = in_features
+        self.in_features = int(parts[0, 4])
         self.out_features = int(parts[:, 1].sum())
         self._desc: tuple[int, _Desc] | None = None
 
     def _table(self) -> list[tuple[int, int, int, int]]:
-        return [tuple(int(v) for v in row) for row in self.parts.tolist()]
+        return [tuple(int(v) for v in row[:4]) for row in self.parts.tolist()]
 
     def desc_ptr(self) -> int:
         """The address of this layer's gg_desc_t, rebuilt when `qweight` moved (quant.to_hugepages)."""
@@ -384,3 +398,28 @@ def gguf_bytes(path) -> tuple[int, int]:
     total = sum(int(t.n_bytes) for t in reader.tensors)
     embd = sum(int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight")
     return total, embd
+
+
+def gguf_state(runtime: dict[str, Tensor], path, num_layers: int, log=print) -> dict[str, Tensor]:
+    """An engine state dict on the GGUF's own weights: `runtime` (hf_to_runtime of the dequantized checkpoint, for the
+    norms and biases) with every linear layer and the head replaced by `gguf_layers`, and the embedding the GGUF's own
+    dequantized rows in fp32 (a lookup: its bytes are not read per token). The parts' row order is checked against the
+    dequantized checkpoint's matrices (layer 0 and the head, at that checkpoint's precision)."""
+    from gguf import GGUFReader
+
+    from pipeline.runtime.quant import LINEAR
+
+    out = {k: v for k, v in runtime.items() if not LINEAR.match(k)}
+    layers = gguf_layers(path, num_layers, log)
+    for prefix in ("layers.0.wqkv", "layers.0.w13", "layers.0.w2", "lm_head"):
+        want = runtime.get(prefix + ".weight", runtime["embed.weight"] if prefix == "lm_head" else None)
+        got = GGUFLinear(layers[prefix + ".gguf_w"], layers[prefix + ".gguf_parts"]).weight
+        if want is None or not torch.equal(got[:256].to(want.dtype), want[:256]):
+            raise ValueError(f"{path}: {prefix} from the GGUF's blocks differs from the dequantized checkpoint "
+                             "(tensor order or layout): refusing to build on it")
+    out.update(layers)
+    t = {x.name: x for x in GGUFReader(str(path)).tensors}["token_embd.weight"]
+    raw = np.asarray(t.data)
+    out["embed.weight"] = torch.from_numpy(reference_dequantize(int(t.tensor_type), raw, int(t.shape[0])).copy()) \
+        if int(t.tensor_type) in RECORD else runtime["embed.weight"].float()
+    return out
