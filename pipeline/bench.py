@@ -192,11 +192,12 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
                           "skinny_kernel": kernels.available()}
 
     # Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4.
-    from pipeline.precision import engine_float_state, precision_table
+    from pipeline.precision import engine_float_state, gguf_source, precision_table
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
     report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
-                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log)
+                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log,
+                                          gguf_path=gguf_source(spec))
     report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     del fstate
 

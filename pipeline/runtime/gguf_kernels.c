@@ -52,7 +52,7 @@ static inline vi_t gg_and30(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi
 static inline vi_t gg_sl(vi_t a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi_t gg_sr(vi_t a, int n) { return _mm512_srli_epi16(a, n); }
 #else
-#define GG_MAXG 2
+#define GG_MAXG 4
 static inline vf_t gg_loadf(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
