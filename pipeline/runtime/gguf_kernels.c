@@ -38,6 +38,9 @@
 #define GG_SB_Q4K 2432
 #define GG_SB_Q6K 3392
 #define GG_MAXPARTS 4
+// Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
+// panels are one sequential stream per thread.
+#define GG_PF 8192
 #if defined(__AVX512F__)
 #define GG_MAXG 4
 static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
@@ -129,7 +132,8 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
         for (int i = 0; i < G; i++) acc[i] = mac[i] = gg_set1(0.f);
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
-            _mm_prefetch((const char *)rec + 4096, _MM_HINT_T0);
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h), dmin = gg_loadf((const float *)sc + 16 + A8_LANES * h);
             for (int j = 0; j < 8; j++) {
                 const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + A8_LANES * h));
@@ -171,7 +175,8 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
         for (int i = 0; i < G; i++) acc[i] = gg_set1(0.f);
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
-            _mm_prefetch((const char *)rec + 4096, _MM_HINT_T0);
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h);
             for (int j = 0; j < 16; j++) {
                 const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j + A8_LANES * h));
