@@ -124,7 +124,7 @@ static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs,
 // One panel (16 rows from n, `left` of them real) times G token rows from s0.
 static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
                                                               int K, int left0, int s0, const int G) {
-    const int nsb = K / 256, nb = K / 32, NCH = G <= 2 ? 4 : 2;
+    const int nsb = K / 256, nb = K / 32, NCH = G == 1 ? 4 : G == 2 ? 2 : 1;
     for (int h = 0; h < 16 / A8_LANES; h++) {
         const int left = left0 - A8_LANES * h;
         if (left <= 0) break;
@@ -144,16 +144,16 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
                 for (int c = 0; c < 4; c++) {
                     vi_t lo, hi;
                     a8_nibbles(rec + 64 * (4 * j + c) + 4 * A8_LANES * h, &lo, &hi);
-                    const int c0 = NCH == 4 ? 2 * (c & 1) : 0;
+                    const int c0 = NCH == 4 ? 2 * (c & 1) : 0, c1 = NCH == 1 ? 0 : c0 + 1;
                     for (int i = 0; i < G; i++) {
                         const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 32 * j + 8 * c;
                         p[c0][i] = vi_dp(p[c0][i], lo, xr);
-                        p[c0 + 1][i] = vi_dp(p[c0 + 1][i], hi, xr + 4);
+                        p[c1][i] = vi_dp(p[c1][i], hi, xr + 4);
                     }
                 }
                 const int b = 8 * s + j;
-                for (int i = 0; i < G; i++) {
-                    vi_t t = vi_add(p[0][i], p[1][i]);
+                for (int i = 0; i < G; i++) {  // one chain per token row from 3 rows: enough in flight
+                    vi_t t = NCH == 1 ? p[0][i] : vi_add(p[0][i], p[1][i]);
                     if (NCH == 4) t = vi_add(t, vi_add(p[2][i], p[3][i]));
                     const int64_t at = (int64_t)(s0 + i) * nb + b;
                     acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[at]), acc[i]);
