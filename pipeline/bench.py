@@ -261,7 +261,9 @@ def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
         theirs.append(new / dt)
     log(f"  bf16: ours {median(ours):.1f} tokens/s, transformers {median(theirs):.1f}")
     return {"new_tokens": new, "baseline_tokens_per_s": median(ours), "hf_generate_tokens_per_s": median(theirs),
-            "ratio": median(ours) / median(theirs), "note": "ours: bf16 weights, bf16-rounded activations, fp32 sums"}
+            "ratio": median(ours) / median(theirs),
+            "note": "ours: bf16 weights, bf16-rounded activations, fp32 sums" if spec.target.quantization == "none"
+            else f"ours: the target engine's {spec.target.quantization} weights; transformers: those weights in bf16"}
 
 
 def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
