@@ -240,9 +240,8 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
                 weights = gguf_weights.gguf_state(hf_to_runtime(state, mcfg), src.path, mcfg.num_layers, log)
             except ValueError as e:
                 raise EngineError(f"target.quantization: gguf: {e}") from None
-            embed = weights.pop("embed.weight")
-            weights = quant.cast_state(weights, dtype)
-            weights["embed.weight"] = embed  # fp32: the GGUF's values, looked up, never rounded to bf16
+            # fp32: the GGUF's F32 norms and biases and its dequantized embedding rows (a lookup), never rounded to bf16
+            weights = quant.cast_state(weights, torch.float32)
         else:
             try:
                 weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs,
