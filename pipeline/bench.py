@@ -198,11 +198,12 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
                           "skinny_kernel": kernels.available()}
 
     # Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4.
-    from pipeline.precision import engine_float_state, precision_table
+    from pipeline.precision import engine_float_state, gguf_source, precision_table
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
     report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
-                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log)
+                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log,
+                                          gguf_path=gguf_source(spec))
     report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     del fstate
 
@@ -266,7 +267,9 @@ def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
         theirs.append(new / dt)
     log(f"  bf16: ours {median(ours):.1f} tokens/s, transformers {median(theirs):.1f}")
     return {"new_tokens": new, "baseline_tokens_per_s": median(ours), "hf_generate_tokens_per_s": median(theirs),
-            "ratio": median(ours) / median(theirs), "note": "ours: bf16 weights, bf16-rounded activations, fp32 sums"}
+            "ratio": median(ours) / median(theirs),
+            "note": "ours: bf16 weights, bf16-rounded activations, fp32 sums" if spec.target.quantization == "none"
+            else f"ours: the target engine's {spec.target.quantization} weights; transformers: those weights in bf16"}
 
 
 def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
 from pipeline import sources
-from pipeline.runtime import quant
+from pipeline.runtime import gguf_weights, quant
 from pipeline.runtime.engine_io import DTYPES, EngineError, sha256
 from pipeline.runtime.model import ARCHITECTURES, ModelConfig, hf_to_runtime
 from pipeline.spec import Spec
@@ -197,11 +198,23 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
 
     def write(tmp: Path) -> dict:
         # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
-        try:
-            weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs, tie_embeddings=mcfg.tie_embeddings)
-        except ValueError as e:
-            raise EngineError(f"target.group_size: {e}") from None
-        weights = quant.cast_state(weights, dtype)
+        if qz == "gguf":  # the GGUF's own Q4_K / Q6_K blocks, repacked, never re-rounded (gguf_weights.py)
+            if src.kind != "gguf":
+                raise EngineError(f"target.quantization: gguf reads a GGUF's own weights, and {src.description} is not "
+                                  "a GGUF; use int4_a8 / int4 / int8 or none for it")
+            try:
+                weights = gguf_weights.gguf_state(hf_to_runtime(state, mcfg), src.path, mcfg.num_layers, log)
+            except ValueError as e:
+                raise EngineError(f"target.quantization: gguf: {e}") from None
+            # fp32: the GGUF's F32 norms and biases and its dequantized embedding rows (a lookup), never rounded to bf16
+            weights = quant.cast_state(weights, torch.float32)
+        else:
+            try:
+                weights = quant.quantize_state(hf_to_runtime(state, mcfg), qz, gs,
+                                               tie_embeddings=mcfg.tie_embeddings)
+            except ValueError as e:
+                raise EngineError(f"target.group_size: {e}") from None
+            weights = quant.cast_state(weights, dtype)
         save_file(weights, str(tmp / "model.safetensors"))
         save_tokenizer(tok, tmp)
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))

@@ -19,6 +19,11 @@ when the engine itself is quantized), so the table compares precisions and nothi
 `int4_a8` is the int4 weights with activations quantized to int8 per group at each matmul (W4A8): the same bytes as
 int4, fewer instructions per weight, and the quality cost of the activation rounding shows in its agreement.
 
+`gguf` (when the target's source is a GGUF of Q4_K / Q6_K tensors) is the GGUF's own blocks in the CPU kernels
+(gguf_weights.py): its weights are exactly the dequantized GGUF the float precisions are built from, so its
+agreement and log-probability measure its int8 activations only; its row adds `gguf_tensor_bytes` (the GGUF's tensors
+without the token embedding, a lookup) and `bytes_vs_gguf` (its bytes_per_token over those).
+
 Quality is never silent: a precision that loses agreement shows it next to its speed.
 """
 
@@ -51,8 +56,14 @@ def read_bytes(model: Transformer) -> int:
     return total - model.embed.weight.numel() * model.embed.weight.element_size()
 
 
-def variant(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str, group_size: int) -> Transformer:
-    """The model at `precision`, built from float weights `state` (runtime layout)."""
+def variant(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str, group_size: int,
+            gguf_path=None) -> Transformer:
+    """The model at `precision`, built from float weights `state` (runtime layout); `gguf` from the GGUF's own blocks
+    at `gguf_path` (norms and biases from `state`)."""
+    if precision == "gguf":
+        from pipeline.runtime.gguf_weights import gguf_state
+
+        return build_model(cfg, gguf_state(state, gguf_path, cfg.num_layers, log=lambda m: None), torch.bfloat16, "cpu")
     if precision in quant.ALGOS:
         st = quant.quantize_state(state, precision, group_size, tie_embeddings=cfg.tie_embeddings)
         return build_model(cfg, st, torch.float32, "cpu", act8=precision == "int4_a8")
@@ -73,9 +84,10 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
                     bandwidth_gbs: float | Callable[[], float], group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
-                    log: Callable[[str], None] = print) -> dict:
+                    log: Callable[[str], None] = print, gguf_path=None) -> dict:
     """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
-    mean_logprob}` for each precision, plus the reference's name and the kernel path that ran.
+    mean_logprob}` for each precision, plus the reference's name and the kernel path that ran; with `gguf_path` (a
+    GGUF of Q4_K / Q6_K tensors, whose dequantized weights `state` holds) a `gguf` row too.
 
     `bandwidth_gbs` is a figure or a probe: a probe runs before each decode and after the last, and each decode's
     roofline uses the mean of the readings on either side of it (`bandwidth_probes_gbs` lists them all,
@@ -84,6 +96,8 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     # float32 from bf16 weights would only widen them; a float32 copy of a large model may not fit.
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
+    if gguf_path is not None and "gguf" not in chosen:
+        chosen.append("gguf")
     order = [reference] + [p for p in chosen if p != reference]
     widths = sorted({cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim})
     gs4 = quant.fit_group_size(widths, group_size)
@@ -99,7 +113,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     models, huge = {}, {}
     for prec in order:
         before = quant.hugepage_bytes()
-        models[prec] = variant(cfg, state, prec, gs4 if prec.startswith("int4") else group_size)
+        models[prec] = variant(cfg, state, prec, gs4 if prec.startswith("int4") else group_size, gguf_path)
         huge[prec] = max(0, quant.hugepage_bytes() - before)
     tps: dict = {prec: [] for prec in order}
     e2e: dict = {prec: [] for prec in order}
@@ -147,12 +161,39 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
                      "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps[prec], around[prec])),
                      "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
+        if prec == "gguf":
+            from pipeline.runtime.gguf_weights import gguf_bytes
+
+            tensors, embd = gguf_bytes(gguf_path)
+            out[prec].update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd),
+                             kernel_path=kernels.path())
         log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "
             f"{out[prec]['roofline_fraction']:.2f}  agreement {out[prec]['agreement_vs_reference']:.3f}  "
             f"mean logprob {out[prec]['mean_logprob']:.3f}")
         del model
         gc.collect()
     return out
+
+
+def gguf_source(spec):
+    """The target's GGUF file when its tensors are all Q4_K / Q6_K (the `gguf` precision can be built), else None."""
+    from pathlib import Path
+
+    from pipeline import sources
+
+    try:
+        src = sources.resolve(spec.target.source, Path(spec.root))
+    except sources.SourceError:
+        return None
+    if src.kind != "gguf":
+        return None
+    from gguf import GGUFReader
+
+    from pipeline.runtime.gguf_weights import RECORD
+
+    kinds = {int(t.tensor_type) for t in GGUFReader(str(src.path)).tensors
+             if len(t.shape) == 2 and t.name != "token_embd.weight"}
+    return src.path if kinds <= set(RECORD) else None
 
 
 def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.Tensor], str]:
@@ -164,7 +205,7 @@ def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.T
     mcfg = ModelConfig(**cfg["runtime"]["model"])
     ref = cfg["pretrained_config"]["dtype"]
     state = load_file(str(engine_dir / "model.safetensors"))
-    if any(k.endswith(".qweight") for k in state):
+    if any(k.endswith((".qweight", ".gguf_w")) for k in state):
         hf_cfg, hf_state, _ = sources.load_hf(sources.resolve(spec.target.source, Path(spec.root)))
         state = hf_to_runtime(hf_state, mcfg)
     if mcfg.tie_embeddings:

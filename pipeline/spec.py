@@ -50,7 +50,9 @@ class TargetSpec:
     # int8 per output channel, int4 group-wise (group_size input columns share a scale). int4_a8: the int4
     # weights with activations quantized to int8 per group at each matmul (W4A8; on tensorrt_llm W4A8_AWQ,
     # fp8 activations). int4_awq and fp8 go through TensorRT-LLM's quantization script (tensorrt_llm only).
-    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8"] = "none"
+    # gguf: a GGUF source's own Q4_K / Q6_K blocks in the CPU kernels, never re-rounded (torch backend, device cpu;
+    # activations int8 per 32 columns; docs/gguf_weights.md).
+    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8", "gguf"] = "none"
     group_size: int = 128
 
 
@@ -64,7 +66,7 @@ class DraftSpec:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     # Quantization of the draft, as target.quantization (the draft's bytes set its cost; its numerics never change
     # the output, so int4_a8, the cheapest per step on CPU, costs at most some acceptance).
-    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8"] = "none"
+    quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8", "gguf"] = "none"
     group_size: int = 128
     train: TrainBudget = field(default_factory=TrainBudget)
 
@@ -473,13 +475,21 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     for key, q, g in (("target", spec.target.quantization, spec.target.group_size),
                       ("draft", spec.draft.quantization, spec.draft.group_size)):
         if spec.backend == "torch":
-            _check(q in ("none", "int8", "int4", "int4_a8"), f"{key}.quantization", q,
-                   "the torch backend quantizes none, int8, int4 or int4_a8 (int4_awq and fp8 need "
+            _check(q in ("none", "int8", "int4", "int4_a8", "gguf"), f"{key}.quantization", q,
+                   "the torch backend quantizes none, int8, int4, int4_a8 or gguf (int4_awq and fp8 need "
                    "backend: tensorrt_llm)")
+            _check(q != "gguf" or device == "cpu", f"{key}.quantization", q,
+                   f"the GGUF's own weights run in the CPU kernels, the {on}: set device: cpu, or use int4 on CUDA")
+            _check(q != "gguf" or key == "target", f"{key}.quantization", q,
+                   "the draft's GGUF types (Q5_0 / Q8_0 in the 0.5B Qwen2.5-Coder) have no kernel yet: use int4_a8 "
+                   "for the draft")
             _check(q != "int4_a8" or device != "cuda", f"{key}.quantization", q,
                    f"int8 activations run in the CPU kernels (on CUDA torch would only emulate them, slowly), the "
                    f"{on}: use int4 on CUDA, device: cpu, or backend: tensorrt_llm, which builds int4_a8 as "
                    "W4A8_AWQ")
+        else:
+            _check(q != "gguf", f"{key}.quantization", q, "the GGUF's own weights run in the torch backend's CPU "
+                   "kernels: set backend: torch, or use int4_awq / int4 / fp8 on tensorrt_llm")
         if q in ("int4", "int4_a8", "int4_awq"):
             _check(g in (32, 64, 128), f"{key}.group_size", g, "int4 group size must be 32, 64 or 128")
     if spec.backend == "torch" and device == "cpu":

@@ -38,6 +38,13 @@ def _layer(kind: str, n: int = 40, k: int = 256, gs: int = 32):
         return w.bfloat16()
     if kind == "bf16t":
         return quant.QLinear(quant.tile(w.bfloat16()), None)
+    if kind == "gguf":  # one Q4_K part of random blocks (tests/test_gguf_weights.py)
+        import numpy as np
+
+        from pipeline.runtime import gguf_weights as gw
+        from tests.test_gguf_weights import layer, random_blocks
+
+        return layer([(gw.Q4_K, random_blocks(gw.Q4_K, 16, k, np.random.default_rng(3)))], k)
     q, s = quant.quantize(w, "int8" if kind.startswith("i8") else "int4", gs)
     if kind == "i8t" or kind == "i4t":
         q = quant.tile(q)

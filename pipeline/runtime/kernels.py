@@ -48,7 +48,7 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 # skinny.c's weight types the Python side names (codes from the library, `weight_types()`): fp32 / bf16 tensors by
 # dtype; QLinear layouts in _weight_args.
 TENSOR_WT = {torch.float32: "f32", torch.bfloat16: "bf16"}
-WEIGHT_TYPE_NAMES = ("f32", "bf16", "i8", "i4", "bf16t", "i4t", "i8t", "i4a8")
+WEIGHT_TYPE_NAMES = ("f32", "bf16", "i8", "i4", "bf16t", "i4t", "i8t", "i4a8", "gguf")
 SK_EARG, SK_ENOMEM = 1, 2  # skinny.c's status codes
 log = logging.getLogger("pipeline.kernels")
 _libs: dict[str, ctypes.CDLL | None] = {}
@@ -101,7 +101,8 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
     flags = ISA_FLAGS[isa]
-    key = SRC.read_bytes() + " ".join(CFLAGS + flags).encode() + platform.node().encode()
+    src = SRC.read_bytes() + SRC.with_name("gguf_kernels.c").read_bytes()  # skinny.c #includes it
+    key = src + " ".join(CFLAGS + flags).encode() + platform.node().encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     so = _build_dir() / f"skinny-{isa}-{tag}.so"
     if not so.is_file():
@@ -143,6 +144,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.argmax_prob.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
+    lib.gguf_dequant.argtypes = [P, Int, P]
+    lib.gguf_dequant.restype = None
     table = dict(item.split("=") for item in lib.skinny_weight_types().decode().split())
     lib.weight_types = {name: int(code) for name, code in table.items()}
     missing = [n for n in WEIGHT_TYPE_NAMES if n not in lib.weight_types]
@@ -267,6 +270,10 @@ def _weight_args(w, fn: str = "linear", arg: str = "w") -> tuple[int, int | None
     codes = _load().weight_types
     if _quantized(w):
         N, K, gs = w.out_features, w.in_features, w.group_size
+        if w.algo == "gguf":  # a gg_desc_t of the layer's GGUF parts (gguf_weights.GGUFLinear checks its panels)
+            if not (K % 256 == 0):
+                _fail(fn, f"{arg}.in_features", K, "be a multiple of 256 (whole GGUF super-blocks)")
+            return w.desc_ptr(), None, codes["gguf"], 0, N, K
         if w.algo == "int8":  # quant.tile's 8 x 16 tiles, or row-major
             name = "i8t" if w.tiled else "i8"
         elif w.algo == "bf16":
@@ -320,6 +327,8 @@ def _dot_bf16(w) -> bool:
 
 
 def _torch_linear(x: torch.Tensor, w) -> torch.Tensor:
+    if _quantized(w) and w.algo == "gguf":
+        return w.reference(x)  # the kernel's arithmetic in torch (gguf_weights.reference_matmul)
     if _quantized(w) and w.act8:
         return w.linear_a8(x)
     weight = w.weight if _quantized(w) else w

@@ -397,6 +397,15 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
                          "weights (they give NaN); use dtype: bfloat16 (same size) or float32 on device: cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
+    from pipeline.runtime.gguf_weights import GGUFLinear
+
+    ggufs = sorted(k[: -len(".gguf_w")] for k in state if k.endswith(".gguf_w"))
+    for prefix in ggufs:  # the GGUF's own weights (gguf_weights.py)
+        parent, _, leaf = prefix.rpartition(".")
+        bias = state.get(prefix + ".bias")
+        layer = GGUFLinear(state[prefix + ".gguf_w"], state[prefix + ".gguf_parts"],
+                           None if bias is None else bias.to(device, torch.float32))
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
     quantized = sorted(k[: -len(".qweight")] for k in state if k.endswith(".qweight"))
     for prefix in quantized:
         parent, _, leaf = prefix.rpartition(".")
@@ -406,9 +415,13 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
                         act8=act8 and q.dtype == torch.uint8)
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
     skip = {p + s for p in quantized for s in (".qweight", ".scales", ".bias")}
-    # Norm weights and biases stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32.
-    state = {k: v.to(device=device, dtype=torch.float32 if ("norm" in k or k.endswith(".bias"))
-                     and device_type(device) == "cpu" else dtype)
+    skip |= {p + s for p in ggufs for s in (".gguf_w", ".gguf_parts", ".bias", ".qweight", ".scales", ".parts")}
+    quantized += ggufs
+    # Norm weights and biases stay fp32 whatever the weight dtype: they are tiny and the CPU kernels read fp32. So does
+    # the embedding of a model on GGUF weights: its rows are the GGUF's values, a lookup, never rounded to bf16.
+    state = {k: v.to(device=device, dtype=torch.float32 if ("norm" in k or k.endswith(".bias") or ggufs and
+                                                            k == "embed.weight") and device_type(device) == "cpu"
+                     else dtype)
              for k, v in state.items() if k not in skip}
     tied_head = cfg.tie_embeddings and "lm_head" not in quantized
     if tied_head:

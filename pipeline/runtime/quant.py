@@ -56,11 +56,13 @@ FORMAT = "qlinear/4"
 
 def layout_tag(algo: str) -> tuple[str, ...]:
     """What joins an engine's input hash for `algo`: the int4 layout version (int8 engines keep their hash)."""
-    return (FORMAT,) if algo in ("int4", "int4_a8") else ()
+    return (FORMAT,) if algo in ("int4", "int4_a8") else (GGUF_FORMAT,) if algo == "gguf" else ()
 ALGOS = ("int8", "int4", "int4_a8")
 # TensorRT-LLM's QuantAlgo names for weight-only int8 / int4; W4A8 here is the torch runtime's int4 weights with int8
 # activations (TensorRT-LLM's own W4A8_AWQ takes fp8 activations).
-QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16", "int4_a8": "W4A8"}
+QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16", "int4_a8": "W4A8", "gguf": "GGUF"}
+# The GGUF's own Q4_K / Q6_K weights in the kernels' panels (gguf_weights.py; torch backend on CPU only).
+GGUF_FORMAT = "gguf-panels/2"  # /2: norms, biases and the embedding kept fp32
 GROUP_SIZES = (32, 64, 128)
 # The runtime's linear layers: every matmul a decode step reads. Embeddings stay in the engine dtype
 # (a row lookup reads almost nothing); a tied head is quantized as its own copy.
@@ -357,7 +359,8 @@ def quantize_state(state: dict[str, Tensor], algo: str, group_size: int = 128,
 
 def cast_state(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """Cast the unquantized tensors of a state dict to `dtype`; quantized pairs keep their storage dtypes."""
-    return {k: (v if k.endswith((".qweight", ".scales")) else v.to(dtype)).contiguous() for k, v in state.items()}
+    keep = (".qweight", ".scales", ".gguf_w", ".gguf_parts")
+    return {k: (v if k.endswith(keep) else v.to(dtype)).contiguous() for k, v in state.items()}
 
 
 def quantize_model(model: nn.Module, algo: str, group_size: int = 128) -> nn.Module:

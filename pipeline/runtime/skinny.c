@@ -42,14 +42,15 @@
 #include <stdio.h>
 #include <pthread.h>
 
-enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7 };
+enum { WT_F32 = 0, WT_BF16 = 1, WT_I8 = 2, WT_I4 = 3, WT_BF16T = 4, WT_I4T = 5, WT_I8T = 6, WT_I4A8 = 7,
+       WT_GGUF = 8 /* GGUF Q4_K / Q6_K panels: gguf_kernels.c */ };
 
 // The weight-type codes by name: kernels.py reads this table when it loads the library (skinny_weight_types), so the
 // codes are written here and nowhere else. A new weight type gets an enum value, a line here and a case in
 // weights_ok.
 static const struct { const char *name; int code; } WEIGHT_TYPES[] = {
     {"f32", WT_F32}, {"bf16", WT_BF16}, {"i8", WT_I8}, {"i4", WT_I4}, {"bf16t", WT_BF16T}, {"i4t", WT_I4T},
-    {"i8t", WT_I8T}, {"i4a8", WT_I4A8}};
+    {"i8t", WT_I8T}, {"i4a8", WT_I4A8}, {"gguf", WT_GGUF}};
 // "name=code name=code ...", built once.
 const char *skinny_weight_types(void) {
     static char text[512];
@@ -70,7 +71,8 @@ enum { SK_OK = 0, SK_EARG = 1, SK_ENOMEM = 2 };
 // Scratch buffers: one set per calling thread, kept between calls (a decode step makes hundreds of these calls) and
 // freed when the thread ends. A slot grows to the largest request up to SCRATCH_KEEP bytes; a larger one (a long
 // prefill) is allocated for that call alone, so a thread keeps at most SC_N * SCRATCH_KEEP bytes.
-enum { SC_XQ, SC_Q8, SC_S8, SC_C8, SC_SHARE, SC_PRE, SC_ACC, SC_QKV, SC_Q, SC_O, SC_H, SC_ATT, SC_N };
+enum { SC_XQ, SC_Q8, SC_S8, SC_C8, SC_SHARE, SC_PRE, SC_ACC, SC_QKV, SC_Q, SC_O, SC_H, SC_ATT, SC_GGQ, SC_GGDX, SC_GGXS,
+       SC_GGO, SC_N };
 #define SCRATCH_KEEP ((size_t)8 << 20)
 typedef struct { void *p; size_t n; } slot_t;
 _Atomic long long skinny_scratch_allocs;  // scratch allocations made, for the test that hot calls make none
@@ -850,6 +852,7 @@ static int weights_ok(int K, int N, int wt, int gs) {
         case WT_BF16T: return K % 32 == 0 && N % TROWS == 0;
         case WT_I8T: return K % 16 == 0 && N % 8 == 0;
         case WT_I4A8: return gs > 0 && gs % 16 == 0 && K % gs == 0;
+        case WT_GGUF: return K % 256 == 0;  // whole GGUF super-blocks
         default: return 0;
     }
 }
@@ -914,6 +917,8 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
     }
 }
 
+#include "gguf_kernels.c"
+
 // x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
 // superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
 // (bits 4m..4m+3), the remaining K % 128 columns in 32-column blocks of 16 bytes = 8 words, word i holding
@@ -922,6 +927,10 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
 // Returns SK_OK, SK_EARG when weights_ok refuses the shapes, or SK_ENOMEM (y is then not written).
 int skinny_matmul(const float *x, const void *w, const float *sc, float *y, int S, int K, int N, int threads,
                   int wt, int gs) {
+    if (wt == WT_GGUF) {  // w is a gg_desc_t
+        if (S < 0 || !weights_ok(K, N, wt, gs)) return SK_EARG;
+        return S == 0 ? SK_OK : gguf_matmul(x, (const gg_desc_t *)w, y, S, K, N, threads);
+    }
     if (threads < 1) threads = 1;
     if (S < 0 || !weights_ok(K, N, wt, gs)) return SK_EARG;
     if (S == 0) return SK_OK;

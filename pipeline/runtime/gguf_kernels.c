@@ -1,0 +1,347 @@
+// GGUF k-quant weights (Q4_K, Q6_K) in the skinny kernel, never rounded twice (#included by skinny.c before
+// skinny_matmul, so it sees A8_LANES, vi_t / vf_t, a8_nibbles, vi_dp, take / share_t and the ISA switch).
+//
+// Weights. A GGUF tensor keeps its own integers and scales; at build time (pipeline/runtime/gguf_weights.py) each
+// part of a layer is repacked into panels of 16 output rows (one int32 lane per row, as W4A8's tile_a8), super-block
+// (256 columns) after super-block, each super-block one contiguous record:
+//   Q4_K (2432 bytes): 32 lines of 64 bytes of nibbles q (line c: byte 4 l + j holds row l's column 8c + j in the low
+//        nibble, 8c + 4 + j in the high one), d[16] fp32, dmin[16] fp32 (the fp16 values, widened exactly),
+//        sc[8][16] and m[8][16] uint8 (sub-block j of 32 columns, row l): w = d sc_j q - dmin m_j.
+//   Q6_K (3392 bytes): the low 4 bits of q (0..63) as the Q4_K nibbles, then 16 lines of 64 bytes of its high 2 bits
+//        (line j covers nibble lines 2j, 2j + 1: bits 0-1 / 2-3 / 4-5 / 6-7 of byte 4 l + jj belong to columns
+//        16j + jj, 16j + 4 + jj, 16j + 8 + jj, 16j + 12 + jj), d[16] fp32, sc[16][16] int8 (sub-block j of 16
+//        columns): w = d sc_j (q - 32), always exact in fp32.
+// A layer is up to four parts (the fused q/k/v and gate/up of a GGUF mix Q4_K and Q6_K tensors): gg_desc_t.
+//
+// Activations: each token row is quantized per block of 32 columns to int8, x8 = rint(x * RN(127 / max|x|)), with
+// dx = RN(max|x| / 127) (max below 1e-30: all zero, dx = 0; a NaN or infinity in the block: dx = NaN), and per
+// block xs = RN(dx * sum x8) (Q4_K's min term) and per 16 columns o = -32 * sum x8 (Q6_K's offset).
+//
+// Arithmetic per output element, in this order (the contract both builds keep and the tests pin, IEEE fp32 with
+// denormals, MXCSR FTZ / DAZ cleared for the call):
+//   Q4_K: for each sub-block j (32 columns) in column order: i_j = sum q x8 (exact integer),
+//         acc = fma(float(i_j), RN(D_j * dx_j), acc),  mac = fma(M_j, xs_j, mac),  D_j = d sc_j, M_j = dmin m_j
+//         (both exact); y = RN(acc - mac).
+//   Q6_K: for each sub-block j (16 columns) in column order: i_j = o_j + sum q x8 = sum (q - 32) x8 (exact),
+//         acc = fma(float(i_j), RN(D_j * dx_{j / 2}), acc), D_j = d sc_j (exact); y = acc.
+// So each weight enters as its exact value d sc q - dmin m. Q6_K's is always the GGUF's fp32 value; Q4_K's is too
+// whenever it is representable in fp32 (gguf_weights.q4k_exact checks every sub-block at build time; the GGUF
+// reference rounds it otherwise). Integer sums are exact (vpdpbusd in the AVX-512 build, vpmaddubsw + vpmaddwd in the
+// AVX2 build: |pair| <= 2 * 63 * 127 never saturates), and the fp32 steps are the same instructions in both builds,
+// so the builds agree bit for bit, whatever the number of token rows, the thread count or which thread ran a panel.
+//
+// No AMX: this CPU (AMD Zen 4) has none to test on; an AMX tile path (TDPBUSD on the same int8 blocks) would keep
+// these integers and this float order, and is left for a machine that has it.
+
+#define GG_Q4K 12  // ggml type ids
+#define GG_Q6K 14
+#define GG_SB_Q4K 2432
+#define GG_SB_Q6K 3392
+#define GG_MAXPARTS 4
+// Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
+// panels are one sequential stream per thread.
+#define GG_PF 8192
+#if defined(__AVX512F__)
+#define GG_MAXG 4
+static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf_t gg_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf_t gg_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm512_mul_ps(a, b); }
+static inline vf_t gg_sub(vf_t a, vf_t b) { return _mm512_sub_ps(a, b); }
+static inline vf_t gg_set1(float f) { return _mm512_set1_ps(f); }
+static inline vi_t gg_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi_t gg_or(vi_t a, vi_t b) { return _mm512_or_si512(a, b); }
+static inline vi_t gg_and30(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x30)); }
+static inline vi_t gg_sl(vi_t a, int n) { return _mm512_slli_epi16(a, n); }
+static inline vi_t gg_sr(vi_t a, int n) { return _mm512_srli_epi16(a, n); }
+#else
+#define GG_MAXG 4
+static inline vf_t gg_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf_t gg_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm256_mul_ps(a, b); }
+static inline vf_t gg_sub(vf_t a, vf_t b) { return _mm256_sub_ps(a, b); }
+static inline vf_t gg_set1(float f) { return _mm256_set1_ps(f); }
+static inline vi_t gg_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi_t gg_or(vi_t a, vi_t b) { return _mm256_or_si256(a, b); }
+static inline vi_t gg_and30(vi_t a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x30)); }
+static inline vi_t gg_sl(vi_t a, int n) { return _mm256_slli_epi16(a, n); }
+static inline vi_t gg_sr(vi_t a, int n) { return _mm256_srli_epi16(a, n); }
+#endif
+
+typedef struct {
+    int type, N, n0, pad;  // ggml type, rows, first output column of the part
+    const uint8_t *w;      // ceil(N / 16) panels of K / 256 records
+} gg_part_t;
+typedef struct {
+    int nparts, K;
+    gg_part_t part[GG_MAXPARTS];
+} gg_desc_t;
+
+// Quantized activations of a chunk of token rows.
+typedef struct {
+    const int8_t *q;    // [S, K]
+    const float *dx;    // [S, K / 32]
+    const float *xs;    // [S, K / 32]
+    const int32_t *o;   // [S, K / 16]
+} gx_t;
+
+static inline int gg_record(int type) { return type == GG_Q4K ? GG_SB_Q4K : GG_SB_Q6K; }
+
+// One row x [K] -> q, dx, xs, o (the header's activation rule). Scalar, so both builds round alike.
+static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs, int32_t *o) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *xb = x + 32 * b;
+        float mx = 0.f;
+        int bad = 0;
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(xb[k]);
+            if (!(a <= 3.4028235e38f)) bad = 1;  // NaN or infinity
+            else if (a > mx) mx = a;
+        }
+        int8_t *qb = q + 32 * b;
+        if (bad || mx < 1e-30f) {
+            memset(qb, 0, 32);
+            dx[b] = bad ? NAN : 0.f;
+            xs[b] = bad ? NAN : 0.f;
+            o[2 * b] = o[2 * b + 1] = 0;
+            continue;
+        }
+        const float inv = 127.0f / mx;
+        int sum[2] = {0, 0};
+        for (int k = 0; k < 32; k++) {
+            const int v = (int)nearbyintf(xb[k] * inv);
+            qb[k] = (int8_t)v;
+            sum[k / 16] += v;
+        }
+        dx[b] = mx / 127.0f;
+        xs[b] = dx[b] * (float)(sum[0] + sum[1]);
+        o[2 * b] = -32 * sum[0];
+        o[2 * b + 1] = -32 * sum[1];
+    }
+}
+
+// One panel (16 rows from n, `left` of them real) times G token rows from s0.
+static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    const int nsb = K / 256, nb = K / 32, NCH = G == 1 ? 4 : G == 2 ? 2 : 1;
+    for (int h = 0; h < 16 / A8_LANES; h++) {
+        const int left = left0 - A8_LANES * h;
+        if (left <= 0) break;
+        vf_t acc[GG_MAXG], mac[GG_MAXG];
+        for (int i = 0; i < G; i++) acc[i] = mac[i] = gg_set1(0.f);
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+            const vf_t d = gg_loadf((const float *)sc + A8_LANES * h), dmin = gg_loadf((const float *)sc + 16 + A8_LANES * h);
+            for (int j = 0; j < 8; j++) {
+                const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + A8_LANES * h));
+                const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j + A8_LANES * h));
+                vi_t p[4][GG_MAXG];
+                for (int c = 0; c < NCH; c++)
+                    for (int i = 0; i < G; i++) p[c][i] = vi_set1(0);
+                for (int c = 0; c < 4; c++) {
+                    vi_t lo, hi;
+                    a8_nibbles(rec + 64 * (4 * j + c) + 4 * A8_LANES * h, &lo, &hi);
+                    const int c0 = NCH == 4 ? 2 * (c & 1) : 0, c1 = NCH == 1 ? 0 : c0 + 1;
+                    for (int i = 0; i < G; i++) {
+                        const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 32 * j + 8 * c;
+                        p[c0][i] = vi_dp(p[c0][i], lo, xr);
+                        p[c1][i] = vi_dp(p[c1][i], hi, xr + 4);
+                    }
+                }
+                const int b = 8 * s + j;
+                for (int i = 0; i < G; i++) {  // one chain per token row from 3 rows: enough in flight
+                    vi_t t = NCH == 1 ? p[0][i] : vi_add(p[0][i], p[1][i]);
+                    if (NCH == 4) t = vi_add(t, vi_add(p[2][i], p[3][i]));
+                    const int64_t at = (int64_t)(s0 + i) * nb + b;
+                    acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[at]), acc[i]);
+                    mac[i] = vf_fma(M, gg_set1(X->xs[at]), mac[i]);
+                }
+            }
+        }
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, gg_sub(acc[i], mac[i]), left);
+    }
+}
+
+static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    const int nsb = K / 256, nb = K / 32, n16 = K / 16, NCH = G <= 2 ? 2 : 1;
+    for (int h = 0; h < 16 / A8_LANES; h++) {
+        const int left = left0 - A8_LANES * h;
+        if (left <= 0) break;
+        vf_t acc[GG_MAXG];
+        for (int i = 0; i < G; i++) acc[i] = gg_set1(0.f);
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+            const vf_t d = gg_loadf((const float *)sc + A8_LANES * h);
+            for (int j = 0; j < 16; j++) {
+                const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j + A8_LANES * h));
+                vi_t l0, h0, l1, h1;
+                a8_nibbles(rec + 64 * (2 * j) + 4 * A8_LANES * h, &l0, &h0);
+                a8_nibbles(rec + 64 * (2 * j + 1) + 4 * A8_LANES * h, &l1, &h1);
+                const vi_t hi = gg_load(hb + 64 * j + 4 * A8_LANES * h);
+                l0 = gg_or(l0, gg_and30(gg_sl(hi, 4)));
+                h0 = gg_or(h0, gg_and30(gg_sl(hi, 2)));
+                l1 = gg_or(l1, gg_and30(hi));
+                h1 = gg_or(h1, gg_and30(gg_sr(hi, 2)));
+                vi_t p[2][GG_MAXG];
+                for (int i = 0; i < G; i++) {
+                    const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 16 * j;
+                    p[0][i] = vi_set1(X->o[(int64_t)(s0 + i) * n16 + 16 * s + j]);
+                    if (NCH == 2) {
+                        p[1][i] = vi_set1(0);
+                        p[0][i] = vi_dp(p[0][i], l0, xr);
+                        p[1][i] = vi_dp(p[1][i], h0, xr + 4);
+                        p[0][i] = vi_dp(p[0][i], l1, xr + 8);
+                        p[1][i] = vi_dp(p[1][i], h1, xr + 12);
+                        p[0][i] = vi_add(p[0][i], p[1][i]);
+                    } else {
+                        p[0][i] = vi_dp(p[0][i], l0, xr);
+                        p[0][i] = vi_dp(p[0][i], h0, xr + 4);
+                        p[0][i] = vi_dp(p[0][i], l1, xr + 8);
+                        p[0][i] = vi_dp(p[0][i], h1, xr + 12);
+                    }
+                }
+                const int b = 16 * s + j;
+                for (int i = 0; i < G; i++)
+                    acc[i] = vf_fma(vf_cvt(p[0][i]), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[i]);
+            }
+        }
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, acc[i], left);
+    }
+}
+
+// Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
+static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
+    const int groups = (S + GG_MAXG - 1) / GG_MAXG, base = S / groups, extra = S % groups;
+    const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
+    for (int p = p0; p < p1; p++) {
+        const uint8_t *panel = pt->w + p * pbytes;
+        float *yp = y + pt->n0 + 16 * p;
+        const int left = pt->N - 16 * p;
+        for (int g = 0, s0 = 0; g < groups; g++) {
+            const int G = base + (g < extra);
+#define GG_CASE(T, n) case n: gg_tile_##T(X, panel, yp, N, K, left, s0, n); break;
+            if (pt->type == GG_Q4K) {
+                switch (G) { GG_CASE(q4k, 1) GG_CASE(q4k, 2)
+#if GG_MAXG > 2
+                             GG_CASE(q4k, 3) GG_CASE(q4k, 4)
+#endif
+                }
+            } else {
+                switch (G) { GG_CASE(q6k, 1) GG_CASE(q6k, 2)
+#if GG_MAXG > 2
+                             GG_CASE(q6k, 3) GG_CASE(q6k, 4)
+#endif
+                }
+            }
+#undef GG_CASE
+            s0 += G;
+        }
+    }
+}
+
+// y[S, N] = x[S, K] @ W.T for a GGUF layer (K % 256 == 0); threads share panels as skinny_matmul shares rows.
+static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, int K, int N, int threads) {
+    if (threads < 1) threads = 1;
+    const int rows_max = S < ROW_CHUNK ? S : ROW_CHUNK;
+    // Scratch from the calling thread's slots (skinny.c): reused between calls, checked, never aborting.
+    int oq, odx, oxs, oo, osh, rc = SK_OK;
+    int8_t *q = (int8_t *)scratch(SC_GGQ, (size_t)rows_max * K, &oq);
+    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 32), &odx);
+    float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)rows_max * (K / 32), &oxs);
+    int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)rows_max * (K / 16), &oo);
+    share_t *share = (share_t *)scratch(SC_SHARE, sizeof(share_t) * (size_t)threads, &osh);
+    if (!q || !dx || !xs || !o || !share) {
+        rc = SK_ENOMEM;
+        goto done;
+    }
+    const gx_t X = {q, dx, xs, o};
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);  // IEEE denormals: the contract above, whatever the caller's mode
+    for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
+        const int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
+        for (int s = 0; s < cs; s++)
+            gg_quant_row(x + (int64_t)(c0 + s) * K, K, q + (int64_t)s * K, dx + (int64_t)s * (K / 32),
+                         xs + (int64_t)s * (K / 32), o + (int64_t)s * (K / 16));
+        float *yc = y + (int64_t)c0 * N;
+        for (int pi = 0; pi < desc->nparts; pi++) {
+            const gg_part_t *pt = &desc->part[pi];
+            const int P = (pt->N + 15) / 16;
+            const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
+            const int blk = pbytes >= CLAIM_BYTES ? 1 : (int)(CLAIM_BYTES / pbytes);
+            const int chunk = (P + threads - 1) / threads;
+            if (threads == 1 || P < 2) {
+                gg_panels(&X, pt, yc, cs, K, N, 0, P);
+                continue;
+            }
+            for (int t = 0; t < threads; t++) {
+                const uint32_t n0 = (uint32_t)(t * chunk < P ? t * chunk : P);
+                const uint32_t n1 = n0 + chunk < (uint32_t)P ? n0 + chunk : (uint32_t)P;
+                atomic_init(&share[t].v, (uint64_t)n1 << 32 | n0);
+            }
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+            for (int t = 0; t < threads; t++) {
+                const unsigned int tcsr = _mm_getcsr();
+                _mm_setcsr(tcsr & ~0x8040u);
+                int a, b;
+                while (take(&share[t], blk, 0, &a, &b)) gg_panels(&X, pt, yc, cs, K, N, a, b);
+                for (int j = 1; j < threads; j++)
+                    while (take(&share[(t + j) % threads], blk, 1, &a, &b)) gg_panels(&X, pt, yc, cs, K, N, a, b);
+                _mm_setcsr(tcsr);
+            }
+        }
+    }
+    _mm_setcsr(csr);
+done:
+    scratch_done(share, osh);
+    scratch_done(q, oq);
+    scratch_done(dx, odx);
+    scratch_done(xs, oxs);
+    scratch_done(o, oo);
+    return rc;
+}
+
+// The weights a part stands for, out [N, K] fp32, as gguf.quants computes them: Q4_K RN(RN(D q) - M) with D = d sc,
+// M = dmin m; Q6_K RN(D (q - 32)). Read from the packed panels, for the tests that pin them to the GGUF reference.
+void gguf_dequant(const gg_desc_t *desc, int part, float *out) {
+    const gg_part_t *pt = &desc->part[part];
+    const int K = desc->K, nsb = K / 256, rec = gg_record(pt->type);
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);
+    for (int n = 0; n < pt->N; n++) {
+        const int p = n / 16, l = n % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *r = pt->w + ((int64_t)p * nsb + s) * rec;
+            for (int k = 0; k < 256; k++) {
+                const int line = k / 8, byte = 64 * line + 4 * l + k % 4, nib = (k % 8) / 4;
+                int qv = (r[byte] >> (4 * nib)) & 15;
+                float v;
+                if (pt->type == GG_Q4K) {
+                    const uint8_t *sc = r + 2048;
+                    float d, dmin;
+                    memcpy(&d, sc + 4 * l, 4);
+                    memcpy(&dmin, sc + 64 + 4 * l, 4);
+                    const volatile float D = d * (float)sc[128 + 16 * (k / 32) + l];
+                    const volatile float M = dmin * (float)sc[256 + 16 * (k / 32) + l];
+                    const volatile float Dq = D * (float)qv;
+                    v = Dq - M;
+                } else {
+                    const int jj = k % 16, field = jj / 4;  // hi line k / 16: bits 2 field of byte 4 l + jj % 4
+                    qv |= ((r[2048 + 64 * (k / 16) + 4 * l + jj % 4] >> (2 * field)) & 3) << 4;
+                    const uint8_t *sc = r + 3072;
+                    float d;
+                    memcpy(&d, sc + 4 * l, 4);
+                    const volatile float D = d * (float)(int8_t)sc[64 + 16 * (k / 16) + l];
+                    v = D * (float)(qv - 32);
+                }
+                out[(int64_t)n * K + 256 * s + k] = v;
+            }
+        }
+    }
+    _mm_setcsr(csr);
+}

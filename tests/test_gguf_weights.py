@@ -1,0 +1,269 @@
+"""The GGUF's own Q4_K / Q6_K weights in the CPU kernels (gguf_kernels.c, pipeline/runtime/gguf_weights.py).
+
+Tiny random and adversarial blocks made here, no model files: every weight decoded from the kernels' panels equals the
+`gguf` package's reference dequantization bit for bit, on every kernel build this CPU runs; a matmul equals the
+documented arithmetic (int8 activations per 32 columns, exact integer sums, a fixed fp32 order) bit for bit, on any
+number of token rows and threads; and a model on such layers decodes the same bits by prefill and token by token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import spec as specmod
+from pipeline.runtime import gguf_weights as gw
+from pipeline.runtime import kernels, quant
+from pipeline.runtime.model import ModelConfig, build_model
+
+BUILDS = kernels.supported_isas()  # the C builds this CPU runs ("avx512", "avx2"); torch is the reference itself
+F16_MAX, F16_MIN_NORMAL, F16_MIN_DENORMAL = 65504.0, 2.0 ** -14, 2.0 ** -24
+
+
+@pytest.fixture
+def path():
+    """Run a test on one kernel build and put the previous one back."""
+    prev = kernels.path()
+
+    def use(name: str) -> None:
+        kernels.set_path(name)
+
+    yield use
+    kernels.set_path(prev)
+
+
+def _f16(v) -> np.ndarray:
+    return np.frombuffer(np.asarray(v, dtype=np.float16).tobytes(), np.uint8).reshape(*np.shape(v), 2)
+
+
+def random_blocks(qtype: int, N: int, K: int, rng, scale: float = 1e-3) -> np.ndarray:
+    """N rows of random GGUF blocks (random integers and scale bytes, fp16 d / dmin around `scale`)."""
+    nsb = K // 256
+    raw = rng.integers(0, 256, size=(N, nsb, gw.GGUF_BLOCK[qtype]), dtype=np.uint8)
+    if qtype == gw.Q4_K:
+        raw[..., 0:2] = _f16(np.abs(rng.normal(0, scale, (N, nsb))))
+        raw[..., 2:4] = _f16(np.abs(rng.normal(0, scale, (N, nsb))))
+    else:
+        raw[..., 208:210] = _f16(rng.normal(0, scale, (N, nsb)))
+    return raw.reshape(N, -1)
+
+
+def adversarial_blocks(qtype: int, rng) -> np.ndarray:
+    """16 rows x 256 columns of extreme blocks: fp16 max / min normal / min denormal / zero / negative d and dmin,
+    largest and zero sub-block scales and integers, and all-zero blocks."""
+    ds = [F16_MAX, -F16_MAX, F16_MIN_NORMAL, F16_MIN_DENORMAL, 0.0, 1.0, -F16_MIN_DENORMAL, 3.0e-5]
+    rows = []
+    for i in range(16):
+        raw = rng.integers(0, 256, size=gw.GGUF_BLOCK[qtype], dtype=np.uint8)
+        d, dmin = ds[i % len(ds)], ds[(i * 3 + 1) % len(ds)]
+        if i in (13, 14):
+            d, dmin = (F16_MAX, F16_MIN_DENORMAL) if i == 13 else (F16_MIN_DENORMAL, -F16_MAX)  # 2^40 apart
+        if i == 15:
+            raw[:] = 0  # an all-zero block
+        elif qtype == gw.Q4_K:
+            raw[0:2], raw[2:4] = _f16(d), _f16(dmin)
+            if i % 4 == 1:
+                raw[4:16] = 0xFF  # every 6-bit scale and min 63
+            if i % 4 == 2:
+                raw[16:] = 0xFF  # every q 15
+            if i % 4 == 3:
+                raw[16:] = 0
+        else:
+            raw[208:210] = _f16(d)
+            if i % 4 == 1:
+                raw[192:208] = 0x80  # scales -128
+            if i % 4 == 2:
+                raw[:192] = 0xFF  # q 63
+            if i % 4 == 3:
+                raw[:192] = 0  # q 0 (weight -32 d sc)
+        rows.append(raw)
+    return np.stack(rows)
+
+
+def layer(tensors: list[tuple[int, np.ndarray]], K: int) -> gw.GGUFLinear:
+    return gw.GGUFLinear(*gw.pack_parts(tensors, K))
+
+
+@pytest.mark.parametrize("qtype", [gw.Q4_K, gw.Q6_K])
+@pytest.mark.parametrize("kind", ["random", "adversarial"])
+def test_every_weight_decoded_from_the_panels_equals_the_gguf_reference_dequantization(qtype, kind, path):
+    rng = np.random.default_rng(qtype)
+    raw = random_blocks(qtype, 37, 512, rng) if kind == "random" else adversarial_blocks(qtype, rng)
+    K = raw.shape[1] // gw.GGUF_BLOCK[qtype] * 256
+    ref = torch.from_numpy(gw.reference_dequantize(qtype, raw, K))
+    lin = layer([(qtype, raw)], K)
+    assert torch.equal(lin.weight, ref)  # the torch path's decoding of the panels
+    for build in BUILDS:
+        path(build)
+        assert torch.equal(lin.dequant_kernel(0), ref), build  # the C build's decoding of the same panels
+
+
+def test_q6k_weights_are_always_exact_and_q4k_exactness_is_counted_per_sub_block():
+    rng = np.random.default_rng(3)
+    raw = adversarial_blocks(gw.Q4_K, rng)
+    exact, total = gw.q4k_exact(raw)
+    assert total == 16 * 8 and 0 < exact < total  # fp16 max d beside a denormal dmin cannot be exact in fp32
+    f = gw.q4k_fields(raw)
+    d, dmin, sc, m = (x.astype(np.float64) for x in f[:4])
+    vals = d[..., None, None] * sc[..., None] * np.arange(16) - (dmin[..., None] * m)[..., None]
+    ok = (vals.astype(np.float32).astype(np.float64) == vals).all(-1)  # float64 is exact for these
+    assert exact == int(ok.sum())
+    typical = random_blocks(gw.Q4_K, 16, 256, rng)
+    typical[:, 2:4] = typical[:, 0:2]  # dmin == d: d (sc q - m), 21 bits at most, always representable
+    assert gw.q4k_exact(typical) == (128, 128)
+
+
+def _x(S: int, K: int, seed: int = 0) -> torch.Tensor:
+    """Activations with outlier columns, an all-zero block, a block of denormals and one of huge values."""
+    x = torch.randn(S, K, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 40
+    x[:, 32:64] = 0
+    x[:, 64:96] *= 1e-39
+    if K > 128:
+        x[:, 96:128] *= 1e30
+    return x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matmul_equals_the_documented_arithmetic_bit_for_bit_on_every_build(threads, path):
+    rng = np.random.default_rng(7)
+    K = 512
+    parts = [(gw.Q4_K, random_blocks(gw.Q4_K, 40, K, rng)), (gw.Q6_K, random_blocks(gw.Q6_K, 24, K, rng)),
+             (gw.Q4_K, random_blocks(gw.Q4_K, 16, K, rng, scale=F16_MAX / 64))]
+    lin = layer(parts, K)
+    x = _x(8, K)
+    ref = gw.reference_matmul(x, lin.fields(), lin.out_features)
+    assert torch.isfinite(ref).all()
+    prev = kernels.threads()
+    kernels.set_threads(threads)
+    try:
+        for build in BUILDS:
+            path(build)
+            assert torch.equal(kernels.linear(x, lin), ref), build
+        path("torch")
+        assert torch.equal(kernels.linear(x, lin), ref)
+    finally:
+        kernels.set_threads(prev)
+
+
+def test_matmul_is_the_dequantized_matmul_within_the_activation_rounding():
+    """The reference is the weights the GGUF stands for times int8 activations: against fp64 on the fp32 weights it
+    is off by the activation rounding only (half a step of max|x| / 127 per 32 columns)."""
+    rng = np.random.default_rng(9)
+    K = 256
+    lin = layer([(gw.Q4_K, random_blocks(gw.Q4_K, 16, K, rng)), (gw.Q6_K, random_blocks(gw.Q6_K, 16, K, rng))], K)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
+    q8, dx, _, _ = gw.quantize_activations(x)
+    xq = (q8.double().view(3, -1, 32) * dx.double()[..., None]).view(3, K)  # the activations the kernel multiplies
+    exact = xq @ lin.weight.double().T
+    got = gw.reference_matmul(x, lin.fields(), lin.out_features).double()
+    assert (got - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert ((x.double() - xq).abs().view(3, -1, 32) <= dx.double()[..., None] / 2 * (1 + 1e-6)).all()
+
+
+def test_nan_and_infinite_activations_give_nan_outputs_as_a_float_matmul_would(path):
+    rng = np.random.default_rng(11)
+    lin = layer([(gw.Q4_K, random_blocks(gw.Q4_K, 16, 256, rng)), (gw.Q6_K, random_blocks(gw.Q6_K, 16, 256, rng))], 256)
+    x = torch.randn(3, 256)
+    x[1, 7] = float("nan")
+    x[2, 200] = float("inf")
+    for build in BUILDS:
+        path(build)
+        y = kernels.linear(x, lin)
+        assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_each_token_row_gets_the_same_bits_whatever_the_number_of_rows(build, path):
+    path(build)
+    rng = np.random.default_rng(5)
+    K = 768
+    lin = layer([(gw.Q6_K, random_blocks(gw.Q6_K, 48, K, rng)), (gw.Q4_K, random_blocks(gw.Q4_K, 35, K, rng))], K)
+    x = _x(8, K, seed=3)
+    solo = torch.cat([kernels.linear(x[i:i + 1], lin) for i in range(8)])
+    for S in range(1, 9):
+        assert torch.equal(kernels.linear(x[:S], lin), solo[:S]), S
+    many = torch.cat([x] * 7)  # 56 rows: past the 48-row chunk
+    assert torch.equal(kernels.linear(many, lin), torch.cat([solo] * 7))
+
+
+def test_the_kernel_path_is_named():
+    assert kernels.path() in ("avx512", "avx2", "torch")
+
+
+def _tiny_cfg() -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=64, tie_embeddings=False, max_position_embeddings=512,
+                       eos_token_id=[1], qkv_bias=True, model_type="qwen2")
+
+
+def _tiny_state(cfg: ModelConfig, rng) -> dict[str, torch.Tensor]:
+    H, F = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    g = torch.Generator().manual_seed(0)
+    st = {"embed.weight": torch.randn(cfg.vocab_size, H, generator=g), "norm.weight": torch.ones(H)}
+
+    def put(prefix, tensors, K):
+        st[prefix + ".gguf_w"], st[prefix + ".gguf_parts"] = gw.pack_parts(tensors, K)
+
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        st[p + "attn_norm.weight"], st[p + "ffn_norm.weight"] = torch.ones(H), torch.ones(H)
+        st[p + "wqkv.bias"] = torch.randn(H + 2 * kv, generator=g) * 0.1
+        put(p + "wqkv", [(gw.Q4_K, random_blocks(gw.Q4_K, H, H, rng, 2e-3)),
+                         (gw.Q4_K, random_blocks(gw.Q4_K, kv, H, rng, 2e-3)),
+                         (gw.Q6_K, random_blocks(gw.Q6_K, kv, H, rng, 1e-3))], H)
+        put(p + "wo", [(gw.Q4_K, random_blocks(gw.Q4_K, H, H, rng, 2e-3))], H)
+        put(p + "w13", [(gw.Q4_K, random_blocks(gw.Q4_K, F, H, rng, 2e-3)),
+                        (gw.Q4_K, random_blocks(gw.Q4_K, F, H, rng, 2e-3))], H)
+        put(p + "w2", [(gw.Q6_K, random_blocks(gw.Q6_K, H, F, rng, 1e-3))], F)
+    put("lm_head", [(gw.Q6_K, random_blocks(gw.Q6_K, cfg.vocab_size, H, rng, 1e-2))], H)
+    return st
+
+
+def test_a_model_on_gguf_layers_decodes_the_same_bits_by_prefill_and_token_by_token():
+    cfg = _tiny_cfg()
+    st = quant.cast_state(_tiny_state(cfg, np.random.default_rng(0)), torch.bfloat16)
+    assert st["layers.0.wqkv.gguf_w"].dtype == torch.uint8 and st["layers.0.wqkv.gguf_parts"].dtype == torch.int64
+    model = build_model(cfg, st, torch.bfloat16, "cpu")
+    assert isinstance(model.lm_head, gw.GGUFLinear) and model.embed.weight.dtype == torch.float32
+    toks = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.inference_mode():
+        cache = model.new_cache(1, 8)
+        prefill = model.logits(model(toks, torch.arange(6)[None], cache))
+        cache = model.new_cache(1, 8)
+        steps = torch.cat([model.logits(model(toks[:, i:i + 1], torch.tensor([[i]]), cache)) for i in range(6)], 1)
+        assert torch.equal(prefill, steps)
+        prev = kernels.set_path("torch")
+        try:
+            slow = model.logits(model(toks, torch.arange(6)[None], model.new_cache(1, 8)))
+        finally:
+            kernels.set_path(prev)
+    assert torch.isfinite(prefill).all()
+    # The same matmuls; attention and norms in torch differ by ulps, which move an int8 activation a step now and then.
+    assert (prefill - slow).abs().max() <= 2e-2 * prefill.abs().max()
+
+
+@pytest.mark.parametrize("section,path", [
+    ({"draft": {"source": "train", "quantization": "gguf"}}, "draft.quantization"),
+    ({"device": "cuda", "target": {"source": "x", "quantization": "gguf"}}, "target.quantization"),
+])
+def test_spec_refuses_gguf_weights_where_no_kernel_runs_them(tmp_path, section, path):
+    from tests.conftest import write_spec
+
+    with pytest.raises(specmod.SpecError) as e:
+        specmod.load(write_spec(tmp_path, name="bad", **section))
+    assert str(e.value).startswith(f"{path}:")
+
+
+def test_spec_accepts_gguf_weights_for_the_target_on_cpu(tmp_path):
+    from tests.conftest import write_spec
+
+    s = specmod.load(write_spec(tmp_path, name="ok", target={"source": "x", "quantization": "gguf"}))
+    assert s.target.quantization == "gguf"
+
+
+def test_a_tensor_type_without_a_kernel_is_refused_naming_it():
+    with pytest.raises(ValueError, match="Q4_K and Q6_K"):
+        gw.pack(8, np.zeros((16, 34), np.uint8), 32)  # Q8_0
