@@ -23,7 +23,7 @@ LONG_PROMPT = "What is photosynthesis?"  # the tiny model streams it a token at 
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_root, tiny_engine):
+def served_deployment(tiny_root, tiny_engine):
     """`python -m pipeline serve` on a tiny target that is its own draft, with Medusa heads: every method."""
     from pipeline.cli import main
     from pipeline.engine import build_target
@@ -51,17 +51,17 @@ def deployment(tiny_root, tiny_engine):
 
 
 @pytest.fixture(scope="module")
-def client(deployment):
+def client(served_deployment):
     from openai import OpenAI
 
-    return OpenAI(base_url=openai_api.base_url(deployment), api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=openai_api.base_url(served_deployment), api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def tok(deployment):
+def tok(served_deployment):
     from pipeline.runtime.engine_io import load_tokenizer
 
-    return load_tokenizer(deployment.engine_dir / "target")
+    return load_tokenizer(served_deployment.engine_dir / "target")
 
 
 def _grpc(s, text: str, n: int, method: str | None = None) -> dict:
@@ -84,8 +84,8 @@ def _metric(s, name: str) -> float:
     return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
-def test_serve_starts_the_endpoint_on_the_spec_host_and_lists_the_deployment(deployment, client):
-    s = deployment
+def test_serve_starts_the_endpoint_on_the_spec_host_and_lists_the_deployment(served_deployment, client):
+    s = served_deployment
     assert openai_api.running_pid(s) is not None
     assert openai_api.health(openai_api.base_url(s)) == 200
     models = client.models.list()
@@ -100,10 +100,10 @@ def test_serve_starts_the_endpoint_on_the_spec_host_and_lists_the_deployment(dep
     assert {(a.ip, a.port) for a in listening} == {("127.0.0.1", s.openai.port)}
 
 
-def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(deployment, client, tok):
+def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(served_deployment, client, tok):
     """The endpoint applies the model's chat template once: its greedy answer is the gRPC path's answer to the
     client-side templated prompt, for every method, with usage and the speculative figures of the request."""
-    s = deployment
+    s = served_deployment
     for method in ("baseline", "prompt_lookup", "draft_target", "medusa"):
         want = _grpc(s, chat_text(tok, PROMPT), 12, method)
         r = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}],
@@ -125,7 +125,7 @@ def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(deploy
             assert fig["draft_tokens"] == 0
 
 
-def test_streamed_chat_and_completions_equal_their_unary_answers_with_usage_last(deployment, client):
+def test_streamed_chat_and_completions_equal_their_unary_answers_with_usage_last(served_deployment, client):
     r = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}], max_tokens=14,
                                        temperature=0)
     chunks = list(client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}],
@@ -141,7 +141,7 @@ def test_streamed_chat_and_completions_equal_their_unary_answers_with_usage_last
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
     # Text completions: the prompt as it is, no template; streamed equals unary equals gRPC.
-    want = _grpc(deployment, PROMPT, 10, "baseline")["text"]
+    want = _grpc(served_deployment, PROMPT, 10, "baseline")["text"]
     t = client.completions.create(model="oai", prompt=PROMPT, max_tokens=10, temperature=0,
                                   extra_body={"method": "baseline"})
     assert t.choices[0].text == want and t.object == "text_completion"
@@ -156,7 +156,7 @@ def _first_new(text: str, size: int) -> str | None:
                  and "\ufffd" not in text[i:i + size]), None)
 
 
-def test_stop_sequences_cut_the_text_before_them(deployment, client):
+def test_stop_sequences_cut_the_text_before_them(served_deployment, client):
     # Sampled with a seed (the same answer every time; the tiny model's greedy answers repeat one character).
     kw = dict(model="oai", max_tokens=24, temperature=1.0, seed=5, extra_body={"method": "baseline"})
     full = client.completions.create(prompt=PROMPT, **kw).choices[0].text
@@ -178,7 +178,7 @@ def test_stop_sequences_cut_the_text_before_them(deployment, client):
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_repeats_and_temperature_changes_the_answer(deployment, client):
+def test_seeded_sampling_repeats_and_temperature_changes_the_answer(served_deployment, client):
     kw = dict(model="oai", prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=11,
               extra_body={"method": "baseline"})
     a, b = client.completions.create(**kw), client.completions.create(**kw)
@@ -188,7 +188,7 @@ def test_seeded_sampling_repeats_and_temperature_changes_the_answer(deployment, 
     assert others - {greedy}, "sampling at T=1 gives other answers than greedy"
 
 
-def test_errors_are_openai_shaped_with_the_right_status(deployment, client):
+def test_errors_are_openai_shaped_with_the_right_status(served_deployment, client):
     import openai
 
     msgs = [{"role": "user", "content": PROMPT}]
@@ -214,7 +214,7 @@ def test_errors_are_openai_shaped_with_the_right_status(deployment, client):
         assert err["param"] == param and err["code"] == code and err["type"] == "invalid_request_error", kw
         assert err["message"]
     # Raw HTTP: bad JSON, a body that is no object, an unknown route, a wrong verb.
-    s = deployment
+    s = served_deployment
     for method, path, body, status, code in [("POST", "/v1/chat/completions", b"{not json", 400, "invalid_json"),
                                              ("POST", "/v1/completions", b"[1, 2]", 400, "invalid_type"),
                                              ("GET", "/v1/nothing", None, 404, "not_found"),
@@ -227,7 +227,7 @@ def test_errors_are_openai_shaped_with_the_right_status(deployment, client):
     assert ok.usage.completion_tokens >= 1
 
 
-def test_a_bad_request_during_a_stream_does_not_disturb_it(deployment, client):
+def test_a_bad_request_during_a_stream_does_not_disturb_it(served_deployment, client):
     want = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": LONG_PROMPT}],
                                           max_tokens=60, temperature=0, extra_body={"method": "baseline"})
     got: dict = {}
@@ -242,15 +242,15 @@ def test_a_bad_request_during_a_stream_does_not_disturb_it(deployment, client):
     t.start()
     for body in (b"{", b'{"model": "oai", "messages": "x"}', json.dumps({"model": "oai", "prompt": "x",
                                                                          "max_tokens": -1}).encode()):
-        assert _raw(deployment, "POST", "/v1/completions", body)[0] == 400
+        assert _raw(served_deployment, "POST", "/v1/completions", body)[0] == 400
     t.join(timeout=120)
     assert got["text"] == want.choices[0].message.content
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(deployment):
+def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(served_deployment):
     """A raw HTTP client reads the first event of a long stream and closes its socket: the decode stops (the
     server counts it cancelled, far short of its budget) within a second or so, and the next request is served."""
-    s = deployment
+    s = served_deployment
     budget = 440
     full = _grpc(s, LONG_PROMPT, budget, "baseline")
     assert full["num_output_tokens"] == budget, "precondition: this greedy answer runs to its budget"
@@ -276,13 +276,13 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(deploym
     assert _grpc(s, LONG_PROMPT, 5, "baseline")["num_output_tokens"] == 5
 
 
-def test_api_key_from_the_environment_is_required_when_set(deployment, monkeypatch):
+def test_api_key_from_the_environment_is_required_when_set(served_deployment, monkeypatch):
     """A second endpoint on the same deployment started with PIPELINE_API_KEY refuses requests without it."""
     import dataclasses
 
     import openai
 
-    s = deployment
+    s = served_deployment
     other = dataclasses.replace(s, openai=dataclasses.replace(s.openai, port=srvmod.free_port()), name=s.name)
     monkeypatch.setenv(openai_api.API_KEY_ENV, "s3cret")
     rdir = s.report_dir / "keyed"
@@ -304,10 +304,10 @@ def test_api_key_from_the_environment_is_required_when_set(deployment, monkeypat
         openai_api.stop(other)
 
 
-def test_project_client_reads_text_usage_and_figures_like_the_grpc_client(deployment, tok):
+def test_project_client_reads_text_usage_and_figures_like_the_grpc_client(served_deployment, tok):
     from pipeline import openai_client
 
-    s = deployment
+    s = served_deployment
     url = openai_api.base_url(s)
     want = _grpc(s, chat_text(tok, PROMPT), 10, "prompt_lookup")
     for stream in (True, False):
@@ -321,13 +321,13 @@ def test_project_client_reads_text_usage_and_figures_like_the_grpc_client(deploy
     assert e.value.status == 404 and e.value.error["code"] == "model_not_found"
 
 
-def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(deployment):
+def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(served_deployment):
     """`load --api openai`, soak-like and short: streamed and unary HTTP clients, every method, sampled and greedy,
     clients that cancel after the first piece or drop their connection; the server counts those as cancelled."""
     from pipeline.cli import main
     from pipeline.load import run_load
 
-    s = deployment
+    s = served_deployment
     r = run_load(s, 6, 8.0, 8, ("baseline", "prompt_lookup", "draft_target", "medusa"), model="oai", num_prompts=3,
                  temperatures=(0.0, 0.7), cancel_every=4, disconnect_every=5, unary_every=2, api="openai",
                  log=lambda *a: None)
@@ -342,10 +342,10 @@ def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(de
     assert rc == 0 and r["concurrency"] == 2 and r["greedy_requests"] > 0 and r["greedy_mismatches"] == 0
 
 
-def test_validate_through_the_endpoint_reports_every_method_exact(deployment):
+def test_validate_through_the_endpoint_reports_every_method_exact(served_deployment):
     from pipeline.validate_api import run_validate_api
 
-    s = deployment
+    s = served_deployment
     r = run_validate_api(s, log=lambda *a: None)
     assert set(r["methods"]) == {"baseline", "draft_target", "prompt_lookup", "medusa"}
     for m, e in r["methods"].items():
