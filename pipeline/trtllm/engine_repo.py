@@ -37,7 +37,15 @@ from pipeline.contract import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, Tensor, _t  # n
 from pipeline.spec import Spec
 from pipeline.trtllm.era import ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
-from pipeline.trtllm.planning import engine_dir, gpu_placement, participant_ids, planned_engine_configs, roles, source
+from pipeline.trtllm.planning import (
+    engine_dir,
+    gpu_placement,
+    participant_ids,
+    planned_engine_configs,
+    roles,
+    source,
+    write_copy_script,
+)
 from pipeline.trtllm.preflight import built_engine_problems
 
 LOGITS = "TYPE_FP32"  # logits_datatype: engines keep the default logits_dtype float32
@@ -569,14 +577,8 @@ def write_repo(spec: Spec, container_models_dir: str | Path = ERA.all_models,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    script = dest.parent / f"{dest.name}.copy.sh"
-    todo = [c for c in copies if not c[2]]
-    if todo:
-        script.write_text("#!/bin/sh\n# Run inside " + ERA.image + ": NVIDIA's python models for this repository.\n"
-                          "set -e\n" + "".join(f"cp -r {s} {d}/\n" for s, d, _ in todo))
-        script.chmod(0o755)
-    elif script.exists():
-        script.unlink()
+    write_copy_script(dest.parent / f"{dest.name}.copy.sh", ERA.image + ": NVIDIA's python models for this repository.",
+                      [f"cp -r {s} {d}/" for s, d, done in copies if not done])
     return dest, copies
 
 

@@ -20,6 +20,7 @@ from pipeline.contract import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from pipeline.spec import Spec
 from pipeline.trtllm import llmapi
 from pipeline.trtllm.era import LLMAPI_ERA, PlanError
+from pipeline.trtllm.planning import write_copy_script
 
 LLM_MODEL = "tensorrt_llm"
 CLIENT_MODEL_SOURCE = Path(__file__).resolve().parent / "llmapi_models" / "client_model.py"
@@ -111,12 +112,6 @@ def write_llmapi_repo(spec: Spec, container_model_dir: str | Path = LLMAPI_ERA.m
         if done:
             shutil.copyfile(src, dst)
         copies.append((str(src), str(dst), done))
-    script = repo.parent / f"{repo.name}.copy.sh"
-    todo = [c for c in copies if not c[2]]
-    if todo:
-        script.write_text("#!/bin/sh\n# Run inside " + LLMAPI_ERA.image + ": the llmapi model's code, referenced, "
-                          "not shipped.\nset -e\n" + "".join(f"cp {s} {d}\n" for s, d, _ in todo))
-        script.chmod(0o755)
-    elif script.exists():
-        script.unlink()
+    write_copy_script(repo.parent / f"{repo.name}.copy.sh", LLMAPI_ERA.image + ": the llmapi model's code, referenced, "
+                      "not shipped.", [f"cp {s} {d}" for s, d, done in copies if not done])
     return repo, copies

@@ -326,3 +326,13 @@ def participant_ids(spec: Spec) -> dict[str, list[int]]:
     """MPI ranks per model in orchestrator mode without spawned processes (fast logits): 0 orchestrates."""
     dtp, n = spec.tensorrt_llm.draft_tp, spec.parallel.tp * spec.parallel.pp
     return {"draft": list(range(1, 1 + dtp)), "target": list(range(1 + dtp, 1 + dtp + n))}
+
+
+def write_copy_script(script: Path, header: str, commands: list[str]) -> None:
+    """`<repo>.copy.sh`: the cp commands that bring the container's own model code into a written repository (its
+    code is referenced, never shipped), or no script when everything was copied already."""
+    if commands:
+        script.write_text(f"#!/bin/sh\n# Run inside {header}\nset -e\n" + "".join(c + "\n" for c in commands))
+        script.chmod(0o755)
+    elif script.exists():
+        script.unlink()
