@@ -26,9 +26,10 @@
 //         acc = fma(float(i_j), RN(D_j * dx_{j / 2}), acc), D_j = d sc_j (exact); y = acc.
 // So each weight enters as its exact value d sc q - dmin m. Q6_K's is always the GGUF's fp32 value; Q4_K's is too
 // whenever it is representable in fp32 (gguf_weights.q4k_exact checks every sub-block at build time; the GGUF
-// reference rounds it otherwise). Integer sums are exact (vpdpbusd in the AVX-512 build, vpmaddubsw + vpmaddwd in the
-// AVX2 build: |pair| <= 2 * 63 * 127 never saturates), and the fp32 steps are the same instructions in both builds,
-// so the builds agree bit for bit, whatever the number of token rows, the thread count or which thread ran a panel.
+// reference rounds it otherwise). Integer sums are exact: vpdpbusd in the AVX-512 build; vpmaddubsw in the AVX2 build,
+// whose pair sums (|q x8 + q' x8'| <= 2 * 63 * 127) never saturate and add in int16 only as far as they stay exact
+// (8 for Q4_K, 2 for Q6_K) before vpmaddwd widens them. The fp32 steps are the same instructions in both builds, so
+// the builds agree bit for bit, whatever the number of token rows, the thread count or which thread ran a panel.
 //
 // No AMX: this CPU (AMD Zen 4) has none to test on; an AMX tile path (TDPBUSD on the same int8 blocks) would keep
 // these integers and this float order, and is left for a machine that has it.
@@ -41,11 +42,14 @@
 // Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
 // panels are one sequential stream per thread.
 #define GG_PF 8192
-#if defined(__AVX512F__)
-// Token rows per pass over a panel: 32 zmm hold 8 rows' accumulators (acc, mac) and dot products beside the decoded
-// weights, so verifying up to 8 tokens decodes each panel once (at 4, 5-8 rows decoded it twice: 2.5x a one-token
-// step at 5 rows on the 1.5B). Each row's arithmetic is the same whatever the group, so the bits do not change.
+// Token rows per pass over a panel, in both builds: verifying up to 8 tokens decodes each panel once (at 4, 5-8 rows
+// decoded it twice: 2.5x a one-token step at 5 rows on the 1.5B). In the AVX-512 build 32 zmm hold 8 rows'
+// accumulators (acc, mac) and dot products beside the decoded weights; the AVX2 tiles decode a sub-block's weights
+// into registers once and then walk the rows (the compiler spills some accumulators from 4 rows on: a load and a
+// store a sub-block against 8 to 16 multiplies). Each row's arithmetic is the same whatever the group, so the bits
+// do not change.
 #define GG_MAXG 8
+#if defined(__AVX512F__)
 static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -58,7 +62,6 @@ static inline vi_t gg_and30(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi
 static inline vi_t gg_sl(vi_t a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi_t gg_sr(vi_t a, int n) { return _mm512_srli_epi16(a, n); }
 #else
-#define GG_MAXG 4
 static inline vf_t gg_loadf(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
@@ -124,6 +127,7 @@ static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs,
     }
 }
 
+#if defined(__AVX512F__)
 // One panel (16 rows from n, `left` of them real) times G token rows from s0.
 static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
                                                               int K, int left0, int s0, const int G) {
@@ -218,6 +222,89 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
     }
 }
 
+#else
+// AVX2. vpmaddubsw gives int16 pair sums q x8 (|q| <= 15: |pair| <= 3810); a Q4_K sub-block's 8 of them per row add
+// up in int16 (|sum| <= 8 * 3810 = 30480 < 32767, so exact) before one vpmaddwd widens them, where the per-4-column
+// vi_dp paid a vpmaddwd and an add each. Same integers, same float steps: the bits of the AVX-512 build.
+static inline __m256i gg_mb(__m256i w, const int8_t *x4) {
+    return _mm256_maddubs_epi16(w, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x4)));
+}
+
+static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    const int nsb = K / 256, nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        const int left = left0 - 8 * h;
+        if (left <= 0) break;
+        vf_t acc[GG_MAXG], mac[GG_MAXG];
+        for (int i = 0; i < G; i++) acc[i] = mac[i] = gg_set1(0.f);
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+            const vf_t d = gg_loadf((const float *)sc + 8 * h), dmin = gg_loadf((const float *)sc + 16 + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + 8 * h));
+                const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j + 8 * h));
+                vi_t w[8];  // line c's low nibbles pair with columns 8c..8c+3, its high ones with 8c+4..8c+7
+                for (int c = 0; c < 4; c++) a8_nibbles(rec + 64 * (4 * j + c) + 32 * h, &w[2 * c], &w[2 * c + 1]);
+                const int b = 8 * s + j;
+                for (int i = 0; i < G; i++) {
+                    const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 32 * j;
+                    __m256i t = gg_mb(w[0], xr);
+                    for (int c = 1; c < 8; c++) t = _mm256_add_epi16(t, gg_mb(w[c], xr + 4 * c));
+                    const int64_t at = (int64_t)(s0 + i) * nb + b;
+                    acc[i] = vf_fma(vf_cvt(_mm256_madd_epi16(t, ones)), vf_scale(D, X->dx[at]), acc[i]);
+                    mac[i] = vf_fma(M, gg_set1(X->xs[at]), mac[i]);
+                }
+            }
+        }
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * h, gg_sub(acc[i], mac[i]), left);
+    }
+}
+
+// Q6_K: |q| <= 63, so |pair| <= 16002 and only two pair sums share an int16 (32004) before widening.
+static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    const int nsb = K / 256, nb = K / 32, n16 = K / 16;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        const int left = left0 - 8 * h;
+        if (left <= 0) break;
+        vf_t acc[GG_MAXG];
+        for (int i = 0; i < G; i++) acc[i] = gg_set1(0.f);
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
+            if (h == 0)
+                for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+            const vf_t d = gg_loadf((const float *)sc + 8 * h);
+            for (int j = 0; j < 16; j++) {
+                const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j + 8 * h));
+                vi_t l0, h0, l1, h1;
+                a8_nibbles(rec + 64 * (2 * j) + 32 * h, &l0, &h0);
+                a8_nibbles(rec + 64 * (2 * j + 1) + 32 * h, &l1, &h1);
+                const vi_t hi = gg_load(hb + 64 * j + 32 * h);
+                l0 = gg_or(l0, gg_and30(gg_sl(hi, 4)));
+                h0 = gg_or(h0, gg_and30(gg_sl(hi, 2)));
+                l1 = gg_or(l1, gg_and30(hi));
+                h1 = gg_or(h1, gg_and30(gg_sr(hi, 2)));
+                const int b = 16 * s + j;
+                for (int i = 0; i < G; i++) {
+                    const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 16 * j;
+                    const __m256i ta = _mm256_add_epi16(gg_mb(l0, xr), gg_mb(h0, xr + 4));
+                    const __m256i tb = _mm256_add_epi16(gg_mb(l1, xr + 8), gg_mb(h1, xr + 12));
+                    const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + b]),
+                                          vi_add(_mm256_madd_epi16(ta, ones), _mm256_madd_epi16(tb, ones)));
+                    acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * h, acc[i], left);
+    }
+}
+#endif
+
 // Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
 static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
     const int groups = (S + GG_MAXG - 1) / GG_MAXG, base = S / groups, extra = S % groups;
@@ -231,21 +318,13 @@ static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K
 #define GG_CASE(T, n) case n: gg_tile_##T(X, panel, yp, N, K, left, s0, n); break;
             if (pt->type == GG_Q4K) {
                 switch (G) { GG_CASE(q4k, 1) GG_CASE(q4k, 2)
-#if GG_MAXG > 2
-                             GG_CASE(q4k, 3) GG_CASE(q4k, 4)
-#endif
-#if GG_MAXG > 4
-                             GG_CASE(q4k, 5) GG_CASE(q4k, 6) GG_CASE(q4k, 7) GG_CASE(q4k, 8)
-#endif
+                             GG_CASE(q4k, 3) GG_CASE(q4k, 4) GG_CASE(q4k, 5) GG_CASE(q4k, 6) GG_CASE(q4k, 7)
+                             GG_CASE(q4k, 8)
                 }
             } else {
                 switch (G) { GG_CASE(q6k, 1) GG_CASE(q6k, 2)
-#if GG_MAXG > 2
-                             GG_CASE(q6k, 3) GG_CASE(q6k, 4)
-#endif
-#if GG_MAXG > 4
-                             GG_CASE(q6k, 5) GG_CASE(q6k, 6) GG_CASE(q6k, 7) GG_CASE(q6k, 8)
-#endif
+                             GG_CASE(q6k, 3) GG_CASE(q6k, 4) GG_CASE(q6k, 5) GG_CASE(q6k, 6) GG_CASE(q6k, 7)
+                             GG_CASE(q6k, 8)
                 }
             }
 #undef GG_CASE

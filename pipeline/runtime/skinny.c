@@ -376,6 +376,17 @@ static inline vi_t vi_dp(vi_t acc, vi_t u, const int8_t *x4) {
     const __m256i p = _mm256_maddubs_epi16(u, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x4)));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
+// vi_dp over 16 columns in one: four vpmaddubsw pair sums of 4-bit weights (|each| <= 2 * 15 * 127) add exactly in
+// int16 (|sum| <= 15240) and widen once, where four vi_dp paid four vpmaddwd and four adds.
+static inline vi_t vi_dp16(vi_t acc, vi_t l0, vi_t h0, vi_t l1, vi_t h1, const int8_t *x16) {
+    const __m256i a = _mm256_add_epi16(
+        _mm256_maddubs_epi16(l0, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x16))),
+        _mm256_maddubs_epi16(h0, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)(x16 + 4)))));
+    const __m256i b = _mm256_add_epi16(
+        _mm256_maddubs_epi16(l1, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)(x16 + 8)))),
+        _mm256_maddubs_epi16(h1, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)(x16 + 12)))));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1)));
+}
 static inline vf_t vf_cvt(vi_t a) { return _mm256_cvtepi32_ps(a); }
 static inline vf_t vf_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -791,10 +802,16 @@ static inline __attribute__((always_inline)) void tile_a8(const void *xv, const 
                 a8_nibbles(cp + 64 * (cc + 1), &l1, &h1);
                 for (int i = 0; i < G; i++) {
                     const int8_t *xr = X->q + (int64_t)(s0 + i) * K + (int64_t)g * gs + 8 * cc;
+#if defined(__AVX512F__)
                     p[0][i] = vi_dp(p[0][i], l0, xr);
                     p[1][i] = vi_dp(p[1][i], h0, xr + 4);
                     p[c1][i] = vi_dp(p[c1][i], l1, xr + 8);
                     p[c1 + 1][i] = vi_dp(p[c1 + 1][i], h1, xr + 12);
+#else
+                    // the four pair sums (|each| <= 3810) add in int16 before one vpmaddwd: the same integers
+                    (void)c1;
+                    p[(cc >> 1) & (NCH - 1)][i] = vi_dp16(p[(cc >> 1) & (NCH - 1)][i], l0, h0, l1, h1, xr);
+#endif
                 }
             }
             const vf_t sw = vf_bf16(sb + (int64_t)g * 16 + A8_LANES * h);
