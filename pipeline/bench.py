@@ -11,8 +11,10 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,57 +87,51 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
     return time.perf_counter() - t, out[:, S:].tolist()
 
 
-def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
-    from pipeline.common import chat_ids
-    from pipeline.runtime import kernels
-    from pipeline.runtime.decode import apply_spec, decode, load_bundle
+def _timed(b, method: str, prompt: list[int], new: int, params=None, **opts) -> tuple[float, Any]:
+    """One batch-1 decode of `new` tokens after `prompt`: (seconds, its result)."""
+    from pipeline.runtime.decode import decode  # the runtime loads when a bench runs, not with this module
     from pipeline.runtime.generate import Request
     from pipeline.runtime.sampling import SamplingParams
-    from pipeline.sources import spec_prompts
 
-    n_prompts, new = (2, 16) if quick else (4, 128)
-    b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
-    prompts = spec_prompts(spec, n_prompts + 1)
-    ids = [chat_ids(b.tokenizer, p) for p in prompts]
-    warm, ids = ids[0], ids[1:]
-    methods = b.methods()
-    log(f"bench {spec.name}: methods {methods}, {len(ids)} prompts x {new} new tokens, batch 1, greedy")
+    req = Request(prompt, new, params or SamplingParams())
+    t = time.perf_counter()
+    (res,) = decode(b, method, [req], **opts)
+    return time.perf_counter() - t, res
 
-    def run(method: str, prompt: list[int], params=None, **opts):
-        req = Request(prompt, new, params or SamplingParams())
-        t = time.perf_counter()
-        (res,) = decode(b, method, [req], **opts)
-        return time.perf_counter() - t, res
 
-    # transformers in the engine's own dtype (a bf16 engine against bf16 transformers), as validate does.
+def _transformers_peers(spec: Spec, b, methods: list[str]) -> tuple[Any, Any]:
+    """(transformers on our target's weights, transformers' draft for assisted generation or None), both in the
+    engine's own dtype (a bf16 engine against bf16 transformers), as validate does."""
     peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     hf_peer = hf_model(b.target, peer_dtype)
     draft_hf = None
     if "draft_target" in methods and (spec.engine_dir / "draft_hf").is_dir():
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # heavy: only when there is a draft to assist with
 
         draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=peer_dtype).eval()
-    k = b.spec.k_for("draft_target")
+    return hf_peer, draft_hf
 
+
+def _labelled_runs(b, methods: list[str]) -> list[tuple[str, str, dict]]:
+    """(label, method, decode options) of each timed run: every method, and draft_target without prompt lookup
+    when it uses it, so the report shows what each part brings."""
     runs = [(m, m, {}) for m in methods]
-    lookup_n = b.spec.draft_lookup_min_ngram
-    if "draft_target" in methods and lookup_n:
-        # the same draft without prompt lookup, so the report shows what each part brings
+    if "draft_target" in methods and b.spec.draft_lookup_min_ngram:
         runs.append(("draft_model_only", "draft_target", {"lookup_min_ngram": 0}))
-    for _, m, opts in runs:
-        run(m, warm, **opts)
-    _hf_generate(hf_peer, [warm], 8)
-    rows: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+    return runs
+
+
+def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new: int, hf_peer, draft_hf, k: int,
+                 probe: Callable[[], float], log) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float]]:
+    """Every run and the transformers peers on prompt i before prompt i + 1, so machine noise hits all alike:
+    (runs per label, peers' tokens/s, bandwidth probes). The roofline's bandwidth is read between the prompts, as
+    the speeds are: it drifts by tens of percent."""
+    rows: dict[str, list[Run]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
-
-    def probe() -> float:
-        return measure_bandwidth_gbs(128 if quick else 512, reps=3)
-
-    # The roofline's bandwidth is read between the prompts, as the speeds are: it drifts by tens of percent.
     bws = [probe()]
     for i, p in enumerate(ids):
         for label, m, opts in runs:
-            dt, res = run(m, p, **opts)
+            dt, res = _timed(b, m, p, new, **opts)
             rows[label].append(Run(len(res.tokens) / dt, res.tokens, len(res.tokens), res.steps, res.draft_proposed,
                                    res.draft_accepted))
         dt, out = _hf_generate(hf_peer, [p], new)
@@ -147,16 +143,18 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
             + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
         bws.append(probe())
+    return rows, peers, bws
 
-    report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
-                    "methods": {}, "peers": {}}
+
+def _methods_and_peers(report: dict, b, rows: dict[str, list[Run]], peers: dict[str, list[float]], k: int) -> None:
+    """report's `methods` (each against the baseline, with its draft settings) and `peers` (transformers)."""
     base_tps = [r.tokens_per_s for r in rows["baseline"]]
     for m, rs in rows.items():
         entry = summarize(rs, rows["baseline"])
         if m in ("draft_target", "prompt_lookup", "draft_model_only"):
             entry["num_draft_tokens"] = k if m != "prompt_lookup" else b.spec.k_for(m)
         if m == "draft_target":
-            entry["lookup_min_ngram"] = lookup_n
+            entry["lookup_min_ngram"] = b.spec.draft_lookup_min_ngram
         if m == "medusa":
             entry["tree"] = b.medusa.choices if hasattr(b.medusa, "choices") else None
             entry["head_accuracy"] = getattr(b.medusa, "head_accuracy", None)
@@ -171,46 +169,38 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         report["methods"]["draft_target"]["vs_hf_assisted"] = (
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
-    # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
-    from pipeline import peers as gguf
 
-    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
+def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float) -> dict:
+    """Memory-bandwidth roofline for batch-1 decoding: the weights read per token against the measured bandwidth."""
+    from pipeline.precision import read_bytes  # as bench's other sections: loaded when a bench runs
+    from pipeline.runtime import kernels
 
-    # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
-    from pipeline.contention import served_section
-
-    report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
-        spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
-
-    # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
-    from pipeline.precision import read_bytes
-
     wbytes = read_bytes(b.target)  # buffers too: tiled and quantized layers hold their weights as buffers
     limit = bw * 1e9 / wbytes
     # Each prompt's baseline against the readings taken just before and after its round (the median of all of them
     # against the median speed had read 117% in one run: the decodes had run in faster minutes than most probes).
     around = [(a + c) / 2 for a, c in zip(bws, bws[1:])]
-    report["roofline"] = {"bandwidth_gbs": bw, "bandwidth_probes_gbs": bws, "weight_bytes_read_per_token": wbytes,
-                          "limit_tokens_per_s": limit,
-                          "fraction_of_limit": median([t * wbytes / (g * 1e9) for t, g in zip(base_tps, around)]),
-                          "fraction_at_median_bandwidth": report["methods"]["baseline"]["tokens_per_s"] / limit,
-                          "skinny_kernel": kernels.available()}
+    return {"bandwidth_gbs": bw, "bandwidth_probes_gbs": bws, "weight_bytes_read_per_token": wbytes,
+            "limit_tokens_per_s": limit,
+            "fraction_of_limit": median([t * wbytes / (g * 1e9) for t, g in zip(base_tps, around)]),
+            "fraction_at_median_bandwidth": baseline_tps / limit,
+            "skinny_kernel": kernels.available()}
 
-    # Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4.
-    from pipeline.precision import engine_float_state, gguf_source, precision_table
+
+def _precision(spec: Spec, b, ids: list[list[int]], quick: bool, probe: Callable[[], float], log) -> dict:
+    """Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4."""
+    from pipeline.precision import engine_float_state, gguf_source, precision_table  # loaded when a bench runs
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
-    report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
-                                          spec.target.group_size, ref, end_ids=b.end_ids, log=log,
-                                          gguf_path=gguf_source(spec))
-    report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
-    del fstate
+    return precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
+                           spec.target.group_size, ref, end_ids=b.end_ids, log=log, gguf_path=gguf_source(spec))
 
-    # Verify cost: one target forward over S new tokens, relative to S = 1.
-    report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
 
-    # Sampling at temperature 0.7: baseline vs each speculative method; Medusa typical (lossy) vs exact.
+def _sampled(b, methods: list[str], ids: list[list[int]], new: int) -> dict:
+    """Sampling at temperature 0.7: baseline vs each speculative method; Medusa typical (lossy) vs exact."""
+    from pipeline.runtime.sampling import SamplingParams  # the runtime loads when a bench runs
+
     hot = SamplingParams(temperature=0.7, seed=1234)
     sampled: dict[str, dict] = {}
     variants = [("baseline", {})] + [(m, {}) for m in methods if m in ("draft_target", "prompt_lookup")]
@@ -220,7 +210,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         label = m + (f"_{opts['acceptance']}" if opts else "")
         tps, toks, steps = [], 0, 0
         for p in ids[: max(2, len(ids) // 2)]:
-            dt, res = run(m, p, hot, **opts)
+            dt, res = _timed(b, m, p, new, hot, **opts)
             tps.append(len(res.tokens) / dt)
             toks, steps = toks + len(res.tokens), steps + res.steps
         sampled[label] = {"tokens_per_s": median(tps), "mean_accepted_len": mean_accepted_len(toks, steps)}
@@ -228,18 +218,70 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             sampled[label]["lossy"] = True
     for v in sampled.values():
         v["speedup"] = v["tokens_per_s"] / sampled["baseline"]["tokens_per_s"]
-    report["temperature_0.7"] = sampled
+    return sampled
 
-    # bf16 weights and batch-8 throughput (baseline), with transformers alongside.
-    report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
-    report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)
-    report["environment"] = environment(spec)
+
+def _write_report(spec: Spec, report: dict, log) -> None:
+    """bench.json and bench.md under reports/<name>/; the markdown goes to the log too."""
     out = spec.report_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(bench_markdown(report))
     log(bench_markdown(report))
     log(f"wrote {out / 'bench.json'}")
+
+
+def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
+    """Every method and its peers on the same prompts, interleaved; then the sections that explain the figures
+    (roofline, precision, verify cost, sampling, bf16, batch 8). Returns the report it writes."""
+    from pipeline.common import chat_ids  # the runtime loads when a bench runs, not with this module
+    from pipeline.runtime.decode import apply_spec, load_bundle
+    from pipeline.sources import spec_prompts
+
+    n_prompts, new = (2, 16) if quick else (4, 128)
+    b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
+    prompts = spec_prompts(spec, n_prompts + 1)
+    ids = [chat_ids(b.tokenizer, p) for p in prompts]
+    warm, ids = ids[0], ids[1:]
+    methods = b.methods()
+    log(f"bench {spec.name}: methods {methods}, {len(ids)} prompts x {new} new tokens, batch 1, greedy")
+    hf_peer, draft_hf = _transformers_peers(spec, b, methods)
+    k = b.spec.k_for("draft_target")
+    runs = _labelled_runs(b, methods)
+    for _, m, opts in runs:  # warm-up, apart from the measured runs
+        _timed(b, m, warm, new, **opts)
+    _hf_generate(hf_peer, [warm], 8)
+
+    def probe() -> float:
+        return measure_bandwidth_gbs(128 if quick else 512, reps=3)
+
+    rows, peers, bws = _interleaved(b, runs, ids, new, hf_peer, draft_hf, k, probe, log)
+    report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
+                    "methods": {}, "peers": {}}
+    _methods_and_peers(report, b, rows, peers, k)
+
+    # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
+    from pipeline import peers as gguf  # loaded when a bench runs
+
+    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
+
+    # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
+    from pipeline.contention import served_section  # loaded when a bench runs
+
+    report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
+        spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
+    report["roofline"] = _roofline(b, bws, [r.tokens_per_s for r in rows["baseline"]],
+                                   report["methods"]["baseline"]["tokens_per_s"])
+    report["precision"] = _precision(spec, b, ids, quick, probe, log)
+    report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
+    # Verify cost: one target forward over S new tokens, relative to S = 1.
+    report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
+    report["temperature_0.7"] = _sampled(b, methods, ids, new)
+    # bf16 weights and batch-8 throughput (baseline), with transformers alongside.
+    report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
+    report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)
+    report["environment"] = environment(spec)
+    _write_report(spec, report, log)
     return report
 
 

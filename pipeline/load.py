@@ -19,7 +19,10 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from pipeline import spec as specmod
 from pipeline.sources import spec_prompts
@@ -118,6 +121,242 @@ def _prompts(spec: specmod.Spec, num_prompts: int, chat: bool) -> list[str]:
     return prompts
 
 
+_STAT_KEYS = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
+              "streamed", "unary", "sampled")
+
+
+class _Request(NamedTuple):
+    """What one client request does (see _Mix.request)."""
+
+    method: str
+    temperature: float
+    opts: dict
+    cancel: bool
+    drop: bool
+    unary: bool
+
+
+@dataclass(frozen=True)
+class _Mix:
+    """The run's mix of requests: which method, temperature and kind (streamed, unary, cancelled, dropped) request i
+    is, a pure function of i so every run with the same settings sends the same requests."""
+
+    methods: tuple[str, ...]
+    temperatures: tuple[float, ...]
+    sample_every: int
+    cancel_every: int
+    disconnect_every: int
+    unary_every: int
+    decoupled: bool
+
+    def request(self, i: int) -> _Request:
+        method = self.methods[i % len(self.methods)]
+        if self.temperatures:
+            temp = self.temperatures[(i // len(self.methods)) % len(self.temperatures)]
+            opts = {"temperature": temp, "seed": i} if temp > 0 else {}
+        else:
+            sampled = self.sample_every > 0 and i % self.sample_every == self.sample_every - 1
+            temp = 0.8 if sampled else 0.0
+            opts = {"temperature": 0.8, "top_p": 0.95, "seed": i} if sampled else {}
+        nth = lambda every: every > 0 and i % every == every - 1  # request i is every `every`-th
+        drop = self.decoupled and nth(self.disconnect_every)
+        cancel = self.decoupled and not drop and nth(self.cancel_every)
+        unary = not (cancel or drop) and (not self.decoupled or nth(self.unary_every))
+        return _Request(method, temp, opts, cancel, drop, unary)
+
+
+@dataclass
+class _Tally:
+    """What the clients saw; the client threads add to it under `lock`."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stats: dict = field(default_factory=lambda: dict.fromkeys(_STAT_KEYS, 0))
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    done_at: list[tuple[float, int]] = field(default_factory=list)
+    samples: list[str] = field(default_factory=list)
+
+    def failed(self, method: str, e: Exception, timed_out: bool) -> None:
+        """A request that raised: a timeout (no response, or too late) is incomplete, anything else an error."""
+        with self.lock:
+            self.stats["requests"] += 1
+            self.stats["incomplete" if timed_out else "errors"] += 1
+            if len(self.samples) < 5:
+                self.samples.append(f"{method}: {e}")
+
+    def answered(self, r: dict, req: _Request, p: int, expected: str, cut_at: float | None) -> None:
+        """A request that returned: counted by kind, its tokens and times kept, a greedy answer checked against
+        `expected` (`cut_at`: a window run's deadline; an answer unfinished past it was cancelled there and counts
+        as neither complete nor incomplete)."""
+        stats = self.stats
+        with self.lock:
+            stats["requests"] += 1
+            if req.cancel or req.drop:
+                stats["disconnected" if req.drop else "cancelled"] += 1
+                return
+            stats["unary" if req.unary else "streamed"] += 1
+            if cut_at is not None and not r["complete"] and time.monotonic() > cut_at:
+                stats["cut"] = stats.get("cut", 0) + 1  # cancelled at the deadline
+                return
+            if not r["complete"] or r.get("num_output_tokens") is None:
+                stats["incomplete"] += 1
+                return
+            stats["tokens"] += r["num_output_tokens"]
+            self.done_at.append((time.monotonic(), r["num_output_tokens"]))
+            self.latencies.append(r["latency_s"] * 1000)
+            self.ttfts.append(r["ttft_s"] * 1000)
+            if req.temperature > 0:
+                stats["sampled"] += 1
+                return
+            stats["greedy"] += 1
+            if r["text"] != expected:
+                stats["greedy_mismatches"] += 1
+                if len(self.samples) < 5:
+                    self.samples.append(f"{req.method} prompt {p}: got {r['text'][:60]!r}, expected {expected[:60]!r}")
+
+
+@dataclass
+class _Clients:
+    """Everything a client needs to send request i and tally its answer, fixed for the run."""
+
+    generate: Callable[..., dict]
+    url: str
+    model: str
+    models: tuple[str, ...]
+    prompts: list[str]
+    reference: list[str]
+    max_tokens: int
+    long_budget: int  # what an abandoned request asks for: far more than it will get, so it is still decoding
+    mix: _Mix
+    window: bool
+    deadline: float
+    request_timeout: float
+    tally: _Tally = field(default_factory=_Tally)
+
+    def send(self, i: int) -> None:
+        from pipeline.client import RequestError, RequestTimeout  # pipeline.client imports tritonclient
+
+        p = i % len(self.prompts)
+        req = self.mix.request(i)
+        abandon = req.cancel or req.drop
+        pieces: list = []
+        stop_at = (lambda: bool(pieces)) if abandon else None
+        if self.window and not req.unary:
+            stop_at = (lambda f=stop_at: time.monotonic() > self.deadline or bool(f and f()))
+        try:
+            r = self.generate(self.url, self.models[i % len(self.models)] if self.models else self.model,
+                              self.prompts[p], self.max_tokens if not abandon else self.long_budget,
+                              method=req.method, stream=not req.unary, unary=req.unary and not self.mix.decoupled,
+                              timeout=self.request_timeout, on_piece=pieces.append,
+                              cancel=stop_at, disconnect=req.drop, **req.opts)
+        except RequestError as e:  # a RequestTimeout (no response, or too late) is incomplete, not a hang
+            self.tally.failed(req.method, e, isinstance(e, RequestTimeout))
+            return
+        self.tally.answered(r, req, p, self.reference[p], self.deadline if self.window else None)
+
+    def worker(self, w: int, concurrency: int) -> None:
+        """Client w: requests w, w + concurrency, ... until the deadline (each waits for its answer)."""
+        i = w
+        while time.monotonic() < self.deadline:
+            self.send(i)
+            i += concurrency
+
+
+def _endpoint(spec: specmod.Spec, api: str, base_url: str | None, chat: bool) -> tuple[str, Callable, bool]:
+    """(url, generate, decoupled) for the API the clients use; only this machine's loopback is accepted."""
+    if api == "openai":
+        from pipeline import openai_client  # imported only for --api openai
+        from pipeline.openai_client import base_url as own_url
+
+        url = _loopback_base_url(base_url or own_url(spec))
+        return url, lambda *a, **k: openai_client.generate(*a, chat=chat, **k), True
+    from pipeline.client import generate  # pipeline.client imports tritonclient
+
+    return _loopback_url(spec), generate, spec.triton.decoupled
+
+
+def _run_clients(clients: _Clients, concurrency: int, duration: float, pid: int | None
+                 ) -> tuple[float, threading.Timer, dict]:
+    """Run `concurrency` client threads to the deadline, each wait bounded; (start time, RSS probe, its reading).
+
+    The probe reads the server's RSS once the warm-up quarter has passed (caches and arenas grown); a client still
+    waiting request_timeout + 15 s after the deadline is left behind and its request counted incomplete."""
+    from pipeline.triton.server import server_rss_mb
+
+    t0 = time.monotonic()
+    warmed: dict = {}
+    probe = threading.Timer(duration / 4, lambda: warmed.setdefault("rss", server_rss_mb(pid) if pid else 0.0))
+    probe.daemon = True
+    probe.start()
+    threads = [threading.Thread(target=clients.worker, args=(w, concurrency), daemon=True)
+               for w in range(concurrency)]
+    for t in threads:
+        t.start()
+    give_up = clients.deadline + clients.request_timeout + 15.0
+    for t in threads:
+        t.join(timeout=max(0.0, give_up - time.monotonic()))
+    stuck = sum(t.is_alive() for t in threads)
+    if stuck:  # each has one request in flight that never ended: incomplete (the daemon threads are left behind)
+        tally = clients.tally
+        with tally.lock:
+            tally.stats["requests"] += stuck
+            tally.stats["incomplete"] += stuck
+            tally.samples.append(f"{stuck} clients still waiting {clients.request_timeout + 15:.0f}s after the "
+                                 "deadline")
+    return t0, probe, warmed
+
+
+def _await_server_cancels(spec: specmod.Spec, tally: _Tally, cancelled_before: float) -> None:
+    """Give the server up to 10 s to count the cancellations the clients provoked (it notices the last ones late)."""
+    provoked = tally.stats["cancelled"] + tally.stats["disconnected"] + tally.stats.get("cut", 0)
+    settle = time.monotonic() + 10
+    while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
+        time.sleep(0.2)
+
+
+def _summary(spec: specmod.Spec, clients: _Clients, t0: float, wall: float, duration: float, concurrency: int,
+             cancelled_before: float, rss_mb: dict, api: str) -> dict:
+    """The report: counts, tokens/s (the steady window's with `window`), latencies, memory and the run's settings."""
+    tally, mix, deadline = clients.tally, clients.mix, clients.deadline
+    stats = tally.stats
+    warm = t0 + duration / 4
+    steady = sum(n for t, n in tally.done_at if warm <= t <= deadline) / (deadline - warm)
+    model, models = clients.model, clients.models
+    return {
+        "requests": stats["requests"], "errors": stats["errors"], "incomplete": stats["incomplete"],
+        "greedy_requests": stats["greedy"], "greedy_mismatches": stats["greedy_mismatches"],
+        "sampled_requests": stats["sampled"], "streamed": stats["streamed"], "unary": stats["unary"],
+        "cancelled": stats["cancelled"] + stats["disconnected"], "cancelled_by_client": stats["cancelled"],
+        "disconnected": stats["disconnected"],
+        "server_cancelled": _server_cancelled(spec) - cancelled_before,
+        "output_tokens": stats["tokens"],
+        "tokens_per_s": steady if clients.window else (stats["tokens"] / wall if wall > 0 else 0.0),
+        "cut_at_deadline": stats.get("cut", 0),
+        "latency_ms": {"p50": _percentile(tally.latencies, 50), "p95": _percentile(tally.latencies, 95)},
+        "ttft_ms": {"p50": _percentile(tally.ttfts, 50), "p95": _percentile(tally.ttfts, 95)},
+        "rss_mb": rss_mb,
+        "concurrency": concurrency, "duration_s": wall, "max_tokens": clients.max_tokens,
+        "methods": list(mix.methods), "temperatures": list(mix.temperatures), "model": model,
+        "models": list(models or (model,)), "decoupled": mix.decoupled, "problems": tally.samples, "api": api,
+        "url": clients.url, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name,
+    }
+
+
+def _write_report(spec: specmod.Spec, out: dict, api: str, write: bool, log: Callable) -> None:
+    """Write load.json (load_openai.json for --api openai) when asked, and say what the run saw in one line."""
+    name = "load_openai.json" if api == "openai" else "load.json"
+    if write:
+        spec.report_dir.mkdir(parents=True, exist_ok=True)
+        (Path(spec.report_dir) / name).write_text(json.dumps(out, indent=2))
+    rss = out["rss_mb"]
+    log(f"{out['requests']} requests, {out['errors']} errors, {out['incomplete']} incomplete, "
+        f"{out['greedy_mismatches']} greedy mismatches, {out['cancelled']} cancelled by clients "
+        f"({out['server_cancelled']:.0f} counted by the server); {out['tokens_per_s']:.1f} tokens/s; latency p50 "
+        f"{out['latency_ms']['p50']:.0f} ms, p95 {out['latency_ms']['p95']:.0f} ms; server RSS "
+        f"{rss['start']:.0f} MB at the start, {rss['before']:.0f} after the warm-up quarter -> {rss['after']:.0f} MB"
+        + (f"; wrote {spec.report_dir / name}" if write else ""))
+
+
 def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: int = 32,
              methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", num_prompts: int = 8,
              sample_every: int = 4, chat: bool = True, log=print, temperatures: tuple[float, ...] = (),
@@ -148,21 +387,13 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     `api="openai"`: the same clients through an OpenAI-compatible endpoint (`base_url`, default this spec's own
     endpoint; `model` is then the served model name), streaming over HTTP with pipeline.openai_client; the prompts
     go as chat messages (the server applies the template) and the report is load_openai.json."""
-    from pipeline.client import RequestError, RequestTimeout, generate
     from pipeline.triton.server import running_pid, server_rss_mb
 
     _check(concurrency, duration, max_tokens)
     pid = running_pid(spec)
+    url, generate, decoupled = _endpoint(spec, api, base_url, chat)
     if api == "openai":
-        from pipeline import openai_client
-        from pipeline.openai_client import base_url as own_url
-
-        url = _loopback_base_url(base_url or own_url(spec))
-        generate = lambda *a, **k: openai_client.generate(*a, chat=chat, **k)  # noqa: E731
-        models, decoupled = (), True
-    else:
-        url = _loopback_url(spec)
-        decoupled = spec.triton.decoupled
+        models = ()
     if pid is None and not (api == "openai" and base_url):
         raise RuntimeError(f"no server is running for {spec.name!r}; start it with `make serve SPEC=...`")
     # A request its client abandons asks for far more than it will get, so it is still decoding when abandoned.
@@ -174,134 +405,19 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
                               unary=not decoupled, timeout=request_timeout)["text"] for p in prompts]
     rss_start = server_rss_mb(pid) if pid else 0.0  # a peer behind --base-url: not measured
     cancelled_before = _server_cancelled(spec)
-    lock = threading.Lock()
-    keys = ("requests", "errors", "incomplete", "greedy_mismatches", "tokens", "greedy", "cancelled", "disconnected",
-            "streamed", "unary", "sampled")
-    stats = dict.fromkeys(keys, 0)
-    latencies: list[float] = []
-    ttfts: list[float] = []
-    done_at: list[tuple[float, int]] = []
-    samples: list[str] = []
-    deadline = time.monotonic() + duration
-
-    def one(i: int) -> None:
-        p = i % len(prompts)
-        method = methods[i % len(methods)]
-        if temperatures:
-            temp = temperatures[(i // len(methods)) % len(temperatures)]
-            opts = {"temperature": temp, "seed": i} if temp > 0 else {}
-        else:
-            sampled = sample_every > 0 and i % sample_every == sample_every - 1
-            temp = 0.8 if sampled else 0.0
-            opts = {"temperature": 0.8, "top_p": 0.95, "seed": i} if sampled else {}
-        drop = decoupled and disconnect_every > 0 and i % disconnect_every == disconnect_every - 1
-        cancel = decoupled and not drop and cancel_every > 0 and i % cancel_every == cancel_every - 1
-        unary = not (cancel or drop) and (not decoupled or unary_every > 0 and i % unary_every == unary_every - 1)
-        pieces: list = []
-        stop_at = (lambda: bool(pieces)) if cancel or drop else None
-        if window and not unary:
-            stop_at = (lambda f=stop_at: time.monotonic() > deadline or bool(f and f()))
-        try:
-            r = generate(url, models[i % len(models)] if models else model, prompts[p],
-                         max_tokens if not (cancel or drop) else long_budget,
-                         method=method, stream=not unary, unary=unary and not decoupled,
-                         timeout=request_timeout, on_piece=pieces.append,
-                         cancel=stop_at, disconnect=drop, **opts)
-        except RequestError as e:  # a RequestTimeout (no response, or too late) is incomplete, not a hang
-            with lock:
-                stats["requests"] += 1
-                stats["incomplete" if isinstance(e, RequestTimeout) else "errors"] += 1
-                if len(samples) < 5:
-                    samples.append(f"{method}: {e}")
-            return
-        with lock:
-            stats["requests"] += 1
-            if cancel or drop:
-                stats["disconnected" if drop else "cancelled"] += 1
-                return
-            stats["unary" if unary else "streamed"] += 1
-            if window and not r["complete"] and time.monotonic() > deadline:
-                stats["cut"] = stats.get("cut", 0) + 1  # cancelled at the deadline
-                return
-            if not r["complete"] or r.get("num_output_tokens") is None:
-                stats["incomplete"] += 1
-                return
-            stats["tokens"] += r["num_output_tokens"]
-            done_at.append((time.monotonic(), r["num_output_tokens"]))
-            latencies.append(r["latency_s"] * 1000)
-            ttfts.append(r["ttft_s"] * 1000)
-            if temp > 0:
-                stats["sampled"] += 1
-                return
-            stats["greedy"] += 1
-            if r["text"] != reference[p]:
-                stats["greedy_mismatches"] += 1
-                if len(samples) < 5:
-                    samples.append(f"{method} prompt {p}: got {r['text'][:60]!r}, expected {reference[p][:60]!r}")
-
-    def worker(w: int) -> None:
-        i = w
-        while time.monotonic() < deadline:
-            one(i)
-            i += concurrency
-
+    mix = _Mix(methods, temperatures, sample_every, cancel_every, disconnect_every, unary_every, decoupled)
+    clients = _Clients(generate, url, model, models, prompts, reference, max_tokens, long_budget, mix, window,
+                       time.monotonic() + duration, request_timeout)
     what = "mixed" if temperatures or cancel_every or disconnect_every or unary_every else "streaming"
     log(f"{concurrency} {what} clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
-    t0 = time.monotonic()
-    warmed: dict = {}  # the server's RSS once the warm-up quarter has passed (caches and arenas grown)
-    probe = threading.Timer(duration / 4, lambda: warmed.setdefault("rss", server_rss_mb(pid) if pid else 0.0))
-    probe.daemon = True
-    probe.start()
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
-    for t in threads:
-        t.start()
-    give_up = deadline + request_timeout + 15.0
-    for t in threads:
-        t.join(timeout=max(0.0, give_up - time.monotonic()))
-    stuck = sum(t.is_alive() for t in threads)
-    if stuck:  # each has one request in flight that never ended: incomplete (the daemon threads are left behind)
-        with lock:
-            stats["requests"] += stuck
-            stats["incomplete"] += stuck
-            samples.append(f"{stuck} clients still waiting {request_timeout + 15:.0f}s after the deadline")
+    t0, probe, warmed = _run_clients(clients, concurrency, duration, pid)
     wall = time.monotonic() - t0
-    warm = t0 + duration / 4
-    steady = sum(n for t, n in done_at if warm <= t <= deadline) / (deadline - warm)
-    provoked = stats["cancelled"] + stats["disconnected"] + stats.get("cut", 0)
-    settle = time.monotonic() + 10  # let the server notice the last cancellations
-    while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
-        time.sleep(0.2)
+    _await_server_cancels(spec, clients.tally, cancelled_before)
     rss_after = server_rss_mb(pid) if pid else 0.0
     probe.cancel()
-    rss_before = warmed.get("rss", rss_start)
-    out = {
-        "requests": stats["requests"], "errors": stats["errors"], "incomplete": stats["incomplete"],
-        "greedy_requests": stats["greedy"], "greedy_mismatches": stats["greedy_mismatches"],
-        "sampled_requests": stats["sampled"], "streamed": stats["streamed"], "unary": stats["unary"],
-        "cancelled": stats["cancelled"] + stats["disconnected"], "cancelled_by_client": stats["cancelled"],
-        "disconnected": stats["disconnected"],
-        "server_cancelled": _server_cancelled(spec) - cancelled_before,
-        "output_tokens": stats["tokens"],
-        "tokens_per_s": steady if window else (stats["tokens"] / wall if wall > 0 else 0.0),
-        "cut_at_deadline": stats.get("cut", 0),
-        "latency_ms": {"p50": _percentile(latencies, 50), "p95": _percentile(latencies, 95)},
-        "ttft_ms": {"p50": _percentile(ttfts, 50), "p95": _percentile(ttfts, 95)},
-        "rss_mb": {"start": rss_start, "before": rss_before, "after": rss_after},
-        "concurrency": concurrency, "duration_s": wall, "max_tokens": max_tokens, "methods": list(methods),
-        "temperatures": list(temperatures), "model": model, "models": list(models or (model,)),
-        "decoupled": decoupled, "problems": samples, "api": api, "url": url,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "spec": spec.name,
-    }
-    if write:
-        spec.report_dir.mkdir(parents=True, exist_ok=True)
-        path = Path(spec.report_dir) / ("load_openai.json" if api == "openai" else "load.json")
-        path.write_text(json.dumps(out, indent=2))
-    log(f"{out['requests']} requests, {out['errors']} errors, {out['incomplete']} incomplete, "
-        f"{out['greedy_mismatches']} greedy mismatches, {out['cancelled']} cancelled by clients "
-        f"({out['server_cancelled']:.0f} counted by the server); {out['tokens_per_s']:.1f} tokens/s; latency p50 "
-        f"{out['latency_ms']['p50']:.0f} ms, p95 {out['latency_ms']['p95']:.0f} ms; server RSS "
-        f"{rss_start:.0f} MB at the start, {rss_before:.0f} after the warm-up quarter -> {rss_after:.0f} MB"
-        + (f"; wrote {spec.report_dir / ('load_openai.json' if api == 'openai' else 'load.json')}" if write else ""))
+    rss_mb = {"start": rss_start, "before": warmed.get("rss", rss_start), "after": rss_after}
+    out = _summary(spec, clients, t0, wall, duration, concurrency, cancelled_before, rss_mb, api)
+    _write_report(spec, out, api, write, log)
     return out
 
 

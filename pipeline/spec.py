@@ -437,38 +437,66 @@ def resolve_device(device: str, cuda_available: bool | None = None) -> str:
 
 
 def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
-    """Cross-field checks that types alone cannot express (`cuda_available`: see resolve_device)."""
+    """Cross-field checks that types alone cannot express (`cuda_available`: see resolve_device).
+
+    One checker per section, always in this order, so a spec with several errors always reports the same first."""
+    _validate_top(spec)
+    _validate_limits(spec.limits)
+    _validate_backend(spec)
+    _validate_quantization(spec, cuda_available)
+    _validate_draft(spec)
+    _validate_medusa(spec)
+    _validate_speculation(spec)
+    _validate_serving(spec)
+    _validate_trtllm_settings(spec.tensorrt_llm)
+    _validate_validate(spec.validate)
+    return spec
+
+
+def _validate_top(spec: Spec) -> None:
+    """The top-level keys: the name becomes directory names, so it is held to what a path can carry."""
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name)), "name", spec.name,
            "use letters, digits, '.', '_' or '-' (it names engines/<name>/ and triton_repo/<name>/)")
     _check(spec.threads >= 0, "threads", spec.threads, "must be 0 (all cores) or a positive count")
-    lim = spec.limits
+
+
+def _validate_limits(lim: LimitsSpec) -> None:
+    """limits: the sizes every engine and the runtime are built for."""
     for key in ("max_batch_size", "max_input_len", "max_seq_len"):
         _check(getattr(lim, key) > 0, f"limits.{key}", getattr(lim, key), "must be a positive integer")
     _check(lim.max_draft_len >= 0, "limits.max_draft_len", lim.max_draft_len, "must be 0 or more")
     _check(lim.max_input_len < lim.max_seq_len, "limits.max_input_len", lim.max_input_len,
            f"must be below limits.max_seq_len ({lim.max_seq_len}) to leave room for output")
+
+
+def _validate_backend(spec: Spec) -> None:
+    """parallel and what each backend can run: torch runs one rank; tensorrt_llm needs a GPU and has its own rules."""
     _check(spec.parallel.tp >= 1, "parallel.tp", spec.parallel.tp, "must be 1 or more")
     _check(spec.parallel.pp >= 1, "parallel.pp", spec.parallel.pp, "must be 1 or more")
     if spec.backend == "torch":
         _check(spec.parallel.tp == 1 and spec.parallel.pp == 1, "parallel", vars(spec.parallel),
                "the torch backend runs one rank: set tp: 1 and pp: 1, or use backend: tensorrt_llm")
-    else:
-        _check(spec.device != "cpu", "device", spec.device,
-               "the tensorrt_llm backend runs on NVIDIA GPUs: set device: cuda (or backend: torch)")
-        _check(spec.tensorrt_llm.gpus >= spec.parallel.tp * spec.parallel.pp, "tensorrt_llm.gpus",
-               spec.tensorrt_llm.gpus,
-               f"needs at least tp*pp = {spec.parallel.tp * spec.parallel.pp} GPUs")
-        _check(spec.speculation.disable_at_batch == 0, "speculation.disable_at_batch",
-               spec.speculation.disable_at_batch, "tensorrtllm_backend's in-flight batching cannot switch "
-               "speculation off per batch: set it to 0 for the tensorrt_llm backend (the torch backend honours it)")
-        _check(spec.speculation.draft_lookup_min_ngram == 0, "speculation.draft_lookup_min_ngram",
-               spec.speculation.draft_lookup_min_ngram, "tensorrtllm_backend's draft_tokens_external flow takes its "
-               "drafts from the draft engine only: set it to 0 for the tensorrt_llm backend (or use "
-               "speculative_decoding_mode lookahead/prompt lookup there separately)")
-        _validate_trtllm(spec)
-        _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
-               spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
-               "number of tokens: set it to 0 for the tensorrt_llm backend")
+        return
+    _check(spec.device != "cpu", "device", spec.device,
+           "the tensorrt_llm backend runs on NVIDIA GPUs: set device: cuda (or backend: torch)")
+    _check(spec.tensorrt_llm.gpus >= spec.parallel.tp * spec.parallel.pp, "tensorrt_llm.gpus",
+           spec.tensorrt_llm.gpus,
+           f"needs at least tp*pp = {spec.parallel.tp * spec.parallel.pp} GPUs")
+    _check(spec.speculation.disable_at_batch == 0, "speculation.disable_at_batch",
+           spec.speculation.disable_at_batch, "tensorrtllm_backend's in-flight batching cannot switch "
+           "speculation off per batch: set it to 0 for the tensorrt_llm backend (the torch backend honours it)")
+    _check(spec.speculation.draft_lookup_min_ngram == 0, "speculation.draft_lookup_min_ngram",
+           spec.speculation.draft_lookup_min_ngram, "tensorrtllm_backend's draft_tokens_external flow takes its "
+           "drafts from the draft engine only: set it to 0 for the tensorrt_llm backend (or use "
+           "speculative_decoding_mode lookahead/prompt lookup there separately)")
+    _validate_trtllm(spec)
+    _check(spec.speculation.draft_confidence == 0, "speculation.draft_confidence",
+           spec.speculation.draft_confidence, "tensorrtllm_backend's draft_tokens_external flow drafts a fixed "
+           "number of tokens: set it to 0 for the tensorrt_llm backend")
+
+
+def _validate_quantization(spec: Spec, cuda_available: bool | None) -> None:
+    """Quantization and dtypes against the device they will run on (torch: what `auto` resolves to here)."""
     # What the torch runtime runs on; `auto` is named in the errors so a user sees why it was refused.
     device = resolve_device(spec.device, cuda_available) if spec.backend == "torch" else spec.device
     on = f"device: {spec.device}" + (f" (on this machine: {device})" if spec.device == "auto" else "")
@@ -503,10 +531,18 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
         _check(spec.tensorrt_llm.kv_cache_dtype == "auto", "tensorrt_llm.kv_cache_dtype",
                spec.tensorrt_llm.kv_cache_dtype, "a quantized KV cache is a tensorrt_llm backend setting: "
                "leave it 'auto' for backend: torch")
+
+
+def _validate_draft(spec: Spec) -> None:
+    """draft: its shape and both training budgets (the draft's and Medusa's)."""
     _check(spec.draft.layers >= 1, "draft.layers", spec.draft.layers, "must be 1 or more")
     _check(spec.draft.vocab >= 0, "draft.vocab", spec.draft.vocab, "must be 0 (full vocabulary) or a token count")
     _validate_budget(spec.draft.train, "draft.train")
     _validate_budget(spec.medusa.train, "medusa.train")
+
+
+def _validate_medusa(spec: Spec) -> None:
+    """medusa: head counts, posterior settings and an explicit tree (which must fit limits.max_draft_len)."""
     med = spec.medusa
     _check(1 <= med.num_heads <= 8, "medusa.num_heads", med.num_heads, "must be between 1 and 8")
     _check(0 <= med.num_layers <= 4, "medusa.num_layers", med.num_layers, "must be between 0 and 4")
@@ -516,9 +552,13 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
         from pipeline.tree import validate_choices  # pipeline.tree imports torch; the spec stays light
 
         try:
-            validate_choices(med.choices, med.num_heads, lim.max_draft_len)
+            validate_choices(med.choices, med.num_heads, spec.limits.max_draft_len)
         except ValueError as e:
             raise SpecError(f"medusa.choices: {e}") from None
+
+
+def _validate_speculation(spec: Spec) -> None:
+    """speculation: k and the confidence rule here, the rest where the runtime and the server check them."""
     k = spec.speculation.num_draft_tokens
     _check(k == "auto" or k >= 1, "speculation.num_draft_tokens", k, "must be 1 or more, or 'auto'")
     conf = spec.speculation.draft_confidence
@@ -526,6 +566,10 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
            "needs speculation.num_draft_tokens set to the maximum draft length (an integer such as 4): 'auto' picks "
            "a fixed k, which leaves nothing for the confidence rule to shorten")
     decode_config(spec)  # the speculation limits, checked where the runtime and the server check them
+
+
+def _validate_serving(spec: Spec) -> None:
+    """triton and openai: ports (each its own), instances, queueing and the models served."""
     tr = spec.triton
     ports = {"triton.http_port": tr.http_port, "triton.grpc_port": tr.grpc_port, "triton.metrics_port": tr.metrics_port}
     for key, port in ports.items():
@@ -543,13 +587,19 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
            and set(tr.models) <= {"ensemble", "tensorrt_llm_bls"}, "triton.models", tr.models,
            "must list ensemble, tensorrt_llm_bls or both, each once (every model listed loads its own copy of the "
            "weights)")
-    trt = spec.tensorrt_llm
+
+
+def _validate_trtllm_settings(trt: TensorRTLLMSpec) -> None:
+    """tensorrt_llm's plain ranges, checked on either backend (the backend's own rules are _validate_trtllm)."""
     _check(trt.gpu_memory_gib > 0, "tensorrt_llm.gpu_memory_gib", trt.gpu_memory_gib, "must be positive")
     _check(trt.gpus >= 1, "tensorrt_llm.gpus", trt.gpus, "must be 1 or more")
     _check(trt.draft_tp >= 1, "tensorrt_llm.draft_tp", trt.draft_tp, "must be 1 or more")
     f = trt.kv_cache_free_gpu_mem_fraction
     _check(f == "auto" or 0 < f < 1, "tensorrt_llm.kv_cache_free_gpu_mem_fraction", f, "must be in (0, 1) or 'auto'")
-    val = spec.validate
+
+
+def _validate_validate(val: ValidateSpec) -> None:
+    """validate: the sizes of `make validate`'s passes."""
     _check(val.max_new_tokens >= 1, "validate.max_new_tokens", val.max_new_tokens, "must be 1 or more")
     _check(val.max_prompts >= 0, "validate.max_prompts", val.max_prompts, "must be 0 (all) or more")
     _check(val.prompt_budget_s >= 0, "validate.prompt_budget_s", val.prompt_budget_s, "must be 0 (no limit) or more")
@@ -557,7 +607,6 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,
            "temperatures must be 0 or more")
-    return spec
 
 
 def decode_config(spec: Spec, measured_k: int | None = None) -> SpecDecodeConfig:

@@ -72,13 +72,10 @@ def tokens_of(tok, text: str) -> list[int]:
 
 
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
-    from pipeline.bench import _hf_generate, environment, hf_model
-    from pipeline.runtime.decode import apply_spec, decode, load_bundle
-    from pipeline.runtime.generate import Request
-    from pipeline.sources import spec_prompts
-    from pipeline.triton import server
+    """Start the server unless it is up, measure every method through it, and stop it again if it was started here
+    (a server that was already running is left running)."""
+    from pipeline.triton import server  # tritonclient: loaded when validate runs
 
-    v = spec.validate
     if "tensorrt_llm_bls" not in spec.triton.models:
         raise ValueError(f"triton.models: {spec.triton.models}; validate measures tensorrt_llm_bls, serve it too "
                          "(add it to triton.models)")
@@ -88,110 +85,145 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
         started = server.start(spec, log=log)
     url = server.grpc_url(spec)
     try:
-        bundle = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
-        tok = bundle.tokenizer
-        methods = bundle.methods()
-        prompts = spec_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
-        warm, prompts = prompts[0], prompts[1:]
-        texts = [chat_text(tok, p) for p in prompts]
-        new = v.max_new_tokens
-        log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
-        for m in methods:
-            _request(url, chat_text(tok, warm), 8, m)
-        report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
-                        "trimmed": trimmed(spec),
-                        "acceptance_definition": "acceptance_rate = accepted draft tokens / proposed draft tokens; "
-                        "mean_accepted_len = tokens emitted per target forward pass",
-                        "methods": {}, "peers": {}}
-
-        # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
-        runs: dict[str, list[dict]] = {m: [] for m in methods}
-        t0 = time.perf_counter()
-        for i, text in enumerate(texts):
-            if over_budget(i, time.perf_counter() - t0, v.prompt_budget_s):
-                report["trimmed"].append(f"{i} of {len(texts)} prompts ran: the exactness pass had spent "
-                                         f"validate.prompt_budget_s ({v.prompt_budget_s:g} s)")
-                log(f"  validate.prompt_budget_s ({v.prompt_budget_s:g} s) spent: {i} of {len(texts)} prompts")
-                texts, prompts = texts[:i], prompts[:i]
-                report["prompts"] = i
-                break
-            for m in methods:
-                runs[m].append(_request(url, text, new, m))
-            log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
-                f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods) + " tokens/s")
-        base = runs["baseline"]
-        base_runs = _runs(base)
-        for m, rs in runs.items():
-            divs = []
-            for i, (r, b) in enumerate(zip(rs, base)):
-                if r["text"] != b["text"]:
-                    pid = tokens_of(tok, texts[i])
-                    d = divergence(bundle, pid, tokens_of(tok, b["text"]), tokens_of(tok, r["text"]),
-                                   v.near_tie_margin)
-                    divs.append({"prompt": i, **(d or {"classification": "detokenization only"})})
-            lat = [r["latency_s"] * 1000 for r in rs]
-            report["methods"][m] = {
-                **summarize(_runs(rs), base_runs),
-                "divergences": divs,
-                "latency_ms": {"p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95)},
-                "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
-            }
-        report["draft"] = draft_summary(spec)
-        kept = getattr(bundle.draft, "vocab_ids", None)
-        if kept is not None and report["draft"]:
-            # Held out: the share of the target's greedy tokens on the evaluation prompts the draft head can propose.
-            kept_set, toks = set(kept.tolist()), [t for r in base for t in tokens_of(tok, r["text"])]
-            report["draft"]["vocab_coverage"] = sum(t in kept_set for t in toks) / max(1, len(toks))
-        report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
-        report["suspicious"] = suspicious(report, bundle)
-
-        # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
-        # Peers in the engine's own dtype (the pair: bf16 both), so the comparison is like for like.
-        peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
-        hf = hf_model(bundle.target, peer_dtype)
-        ids = [tokens_of(tok, t) for t in texts[: max(2, len(texts) // 2)]]
-        report["peers"]["hf_generate"] = {"tokens_per_s": statistics.median(
-            [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids),
-            "dtype": str(peer_dtype).removeprefix("torch.")}
-        draft_dir = spec.engine_dir / "draft_hf"
-        if draft_dir.is_dir():
-            from transformers import AutoModelForCausalLM
-
-            d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype).eval()
-            k = bundle.spec.k_for("draft_target")
-            report["peers"]["hf_assisted"] = {"tokens_per_s": statistics.median(
-                [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
-                "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}
-            del d
-        else:
-            report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
-        del hf
-        # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
-        from pipeline import peers
-
-        report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
-
-        # 3b. Concurrency curve.
-        report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
-        report["crossover"] = crossover(report["batch_curve"], methods)
-        report["disable_at_batch"] = spec.speculation.disable_at_batch
-        if "draft_target" in report["methods"]:
-            report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
-
-        # 3c. Temperatures: exact methods vs Medusa typical (lossy).
-        report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
-
-        # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
-        report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples,
-                                                   tok, log)
-        report["advice"] = advice(report, methods)
-        report["environment"] = environment(spec)
-        write_report(spec, report)
-        log(f"wrote {spec.report_dir / 'validate.json'}")
-        return report
+        return _validate_served(spec, url, log)
     finally:
         if started is not None:
             started.stop()
+
+
+def _validate_served(spec: Spec, url: str, log) -> dict:
+    """Every section of validate.json, measured through the server at `url`, in the order the report lists them;
+    writes the report."""
+    from pipeline.bench import environment  # torch and transformers: loaded when validate runs
+    from pipeline.runtime.decode import apply_spec, decode, load_bundle
+    from pipeline.runtime.generate import Request
+    from pipeline.sources import spec_prompts
+
+    v = spec.validate
+    bundle = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
+    tok = bundle.tokenizer
+    methods = bundle.methods()
+    prompts = spec_prompts(spec, v.max_prompts + 1 if v.max_prompts else 0)
+    warm, prompts = prompts[0], prompts[1:]
+    texts = [chat_text(tok, p) for p in prompts]
+    new = v.max_new_tokens
+    log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
+    for m in methods:
+        _request(url, chat_text(tok, warm), 8, m)
+    report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
+                    "trimmed": trimmed(spec),
+                    "acceptance_definition": "acceptance_rate = accepted draft tokens / proposed draft tokens; "
+                    "mean_accepted_len = tokens emitted per target forward pass",
+                    "methods": {}, "peers": {}}
+    # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
+    runs, texts, prompts = _exactness_pass(url, texts, prompts, methods, new, v.prompt_budget_s, report, log)
+    _method_sections(report, runs, bundle, texts, v.near_tie_margin)
+    report["draft"] = _draft_section(spec, bundle, runs["baseline"])
+    report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
+    report["suspicious"] = suspicious(report, bundle)
+    # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
+    report["peers"].update(_transformers_peers(spec, bundle, texts, new))
+    # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
+    from pipeline import peers  # loaded when validate runs
+
+    report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
+    # 3b. Concurrency curve.
+    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
+    report["crossover"] = crossover(report["batch_curve"], methods)
+    report["disable_at_batch"] = spec.speculation.disable_at_batch
+    if "draft_target" in report["methods"]:
+        report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
+    # 3c. Temperatures: exact methods vs Medusa typical (lossy).
+    report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
+    # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
+    report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok, log)
+    report["advice"] = advice(report, methods)
+    report["environment"] = environment(spec)
+    write_report(spec, report)
+    log(f"wrote {spec.report_dir / 'validate.json'}")
+    return report
+
+
+def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: list[str], new: int, budget_s: float,
+                    report: dict, log) -> tuple[dict[str, list[dict]], list[str], list[str]]:
+    """Every method on prompt i before prompt i + 1 (concurrency 1), until the prompts or the budget run out:
+    (responses per method, the texts and prompts that ran). A spent budget is recorded in the report."""
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    t0 = time.perf_counter()
+    for i, text in enumerate(texts):
+        if over_budget(i, time.perf_counter() - t0, budget_s):
+            report["trimmed"].append(f"{i} of {len(texts)} prompts ran: the exactness pass had spent "
+                                     f"validate.prompt_budget_s ({budget_s:g} s)")
+            log(f"  validate.prompt_budget_s ({budget_s:g} s) spent: {i} of {len(texts)} prompts")
+            texts, prompts = texts[:i], prompts[:i]
+            report["prompts"] = i
+            break
+        for m in methods:
+            runs[m].append(_request(url, text, new, m))
+        log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
+            f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods) + " tokens/s")
+    return runs, texts, prompts
+
+
+def _method_sections(report: dict, runs: dict[str, list[dict]], bundle, texts: list[str], near_tie: float) -> None:
+    """report's `methods`: each against the baseline, with where its greedy answers diverge and why (near-tie or
+    real disagreement, from the target's logits there), and its latency."""
+    tok = bundle.tokenizer
+    base = runs["baseline"]
+    base_runs = _runs(base)
+    for m, rs in runs.items():
+        divs = []
+        for i, (r, b) in enumerate(zip(rs, base)):
+            if r["text"] != b["text"]:
+                pid = tokens_of(tok, texts[i])
+                d = divergence(bundle, pid, tokens_of(tok, b["text"]), tokens_of(tok, r["text"]), near_tie)
+                divs.append({"prompt": i, **(d or {"classification": "detokenization only"})})
+        lat = [r["latency_s"] * 1000 for r in rs]
+        report["methods"][m] = {
+            **summarize(_runs(rs), base_runs),
+            "divergences": divs,
+            "latency_ms": {"p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95)},
+            "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
+        }
+
+
+def _draft_section(spec: Spec, bundle, base: list[dict]) -> dict:
+    """report's `draft`: how the draft was built and, with a reduced vocabulary, how much of the target's greedy
+    output (held out: the evaluation prompts) the draft head can propose."""
+    draft = draft_summary(spec)
+    kept = getattr(bundle.draft, "vocab_ids", None)
+    if kept is not None and draft:
+        tok = bundle.tokenizer
+        kept_set, toks = set(kept.tolist()), [t for r in base for t in tokens_of(tok, r["text"])]
+        draft["vocab_coverage"] = sum(t in kept_set for t in toks) / max(1, len(toks))
+    return draft
+
+
+def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
+    """transformers generate and assisted generation on our weights and the same prompts, in the engine's own dtype
+    (the pair: bf16 both), so the comparison is like for like."""
+    from pipeline.bench import _hf_generate, hf_model  # torch and transformers: loaded when validate runs
+
+    peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
+    hf = hf_model(bundle.target, peer_dtype)
+    tok = bundle.tokenizer
+    ids = [tokens_of(tok, t) for t in texts[: max(2, len(texts) // 2)]]
+    out: dict = {"hf_generate": {"tokens_per_s": statistics.median(
+        [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids),
+        "dtype": str(peer_dtype).removeprefix("torch.")}}
+    draft_dir = spec.engine_dir / "draft_hf"
+    if draft_dir.is_dir():
+        from transformers import AutoModelForCausalLM  # heavy: only when there is a draft to assist with
+
+        d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype).eval()
+        k = bundle.spec.k_for("draft_target")
+        out["hf_assisted"] = {"tokens_per_s": statistics.median(
+            [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
+            "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}
+        del d
+    else:
+        out["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
+    return out
 
 
 def draft_summary(spec: Spec) -> dict:

@@ -71,6 +71,40 @@ def warmup_request(bundle, new: int) -> tuple[list[int], int]:
     return prompt, max(1, min(new, max_seq - len(prompt) - bundle.max_draft_len - 2))
 
 
+class _Nobody:
+    """The warm-up's Responder: answers nobody."""
+
+    def send(self, texts, results, final) -> None:
+        pass
+
+    def error(self, message: str, cancelled: bool = False) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _warm_up(sched: Scheduler, prompt: list[int], new: int, methods: list[str]) -> dict[str, float]:
+    """Scheduler.warm_up: one request per method through the continuous batch and the speculative batches,
+    answering nobody and counting nothing, before the model reports ready. What the first request would otherwise
+    pay (the OpenMP team of this thread, first touch of the caches and the per-step buffers, lazily built tables,
+    first calls into the kernels) is paid here. Returns seconds per method."""
+    from pipeline.runtime.generate import Request
+
+    count, sched.replies.count = sched.replies.count, (lambda what, method, value: None)
+    took = {}
+    try:
+        for m in methods:
+            t = time.perf_counter()
+            sched.submit(Parsed(f"warm-up-{m}", texts=[""], reqs=[Request(list(prompt), new)], method=m), _Nobody())
+            while sched.waiting or sched.pool.rows or not sched.inbox.empty():
+                sched.tick()
+            took[m] = time.perf_counter() - t
+    finally:
+        sched.replies.count = count
+    return took
+
+
 class Cancelled(Exception):
     """Every row of a speculative batch was cancelled by its client."""
 
@@ -113,6 +147,9 @@ def _log(level: str, msg: str) -> None:
 
 
 class Scheduler:
+    """The served model's queue and its one decode worker: `submit` (any thread) queues, `tick` (the worker) runs
+    one scheduling round (`_schedule_round`), `_finished` answers the jobs whose rows are all done."""
+
     def __init__(self, bundle, max_batch_size: int, count: Callable[[str, str, float], None] | None = None,
                  log: Callable[[str, str], None] = _log, gate=None):
         self.bundle = bundle
@@ -145,63 +182,15 @@ class Scheduler:
 
     @classmethod
     def on_own_thread(cls, setup: Callable[[], Scheduler]) -> Scheduler:
-        """Run `setup` (load the models, build the scheduler) on a new thread, then serve on that same thread.
-
-        One thread must run every OpenMP region of the process. libgomp keeps a worker team per thread that
-        starts parallel regions, and once the process holds more OpenMP threads than cores it stops spinning
-        between regions and sleeps instead; a model loaded on one thread (torch's parallel copies) and decoded
-        on another ran the int4 draft step ~40% slower on 2 cores (experiments/serving_log.md)."""
-        box: dict = {}
-        ready = threading.Event()
-
-        def main() -> None:
-            try:
-                box["scheduler"] = sched = setup()
-            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-                box["error"] = e
-                ready.set()
-                return
-            ready.set()
-            sched._serve()
-
-        worker = threading.Thread(target=main, name="decode", daemon=True)
-        worker.start()
-        ready.wait()
-        if "error" in box:
-            raise box["error"]
-        box["scheduler"].worker = worker
-        return box["scheduler"]
+        """Run `setup` (load the models, build the scheduler) on a new thread, then serve on that same thread
+        (why one thread: _serve_on_own_thread)."""
+        return _serve_on_own_thread(setup)
 
     def warm_up(self, prompt: list[int], new: int, methods: list[str]) -> dict[str, float]:
-        """Decode one request of `new` tokens per method through the serving path itself (the continuous batch, the
-        speculative batches), answering nobody and counting nothing, before the model reports ready: what the first
-        request would otherwise pay (the OpenMP team of this thread, first touch of the caches and the per-step
-        buffers, lazily built tables, first calls into the kernels) is paid here. Returns seconds per method."""
-        from pipeline.runtime.generate import Request
-
-        class _Nobody:
-            def send(self, texts, results, final) -> None:
-                pass
-
-            def error(self, message: str, cancelled: bool = False) -> None:
-                pass
-
-            def cancelled(self) -> bool:
-                return False
-
-        count, self.replies.count = self.replies.count, (lambda what, method, value: None)
-        took = {}
-        try:
-            for m in methods:
-                t = time.perf_counter()
-                self.submit(Parsed(f"warm-up-{m}", texts=[""], reqs=[Request(list(prompt), new)], method=m),
-                            _Nobody())
-                while self.waiting or self.pool.rows or not self.inbox.empty():
-                    self.tick()
-                took[m] = time.perf_counter() - t
-        finally:
-            self.replies.count = count
-        return took
+        """Decode one request of `new` tokens per method through the serving path itself, answering nobody and
+        counting nothing, before the model reports ready (what the first request would otherwise pay: _warm_up).
+        Returns seconds per method."""
+        return _warm_up(self, prompt, new, methods)
 
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -241,7 +230,7 @@ class Scheduler:
             return True
         try:
             with self.gate:  # one step (or one speculative batch, which pauses between its rounds)
-                self._schedule()
+                _schedule_round(self)
         except Exception as e:  # noqa: BLE001 - a failed step fails the rows it held; keep serving
             self.log("error", f"decode worker: {type(e).__name__}: {e}")
             self._abort_pool(f"decoding failed: {type(e).__name__}: {e}")
@@ -260,188 +249,6 @@ class Scheduler:
             self.waiting.append(item)
         else:
             item()  # an answer to send from this thread
-
-    def _schedule(self) -> None:
-        """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
-        self._drop_cancelled()
-        spec = self._speculative_waiting()
-        if spec and not self.pool.rows:
-            self._start_speculative(spec)
-            return
-        if spec and self._join(group(spec[0]), spec):
-            return
-        if not self.waiting and self._resume():
-            return
-        if not spec:
-            self._admit_waiting()
-        if self.pool.rows:
-            self._step_pool()
-
-    def _drop_cancelled(self) -> None:
-        """Answer the waiting and running jobs whose clients have gone; their rows stop costing work."""
-        pending = self.waiting
-        every = max(self.queued_check_s, len(pending) / QUEUED_POLLS_PER_S)
-        for job in [j for j in pending if self.replies.is_cancelled(j, every)]:
-            pending.remove(job)
-            self.replies.cancel(job)
-        gone = {id(t.job) for t in self.pool.tags() if self.replies.is_cancelled(t.job)}
-        if gone:
-            jobs = {id(t.job): t.job for t, _ in self.pool.remove(lambda t: id(t.job) in gone)}
-            for job in jobs.values():
-                self.replies.cancel(job)
-
-    def _speculative_waiting(self) -> list[Job]:
-        """The waiting jobs that speculate at the current load (the others decode plainly: `job.plain`)."""
-        load = len(self.pool.rows) + sum(len(j.reqs) for j in self.waiting)
-        spec = []
-        for j in self.waiting:
-            j.plain = j.method != "baseline" and self.bundle.spec.off_at(j.method, load, j.p.disable_at_batch)
-            if j.method != "baseline" and not j.plain:
-                spec.append(j)
-        return spec
-
-    def _step_pool(self) -> None:
-        """One step of the continuous batch."""
-        for t in self.pool.tags():
-            if t.job.method != "baseline":
-                t.plain = t.job.plain = True  # a speculative request decoding plainly, wholly or in part
-        self._finished(self.pool.step(self._emit))
-
-    # ---- admission -----------------------------------------------------------------------------------
-
-    def _start_speculative(self, spec: list[Job]) -> None:
-        """The continuous batch is empty: run the first waiting speculative group (as many as fit) as a batch."""
-        key = group(spec[0])
-        rows = []
-        for j in pack([j for j in spec if group(j) == key], self.max_batch_size):
-            self.waiting.remove(j)
-            rows += j.start()
-        self._run(key, rows)
-
-    def _admit_waiting(self) -> None:
-        """Admit waiting jobs, in order, while their rows fit in the continuous batch."""
-        admit = []
-        free = self.pool.free
-        for job in list(self.waiting):
-            if len(job.reqs) > free:
-                break
-            self.waiting.remove(job)
-            if self.replies.is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
-                self.replies.cancel(job)
-                continue
-            job.start()
-            admit.append(job)
-            free -= len(job.reqs)
-        self._admit(admit)
-
-    def _admit(self, jobs: list[Job], prefixes: dict | None = None) -> None:
-        """Prefill the jobs' rows into the continuous batch in one forward; if that fails, one job at a time,
-        so a job whose prefill fails is answered with the error and the others are admitted."""
-        if not jobs:
-            return
-        rows = [r for j in jobs for r in j.rows]
-        pre = [(prefixes or {}).get(id(r), []) for r in rows]
-        try:
-            self._finished(self.pool.admit([r.job.reqs[r.index] for r in rows], rows, self._emit, pre))
-            return
-        except Exception as e:  # noqa: BLE001
-            if len(jobs) == 1:
-                self.log("error", f"prefill failed ({jobs[0].method}): {type(e).__name__}: {e}")
-                self.replies.fail(jobs[0], f"decoding failed ({jobs[0].method}): prefill: {type(e).__name__}: {e}")
-                return
-        for job in jobs:
-            self._admit([job], prefixes)
-
-    def _resumable(self, key: tuple, rows: int) -> bool:
-        """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
-        (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
-        return (_resumable_method(key[0]) and all(group(t.job) == key for t in self.pool.tags())
-                and not self.bundle.spec.off_at(key[0], rows, key[3]))
-
-    def _resume(self) -> bool:
-        """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
-        one resumable group and are fewer than its disable_at_batch."""
-        tags = self.pool.tags()
-        keys = {group(t.job) for t in tags}
-        if len(keys) != 1:
-            return False
-        key = keys.pop()
-        if not self._resumable(key, len(tags)):
-            return False
-        self._speculate_pool(key)
-        return True
-
-    def _join(self, key: tuple, spec: list[Job]) -> bool:
-        """Speculative batching across arrivals: when the continuous batch holds only rows of group `key` (a
-        speculative batch that yielded for the newcomers), admit the waiting jobs of that group next to them
-        (prefill and first token), then speculate on all of them together."""
-        if not self.pool.rows:
-            return False
-        jobs = [j for j in spec if group(j) == key]
-        jobs = pack(jobs, self.pool.free) if jobs and len(jobs[0].reqs) <= self.pool.free else []
-        if not jobs or not self._resumable(key, len(self.pool.rows) + sum(len(j.reqs) for j in jobs)):
-            return False
-        for job in jobs:
-            self.waiting.remove(job)
-            job.start()
-        self._admit(jobs)
-        if self.pool.rows:
-            self._speculate_pool(key)
-        return True
-
-    def _speculate_pool(self, key: tuple) -> None:
-        """Release every row of the continuous batch into one speculative batch of group `key`; rows that were
-        plain because of the load count as resumed."""
-        back = self.pool.release(lambda t: True)
-        rows = [t for t, _ in back]
-        if any(r.plain for r in rows):
-            self.replies.count("resumed", key[0], sum(r.plain for r in rows))
-        for r in rows:
-            r.plain = False
-        self._run(key, rows, [h for _, h in back])
-
-    # ---- a speculative batch -------------------------------------------------------------------------
-
-    def _busy(self, key: tuple, rows: int) -> bool:
-        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
-        (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
-        self._collect()
-        if not self.waiting:
-            return False
-        method, disable_at_batch = key[0], key[3]
-        if self.bundle.spec.off_at(method, rows + sum(len(j.reqs) for j in self.waiting), disable_at_batch):
-            return True
-        return _resumable_method(method) and any(
-            group(j) == key and not j.cancelled and rows + len(j.reqs) <= self.max_batch_size
-            for j in self.waiting)
-
-    def _run(self, key: tuple, rows: list[Row], resume: list | None = None) -> None:
-        """Decode `rows` (one speculative group) as a batch (`SpeculativeBatch`)."""
-        SpeculativeBatch(self, key, rows).run(resume)
-
-    def _recover(self, rows: list[Row]) -> None:
-        """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
-        alone: the row whose fault it was fails by itself, the others finish (greedy: the same tokens)."""
-        for row in rows:
-            job = row.job
-            if job.failed:
-                continue
-            if job.cancelled:
-                self.replies.cancel(job)
-                continue
-            req = job.reqs[row.index]
-            if len(row.tokens) >= req.max_new_tokens:
-                seq = Sequence(req)
-                seq.tokens, seq.finish_reason = list(row.tokens), "length"
-                self._finished([(row, finish([seq], time.perf_counter())[0])])
-                continue
-            if self.pool.free < 1:
-                self.replies.fail(job, f"decoding failed ({job.method}) and the continuous batch is full; retry")
-                continue
-            try:
-                self._finished(self.pool.admit([req], [row], self._emit, [list(row.tokens)]))
-            except Exception as e:  # noqa: BLE001
-                self.replies.fail(job, f"decoding failed ({job.method}): {type(e).__name__}: {e}")
 
     # ---- results from the runtime ----------------------------------------------------------------------
 
@@ -478,6 +285,190 @@ class Scheduler:
                 self.replies.fail(job, msg)
 
 
+def _serve_on_own_thread(setup: Callable[[], Scheduler]) -> Scheduler:
+    """Scheduler.on_own_thread: run `setup` on a new thread, then serve on that same thread; an error in `setup` is
+    raised on the caller's.
+
+    One thread must run every OpenMP region of the process. libgomp keeps a worker team per thread that
+    starts parallel regions, and once the process holds more OpenMP threads than cores it stops spinning
+    between regions and sleeps instead; a model loaded on one thread (torch's parallel copies) and decoded
+    on another ran the int4 draft step ~40% slower on 2 cores (experiments/serving_log.md)."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def main() -> None:
+        try:
+            box["scheduler"] = sched = setup()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+            ready.set()
+            return
+        ready.set()
+        sched._serve()
+
+    worker = threading.Thread(target=main, name="decode", daemon=True)
+    worker.start()
+    ready.wait()
+    if "error" in box:
+        raise box["error"]
+    box["scheduler"].worker = worker
+    return box["scheduler"]
+
+
+# ---- one scheduling round: where each waiting job goes (worker thread only) ------------------------------
+
+
+def _schedule_round(sched: Scheduler) -> None:
+    """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
+    _drop_cancelled(sched)
+    spec = _speculative_waiting(sched)
+    if spec and not sched.pool.rows:
+        _start_speculative(sched, spec)
+        return
+    if spec and _join(sched, group(spec[0]), spec):
+        return
+    if not sched.waiting and _resume(sched):
+        return
+    if not spec:
+        _admit_waiting(sched)
+    if sched.pool.rows:
+        _step_pool(sched)
+
+
+def _drop_cancelled(sched: Scheduler) -> None:
+    """Answer the waiting and running jobs whose clients have gone; their rows stop costing work."""
+    pending = sched.waiting
+    every = max(sched.queued_check_s, len(pending) / QUEUED_POLLS_PER_S)
+    for job in [j for j in pending if sched.replies.is_cancelled(j, every)]:
+        pending.remove(job)
+        sched.replies.cancel(job)
+    gone = {id(t.job) for t in sched.pool.tags() if sched.replies.is_cancelled(t.job)}
+    if gone:
+        jobs = {id(t.job): t.job for t, _ in sched.pool.remove(lambda t: id(t.job) in gone)}
+        for job in jobs.values():
+            sched.replies.cancel(job)
+
+
+def _speculative_waiting(sched: Scheduler) -> list[Job]:
+    """The waiting jobs that speculate at the current load (the others decode plainly: `job.plain`)."""
+    load = len(sched.pool.rows) + sum(len(j.reqs) for j in sched.waiting)
+    spec = []
+    for j in sched.waiting:
+        j.plain = j.method != "baseline" and sched.bundle.spec.off_at(j.method, load, j.p.disable_at_batch)
+        if j.method != "baseline" and not j.plain:
+            spec.append(j)
+    return spec
+
+
+def _step_pool(sched: Scheduler) -> None:
+    """One step of the continuous batch."""
+    for t in sched.pool.tags():
+        if t.job.method != "baseline":
+            t.plain = t.job.plain = True  # a speculative request decoding plainly, wholly or in part
+    sched._finished(sched.pool.step(sched._emit))
+
+
+def _start_speculative(sched: Scheduler, spec: list[Job]) -> None:
+    """The continuous batch is empty: run the first waiting speculative group (as many as fit) as a batch."""
+    key = group(spec[0])
+    rows = []
+    for j in pack([j for j in spec if group(j) == key], sched.max_batch_size):
+        sched.waiting.remove(j)
+        rows += j.start()
+    SpeculativeBatch(sched, key, rows).run()
+
+
+def _admit_waiting(sched: Scheduler) -> None:
+    """Admit waiting jobs, in order, while their rows fit in the continuous batch."""
+    admit = []
+    free = sched.pool.free
+    for job in list(sched.waiting):
+        if len(job.reqs) > free:
+            break
+        sched.waiting.remove(job)
+        if sched.replies.is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
+            sched.replies.cancel(job)
+            continue
+        job.start()
+        admit.append(job)
+        free -= len(job.reqs)
+    _admit(sched, admit)
+
+
+def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None) -> None:
+    """Prefill the jobs' rows into the continuous batch in one forward; if that fails, one job at a time,
+    so a job whose prefill fails is answered with the error and the others are admitted."""
+    if not jobs:
+        return
+    rows = [r for j in jobs for r in j.rows]
+    pre = [(prefixes or {}).get(id(r), []) for r in rows]
+    try:
+        sched._finished(sched.pool.admit([r.job.reqs[r.index] for r in rows], rows, sched._emit, pre))
+        return
+    except Exception as e:  # noqa: BLE001
+        if len(jobs) == 1:
+            sched.log("error", f"prefill failed ({jobs[0].method}): {type(e).__name__}: {e}")
+            sched.replies.fail(jobs[0], f"decoding failed ({jobs[0].method}): prefill: {type(e).__name__}: {e}")
+            return
+    for job in jobs:
+        _admit(sched, [job], prefixes)
+
+
+def _resumable(sched: Scheduler, key: tuple, rows: int) -> bool:
+    """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
+    (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
+    return (_resumable_method(key[0]) and all(group(t.job) == key for t in sched.pool.tags())
+            and not sched.bundle.spec.off_at(key[0], rows, key[3]))
+
+
+def _resume(sched: Scheduler) -> bool:
+    """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
+    one resumable group and are fewer than its disable_at_batch."""
+    tags = sched.pool.tags()
+    keys = {group(t.job) for t in tags}
+    if len(keys) != 1:
+        return False
+    key = keys.pop()
+    if not _resumable(sched, key, len(tags)):
+        return False
+    _speculate_pool(sched, key)
+    return True
+
+
+def _join(sched: Scheduler, key: tuple, spec: list[Job]) -> bool:
+    """Speculative batching across arrivals: when the continuous batch holds only rows of group `key` (a
+    speculative batch that yielded for the newcomers), admit the waiting jobs of that group next to them
+    (prefill and first token), then speculate on all of them together."""
+    if not sched.pool.rows:
+        return False
+    jobs = [j for j in spec if group(j) == key]
+    jobs = pack(jobs, sched.pool.free) if jobs and len(jobs[0].reqs) <= sched.pool.free else []
+    if not jobs or not _resumable(sched, key, len(sched.pool.rows) + sum(len(j.reqs) for j in jobs)):
+        return False
+    for job in jobs:
+        sched.waiting.remove(job)
+        job.start()
+    _admit(sched, jobs)
+    if sched.pool.rows:
+        _speculate_pool(sched, key)
+    return True
+
+
+def _speculate_pool(sched: Scheduler, key: tuple) -> None:
+    """Release every row of the continuous batch into one speculative batch of group `key`; rows that were
+    plain because of the load count as resumed."""
+    back = sched.pool.release(lambda t: True)
+    rows = [t for t, _ in back]
+    if any(r.plain for r in rows):
+        sched.replies.count("resumed", key[0], sum(r.plain for r in rows))
+    for r in rows:
+        r.plain = False
+    SpeculativeBatch(sched, key, rows).run([h for _, h in back])
+
+
+# ---- a speculative batch -------------------------------------------------------------------------------
+
+
 class SpeculativeBatch:
     """One speculative batch of the scheduler: `rows` of group `key` decoded together through `decode`, from
     their prompts or, with `resume`, from the Handoffs the continuous batch released. Each row is answered as
@@ -507,7 +498,21 @@ class SpeculativeBatch:
         # Also yield once half the batch has finished, so the rest resume without the finished rows:
         # they would otherwise ride along in every verify pass until the longest row ends.
         done, n = len(self.answered), len(self.rows)
-        return self.sched._busy(self.key, n - done) or (_resumable_method(self.key[0]) and done > 0 and 2 * done >= n)
+        return self._busy(n - done) or (_resumable_method(self.key[0]) and done > 0 and 2 * done >= n)
+
+    def _busy(self, rows: int) -> bool:
+        """Polled between speculative rounds: have requests arrived that bring the load to disable_at_batch
+        (the rows go plain), or that can join this batch (same group, resumable, room left)?"""
+        sched, key = self.sched, self.key
+        sched._collect()
+        if not sched.waiting:
+            return False
+        method, disable_at_batch = key[0], key[3]
+        if sched.bundle.spec.off_at(method, rows + sum(len(j.reqs) for j in sched.waiting), disable_at_batch):
+            return True
+        return _resumable_method(method) and any(
+            group(j) == key and not j.cancelled and rows + len(j.reqs) <= sched.max_batch_size
+            for j in sched.waiting)
 
     def on_finish(self, b: int, result) -> None:
         self.answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
@@ -529,9 +534,34 @@ class SpeculativeBatch:
         except Exception as e:  # noqa: BLE001 - recover row by row, keep serving
             sched.log("error", f"speculative batch failed ({method}, k={k}, {len(rows)} rows): {type(e).__name__}: "
                       f"{e}; continuing its rows one by one in the continuous batch")
-            sched._recover([r for b, r in enumerate(rows) if b not in self.answered])
+            self._recover([r for b, r in enumerate(rows) if b not in self.answered])
             return
         handed = [(row, r) for row, r in zip(rows, results, strict=True) if isinstance(r, Handoff)]
         sched.pool.adopt([h for _, h in handed], [row for row, _ in handed])
         sched._finished([(row, r) for b, (row, r) in enumerate(zip(rows, results, strict=True))
                          if not isinstance(r, Handoff) and b not in self.answered])
+
+    def _recover(self, rows: list[Row]) -> None:
+        """The rows of a failed speculative batch continue plainly after the tokens they emitted, each admitted
+        alone: the row whose fault it was fails by itself, the others finish (greedy: the same tokens)."""
+        sched = self.sched
+        for row in rows:
+            job = row.job
+            if job.failed:
+                continue
+            if job.cancelled:
+                sched.replies.cancel(job)
+                continue
+            req = job.reqs[row.index]
+            if len(row.tokens) >= req.max_new_tokens:
+                seq = Sequence(req)
+                seq.tokens, seq.finish_reason = list(row.tokens), "length"
+                sched._finished([(row, finish([seq], time.perf_counter())[0])])
+                continue
+            if sched.pool.free < 1:
+                sched.replies.fail(job, f"decoding failed ({job.method}) and the continuous batch is full; retry")
+                continue
+            try:
+                sched._finished(sched.pool.admit([req], [row], sched._emit, [list(row.tokens)]))
+            except Exception as e:  # noqa: BLE001
+                sched.replies.fail(job, f"decoding failed ({job.method}): {type(e).__name__}: {e}")
