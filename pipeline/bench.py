@@ -7,7 +7,9 @@ figures are medians over prompts and speedups are ratios measured in the same ru
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
+import os
 import platform
 import statistics
 import time
@@ -16,16 +18,26 @@ from pathlib import Path
 
 import torch
 
+from pipeline import peers as gguf
+from pipeline.common import chat_ids
+from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
-from pipeline.spec import Spec
+from pipeline.precision import engine_float_state, gguf_source, precision_table, read_bytes
+from pipeline.runtime import kernels, quant
+from pipeline.runtime.decode import apply_spec, decode, load_bundle
+from pipeline.runtime.engine_io import load_model_dir
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import float_state, runtime_to_hf
+from pipeline.runtime.quant import hugepage_tensor
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.sources import spec_prompts
+from pipeline.spec import Spec, to_dict
+from pipeline.speedpick import verify_costs
 
 
 def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
     """Sustained read bandwidth: read a buffer much larger than the caches, on huge pages as the weights are, by
     the kernels' streaming read (torch's sum where the kernels are off)."""
-    from pipeline.runtime import kernels
-    from pipeline.runtime.quant import hugepage_tensor
-
     x = hugepage_tensor(mb << 20).view(torch.float32).fill_(1.0)
     read = kernels.stream_read if kernels.available() else torch.sum
     read(x)
@@ -39,9 +51,7 @@ def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
 
 def hf_model(model, dtype: torch.dtype):
     """A transformers model of the engine's family (Llama, Mistral, Qwen2) holding exactly our engine's weights."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    from pipeline.runtime.model import float_state, runtime_to_hf
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # lazy: transformers (~2 s) only for the peer
 
     c = model.cfg
     extra = {"use_sliding_window": False} if c.model_type == "qwen2" else {}
@@ -50,7 +60,7 @@ def hf_model(model, dtype: torch.dtype):
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_position_embeddings, **extra)
-    from transformers.initialization import no_init_weights
+    from transformers.initialization import no_init_weights  # lazy: transformers (~2 s) only for the peer
 
     with no_init_weights():  # every weight is assigned below; a random init of 1.5B parameters costs seconds
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -86,13 +96,6 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
 
 
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
-    from pipeline.common import chat_ids
-    from pipeline.runtime import kernels
-    from pipeline.runtime.decode import apply_spec, decode, load_bundle
-    from pipeline.runtime.generate import Request
-    from pipeline.runtime.sampling import SamplingParams
-    from pipeline.sources import spec_prompts
-
     n_prompts, new = (2, 16) if quick else (4, 128)
     b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
     prompts = spec_prompts(spec, n_prompts + 1)
@@ -112,7 +115,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     hf_peer = hf_model(b.target, peer_dtype)
     draft_hf = None
     if "draft_target" in methods and (spec.engine_dir / "draft_hf").is_dir():
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers (~2 s) only for the peer
 
         draft_hf = AutoModelForCausalLM.from_pretrained(str(spec.engine_dir / "draft_hf"), dtype=peer_dtype).eval()
     k = b.spec.k_for("draft_target")
@@ -172,20 +175,14 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
-    from pipeline import peers as gguf
-
     report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
 
     # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
-    from pipeline.contention import served_section
-
     report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
         spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
 
     # Memory-bandwidth roofline for batch-1 decoding.
     bw = median(bws)
-    from pipeline.precision import read_bytes
-
     wbytes = read_bytes(b.target)  # buffers too: tiled and quantized layers hold their weights as buffers
     limit = bw * 1e9 / wbytes
     # Each prompt's baseline against the readings taken just before and after its round (the median of all of them
@@ -198,8 +195,6 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
                           "skinny_kernel": kernels.available()}
 
     # Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4.
-    from pipeline.precision import engine_float_state, gguf_source, precision_table
-
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
     report["precision"] = precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
                                           spec.target.group_size, ref, end_ids=b.end_ids, log=log,
@@ -245,16 +240,11 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
 def verify_cost_curve(model, max_s: int) -> list[dict]:
     """One forward over S new tokens at a realistic context length (speedpick.verify_costs), relative to S = 1."""
-    from pipeline.speedpick import verify_costs
-
     costs = verify_costs(model, max_s)
     return [{"tokens": s, "ms": 1000 * c, "relative": c / costs[0]} for s, c in enumerate(costs, start=1)]
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
-    from pipeline.runtime.engine_io import load_model_dir
-    from pipeline.runtime.generate import Request, generate
-
     model16, _ = load_model_dir(spec.engine_dir / "target", spec.device, dtype="bfloat16", verify=False)
     hf16 = hf_model(b.target, torch.bfloat16)
     ours, theirs = [], []
@@ -273,8 +263,6 @@ def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
 
 
 def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
-    from pipeline.runtime.generate import Request, generate
-
     rows = [ids[i % len(ids)] for i in range(batch)]
     t = time.perf_counter()
     generate(b.target, [Request(r, new) for r in rows])
@@ -286,10 +274,6 @@ def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
 
 
 def environment(spec: Spec) -> dict:
-    import importlib.metadata as md
-
-    from pipeline.runtime import kernels, quant
-
     pk = {}
     for name in ("torch", "transformers", "numpy", "tritonclient", "nvidia-pytriton", "tokenizers"):
         try:
@@ -304,10 +288,8 @@ def environment(spec: Spec) -> dict:
                 break
     except OSError:
         pass
-    from pipeline.spec import to_dict
-
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
-            "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
+            "packages": pk, "cpu": cpu, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "kernel_path": kernels.path(),
             "kernel_threads": kernels.threads(), "transparent_hugepages": quant.thp_mode(),
             "hugepage_mb": quant.hugepage_bytes() >> 20,

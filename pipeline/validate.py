@@ -12,14 +12,18 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
+from pipeline import client, peers
+from pipeline import spec as specmod
 from pipeline.client import chat_text
+from pipeline.common import chat_ids
 from pipeline.figures import Run, mean_accepted_len, summarize
-from pipeline.spec import Spec
+from pipeline.spec import Spec, ValidateSpec
+from pipeline.triton import server
+from pipeline.validate_api import run_validate_api
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
 # New tokens per request in the concurrency curve; at 64 its 32-request bursts of forced-on speculation took
@@ -32,8 +36,6 @@ CURVE_TOKENS = 32
 
 def _request(url: str, text: str, max_tokens: int, method: str, temperature: float = 0.0, seed: int | None = None,
              stream: bool = True) -> dict:
-    from pipeline import client
-
     # disable_at_batch=0: validation measures each method itself, whatever the server's switch-off setting.
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
                            temperature=temperature, seed=seed, return_perf_metrics=True, disable_at_batch=0)
@@ -53,7 +55,9 @@ def divergence(bundle, prompt_ids: list[int], base: list[int], other: list[int],
         if len(base) == len(other):
             return None
         n = min(len(base), len(other))
-    from pipeline.runtime.generate import prefill
+    import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
+
+    from pipeline.runtime.generate import prefill  # lazy: torch, as above
 
     ctx = prompt_ids + base[:n]
     m = bundle.target
@@ -72,11 +76,13 @@ def tokens_of(tok, text: str) -> list[int]:
 
 
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
+    # lazy: torch and the runtime (~1.5 s); the CLI imports this module at start
+    import torch
+
     from pipeline.bench import _hf_generate, environment, hf_model
     from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.sources import spec_prompts
-    from pipeline.triton import server
 
     v = spec.validate
     if "tensorrt_llm_bls" not in spec.triton.models:
@@ -155,7 +161,7 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
             "dtype": str(peer_dtype).removeprefix("torch.")}
         draft_dir = spec.engine_dir / "draft_hf"
         if draft_dir.is_dir():
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # lazy: transformers (~2 s) only for the peer
 
             d = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=peer_dtype).eval()
             k = bundle.spec.k_for("draft_target")
@@ -167,8 +173,6 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
             report["peers"]["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
         del hf
         # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
-        from pipeline import peers
-
         report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
 
         # 3b. Concurrency curve.
@@ -197,8 +201,6 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
 def draft_summary(spec: Spec) -> dict:
     """The draft engine as built: source, head size, dtype, quantization, the k chosen and its cost per step
     as a fraction of a target step (measured at build time by `num_draft_tokens: auto`)."""
-    import json
-
     p = spec.engine_dir / "draft" / "config.json"
     if not p.is_file():
         return {}
@@ -223,8 +225,7 @@ def over_budget(done: int, elapsed_s: float, budget_s: float) -> bool:
 
 def trimmed(spec: Spec) -> list[str]:
     """What this run leaves out against the full validation (the defaults and the whole prompt file)."""
-    from pipeline.sources import read_prompts
-    from pipeline.spec import ValidateSpec
+    from pipeline.sources import read_prompts  # lazy: loads torch (~1.5 s); the CLI imports this module at start
 
     v, full = spec.validate, ValidateSpec()
     out = []
@@ -260,8 +261,6 @@ def _mean_accepted(rs: list[dict]) -> float:
 
 def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Request) -> dict:
     """Per-draft-position acceptance, measured in-process on the same engines (the gRPC contract has no field)."""
-    from pipeline.common import chat_ids
-
     out = {}
     for m in bundle.methods():
         if m == "baseline":
@@ -374,8 +373,6 @@ def distribution_test(url: str, text: str, methods: list[str], n: int, tok, log)
 
 def chi2_two_sample(a: list, b: list, min_count: int = 5) -> tuple[float, int, float]:
     """Chi-square homogeneity test; rare categories are pooled so expected counts stay reasonable."""
-    from collections import Counter
-
     ca, cb = Counter(a), Counter(b)
     cats = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
     big = [k for k in cats if ca[k] + cb[k] >= min_count]
@@ -396,8 +393,6 @@ def chi2_two_sample(a: list, b: list, min_count: int = 5) -> tuple[float, int, f
 
 def chi2_sf(x: float, k: int) -> float:
     """Survival function of the chi-square distribution (regularised upper incomplete gamma)."""
-    from math import exp, lgamma, log
-
     a, z = k / 2.0, x / 2.0
     if z <= 0:
         return 1.0
@@ -408,7 +403,7 @@ def chi2_sf(x: float, k: int) -> float:
             n += 1
             term *= z / n
             s += term
-        return max(0.0, 1.0 - s * exp(-z + a * log(z) - lgamma(a)))
+        return max(0.0, 1.0 - s * math.exp(-z + a * math.log(z) - math.lgamma(a)))
     b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)
     h = d
     for i in range(1, 500):
@@ -418,7 +413,7 @@ def chi2_sf(x: float, k: int) -> float:
         d = 1 / d if d else 1e300
         c = b + an / c
         h *= d * c
-    return min(1.0, exp(-z + a * log(z) - lgamma(a)) * h)
+    return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
 
 
 def advice(report: dict, methods: list[str]) -> dict:
@@ -450,10 +445,10 @@ def write_report(spec: Spec, report: dict) -> None:
 
 
 def plots(report: dict, out: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (~1.5 s) only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as above, after use("Agg")
 
     ms = list(report["methods"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -575,15 +570,13 @@ def peers_rows(p: dict) -> list[str]:
 
 
 def cmd_validate(args) -> int:
-    from pipeline import spec as specmod
-
     s = specmod.load(args.spec)
     if getattr(args, "api", "grpc") == "openai":  # pipeline/validate_api.py: any OpenAI-compatible server
-        from pipeline.validate_api import run_validate_api
-
         run_validate_api(s, args.base_url or None, args.model or None, args.label)
         return 0
     if s.threads:
+        import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
+
         torch.set_num_threads(s.threads)
     run_validate(s)
     return 0

@@ -39,9 +39,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from pipeline.common import chat_ids
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
 from pipeline.runtime.decode import RESUMABLE, decode
-from pipeline.runtime.generate import Handoff, Sequence, finish
+from pipeline.runtime.generate import Handoff, Request, Sequence, finish
 from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
 from pipeline.triton.replies import CANCEL_CHECK_S, Job, Replies, Responder, Row
@@ -63,8 +64,6 @@ WARMUP_TEXT = ("Write a Python function that reads a CSV file of orders, groups 
 
 def warmup_request(bundle, new: int) -> tuple[list[int], int]:
     """The warm-up's prompt (a chat-formatted coding request, cut to fit the engine) and its token budget."""
-    from pipeline.common import chat_ids
-
     bc = bundle.config["build_config"]
     max_in, max_seq = int(bc["max_input_len"]), int(bc["max_seq_len"])
     prompt = chat_ids(bundle.tokenizer, WARMUP_TEXT * 2)[: min(WARMUP_PROMPT_TOKENS, max(1, max_in // 2))]
@@ -177,8 +176,6 @@ class Scheduler:
         speculative batches), answering nobody and counting nothing, before the model reports ready: what the first
         request would otherwise pay (the OpenMP team of this thread, first touch of the caches and the per-step
         buffers, lazily built tables, first calls into the kernels) is paid here. Returns seconds per method."""
-        from pipeline.runtime.generate import Request
-
         class _Nobody:
             def send(self, texts, results, final) -> None:
                 pass
