@@ -94,10 +94,16 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     s = _spec(args)
     setup_threads(s)
-    from pipeline.bench import run_bench  # heavy (torch, transformers): loads only for this verb
+    from pipeline.bench import run_bench  # heavy (torch): loads only for this verb
 
     run_bench(s, quick=args.quick)
     return 0
+
+
+def cmd_pick_k(args) -> int:
+    from pipeline.speedpick import cmd_pick_k as pick_k  # heavy (torch): loads only for this verb
+
+    return pick_k(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--raw", action="store_true", help="do not apply the chat template")
     sp = verb("bench", cmd_bench, "benchmark in-process against transformers; writes reports/<name>/bench.json")
     sp.add_argument("--quick", action="store_true", help="fewer prompts and tokens (for tests)")
+    sp = verb("pick-k", cmd_pick_k, "measure draft/verify costs and acceptance, print the k table")
+    sp.add_argument("--max-k", type=int, default=0, help="largest k to consider (default: min(max_draft_len, 8))")
+    sp.add_argument("--write", action="store_true", help="store the chosen k in engines/<name>/draft/config.json")
     for register in _extra_verbs():
         register(verb)
 
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extra_verbs():
     """Verbs owned by other stages register themselves here (each module's `register(verb)`)."""
     out = []
-    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.speedpick", "pipeline.peers"):
+    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.peers"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

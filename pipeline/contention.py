@@ -8,11 +8,17 @@ alike, and reports the medians and their ratio (`slowdown`: quiet tokens/s over 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+
+from pipeline import peers
+from pipeline.client import chat_text, generate
+from pipeline.common import OMP_ENV
+from pipeline.triton import server
 
 BUSY_LOOP = "while True: pass"
 
@@ -56,13 +62,6 @@ def served_section(spec, tokenizer, prompt: str, methods: list[str], new: int = 
 
     Ours runs through tritonserver (started here unless it is up, stopped again if started here), since the
     served decode thread is what a user meets; a server that cannot start is a note, not a figure."""
-    import os
-
-    from pipeline import peers
-    from pipeline.client import chat_text, generate
-    from pipeline.common import OMP_ENV
-    from pipeline.triton import server
-
     out: dict = {"new_tokens": new, "rounds": rounds, "cores": os.cpu_count(),
                  "busy_process": f"python -c '{BUSY_LOOP}'",
                  "openmp": {k: os.environ.get(k, v) for k, v in OMP_ENV.items()}, "ours": {}}

@@ -56,7 +56,7 @@ def cpu_tag(flags: set[str] | None = None, machine: str | None = None) -> str:
     """The build's key: a native build runs only on CPUs with its instruction sets, so the cache holds one build per
     set of CPU flags (machine, the widest vector ISA for people to read, and a hash of every flag)."""
     if flags is None:
-        from pipeline.runtime.kernels import _cpu_flags
+        from pipeline.runtime.kernels import _cpu_flags  # lazy: loads torch (~1.5 s); the CLI imports peers at start
 
         flags = _cpu_flags()
     machine = machine or platform.machine()
@@ -68,7 +68,7 @@ def cpu_tag(flags: set[str] | None = None, machine: str | None = None) -> str:
 
 def install_dir(tag: str | None = None) -> Path:
     """Where the built binaries live: outside the repository, in the pipeline's cache, one directory per CPU."""
-    from pipeline.sources import cache_dir
+    from pipeline.sources import cache_dir  # lazy: loads torch (~1.5 s); the CLI imports peers at start
 
     return cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}-{tag or cpu_tag()}"
 
@@ -92,7 +92,7 @@ def _tool(name: str, log) -> str:
 
 def _sources(work: Path, log) -> Path:
     """The llama.cpp tree of the pinned sdist, downloaded once into the cache and extracted into `work`."""
-    from pipeline.sources import cache_dir
+    from pipeline.sources import cache_dir  # lazy: loads torch (~1.5 s); the CLI imports peers at start
 
     src = cache_dir() / "src"
     sdist = src / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
@@ -310,7 +310,7 @@ def run_mode(exe: Path, gguf: Path, mode: Mode, prompts: list[str], new: int, th
 
 def gguf_of(spec, part: str = "target") -> Path | None:
     """The GGUF file of the spec's target (or draft), when it comes from one."""
-    from pipeline import sources
+    from pipeline import sources  # lazy: loads torch (~1.5 s); the CLI imports peers at start
 
     source = getattr(spec, part).source
     if part == "draft" and source in ("none", "train"):

@@ -42,6 +42,7 @@ from pipeline import sources
 from pipeline.runtime import kernels, quant
 from pipeline.runtime.engine_io import read_config
 from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.gguf_weights import RECORD, gguf_bytes, gguf_state
 from pipeline.runtime.model import ModelConfig, Transformer, build_model, hf_to_runtime
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int4_a8")
@@ -61,8 +62,6 @@ def variant(cfg: ModelConfig, state: dict[str, torch.Tensor], precision: str, gr
     """The model at `precision`, built from float weights `state` (runtime layout); `gguf` from the GGUF's own blocks
     at `gguf_path` (norms and biases from `state`)."""
     if precision == "gguf":
-        from pipeline.runtime.gguf_weights import gguf_state
-
         return build_model(cfg, gguf_state(state, gguf_path, cfg.num_layers, log=lambda m: None), torch.bfloat16, "cpu")
     if precision in quant.ALGOS:
         st = quant.quantize_state(state, precision, group_size, tie_embeddings=cfg.tie_embeddings)
@@ -162,8 +161,6 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
                      "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
                      "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
         if prec == "gguf":
-            from pipeline.runtime.gguf_weights import gguf_bytes
-
             tensors, embd = gguf_bytes(gguf_path)
             out[prec].update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd),
                              kernel_path=kernels.path())
@@ -177,19 +174,13 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
 
 def gguf_source(spec):
     """The target's GGUF file when its tensors are all Q4_K / Q6_K (the `gguf` precision can be built), else None."""
-    from pathlib import Path
-
-    from pipeline import sources
-
     try:
         src = sources.resolve(spec.target.source, Path(spec.root))
     except sources.SourceError:
         return None
     if src.kind != "gguf":
         return None
-    from gguf import GGUFReader
-
-    from pipeline.runtime.gguf_weights import RECORD
+    from gguf import GGUFReader  # lazy: the gguf package (~0.1 s) only when the target is a GGUF
 
     kinds = {int(t.tensor_type) for t in GGUFReader(str(src.path)).tensors
              if len(t.shape) == 2 and t.name != "token_embd.weight"}

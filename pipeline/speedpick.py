@@ -195,8 +195,3 @@ def cmd_pick_k(args) -> int:
         print(f"stored k = {out['num_draft_tokens']} in {s.engine_dir / 'draft' / 'config.json'}")
     return 0
 
-
-def register(verb) -> None:
-    sp = verb("pick-k", cmd_pick_k, "measure draft/verify costs and acceptance, print the k table")
-    sp.add_argument("--max-k", type=int, default=0, help="largest k to consider (default: min(max_draft_len, 8))")
-    sp.add_argument("--write", action="store_true", help="store the chosen k in engines/<name>/draft/config.json")

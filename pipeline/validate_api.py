@@ -11,17 +11,21 @@ not a server: it never starts one.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import openai_client
+from pipeline.client import chat_text, generate
 from pipeline.spec import Spec
+from pipeline.triton import openai_api
+from pipeline.triton.repo import client_model
+from pipeline.triton.server import grpc_url, running_pid
 
 
 def _pct(xs: list[float], q: float) -> float:
-    import math
-
     if not xs:
         return 0.0
     s = sorted(xs)
@@ -30,8 +34,6 @@ def _pct(xs: list[float], q: float) -> float:
 
 def served(base_url: str, model: str) -> tuple[list[str | None], str | None]:
     """(methods to measure, default) from GET /v1/models: ours lists its methods; a peer's are [None]."""
-    import urllib.request
-
     req = urllib.request.Request(base_url.rstrip("/") + "/models",
                                  headers={"Authorization": f"Bearer {openai_client.api_key()}"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -46,8 +48,7 @@ def served(base_url: str, model: str) -> tuple[list[str | None], str | None]:
 
 def run_validate_api(spec: Spec, base_url: str | None = None, model: str | None = None, label: str = "",
                      log=print) -> dict:
-    from pipeline.sources import spec_prompts
-    from pipeline.triton import openai_api
+    from pipeline.sources import spec_prompts  # lazy: loads torch (~1.5 s); the CLI imports this module at start
 
     own = not base_url
     url = base_url or openai_api.base_url(spec)
@@ -123,10 +124,7 @@ def run_validate_api(spec: Spec, base_url: str | None = None, model: str | None 
 
 def grpc_identical(spec: Spec, prompts: list[str], base: list[dict], new: int) -> dict | None:
     """Our endpoint's greedy baseline against the gRPC path's (client-side template), prompt by prompt."""
-    from pipeline.client import chat_text, generate
-    from pipeline.runtime.engine_io import load_tokenizer
-    from pipeline.triton.repo import client_model
-    from pipeline.triton.server import grpc_url, running_pid
+    from pipeline.runtime.engine_io import load_tokenizer  # lazy: loads torch (~1.5 s), as above
 
     if running_pid(spec) is None:
         return None

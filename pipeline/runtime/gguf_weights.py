@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime import kernels
-from pipeline.runtime.quant import GGUF_FORMAT, QLinear
+from pipeline.runtime.quant import GGUF_FORMAT, LINEAR, QLinear
 
 Q4_K, Q6_K = 12, 14  # ggml type ids (gguf.GGMLQuantizationType)
 TYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
@@ -149,7 +149,7 @@ def _q4k_exact_values(md, ed, mm, em, sc, m) -> np.ndarray:
 
 def reference_dequantize(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
     """The GGUF's own dequantized weights (gguf.quants), fp32 [N, K]."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import GGMLQuantizationType, quants  # lazy: the gguf package (~0.1 s) only when a GGUF file is read
 
     return quants.dequantize(raw, GGMLQuantizationType(qtype)).reshape(raw.shape[0], K)
 
@@ -350,7 +350,7 @@ class GGUFLinear(QLinear):
 def gguf_layers(path, num_layers: int, log=print) -> dict[str, Tensor]:
     """The runtime's linear layers (and LM head) from a GGUF file, as `P.gguf_w` + `P.gguf_parts` entries of an
     engine state dict, with a report of Q4_K sub-blocks whose exact weights the GGUF rounds (`q4k_exact`)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: the gguf package (~0.1 s) only when a GGUF file is read
 
     reader = GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
@@ -392,7 +392,7 @@ def gguf_layers(path, num_layers: int, log=print) -> dict[str, Tensor]:
 
 def gguf_bytes(path) -> tuple[int, int]:
     """(bytes of the GGUF's tensors, of them the token embedding's): what `bytes per token` is held against."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: the gguf package (~0.1 s) only when a GGUF file is read
 
     reader = GGUFReader(str(path))
     total = sum(int(t.n_bytes) for t in reader.tensors)
@@ -405,9 +405,7 @@ def gguf_state(runtime: dict[str, Tensor], path, num_layers: int, log=print) -> 
     norms and biases) with every linear layer and the head replaced by `gguf_layers`, and the embedding the GGUF's own
     dequantized rows in fp32 (a lookup: its bytes are not read per token). The parts' row order is checked against the
     dequantized checkpoint's matrices (layer 0 and the head, at that checkpoint's precision)."""
-    from gguf import GGUFReader
-
-    from pipeline.runtime.quant import LINEAR
+    from gguf import GGUFReader  # lazy: the gguf package (~0.1 s) only when a GGUF file is read
 
     out = {k: v for k, v in runtime.items() if not LINEAR.match(k)}
     layers = gguf_layers(path, num_layers, log)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.runtime import kernels
+from pipeline.runtime.gguf_weights import GGUFLinear
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.quant import QLinear, tile_model, to_hugepages, untile_model
 
@@ -397,8 +398,6 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
                          "weights (they give NaN); use dtype: bfloat16 (same size) or float32 on device: cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
-    from pipeline.runtime.gguf_weights import GGUFLinear
-
     ggufs = sorted(k[: -len(".gguf_w")] for k in state if k.endswith(".gguf_w"))
     for prefix in ggufs:  # the GGUF's own weights (gguf_weights.py)
         parent, _, leaf = prefix.rpartition(".")

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pipeline.runtime import kernels
+
 PREFIX = ".shared-weights-"
 MIN_BYTES = 16 << 10  # smaller tensors stay private: a 4 KB page apiece would waste more than they weigh
 ALIGN = 4096
@@ -61,8 +63,6 @@ def _bytes(t: Tensor) -> Tensor:
 def share_weights(model: nn.Module, where: Path) -> int:
     """Point `model`'s weights at the shared file for them in directory `where` (written first if missing or stale);
     returns the bytes now shared (0 where the directory cannot be written and holds no such file)."""
-    from pipeline.runtime import kernels
-
     tensors, slots, names = _slots(model)
     if not tensors:
         return 0

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from pipeline import spec as specmod
 from pipeline.client import chat_text, generate
-from pipeline.triton import server
+from pipeline.triton import openai_api, server
 from pipeline.triton.repo import client_model, write_repo
 from pipeline.triton.server import grpc_url
+from pipeline.trtllm.planning import source
 from pipeline.trtllm.runner import repo_command, serve_command
 
 
@@ -33,8 +34,6 @@ def cmd_serve(args) -> int:
     if args.dry_run:
         print(" ".join(server.command(s, s.repo_dir.parent / ".backends")))
         return 0
-    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
-
     if s.openai.enabled and not server.port_free(s.triton.host, s.openai.port) and not openai_api.running_pid(s):
         raise server.ServerError(f"openai.port: port {s.openai.port} on {s.triton.host} is already in use; stop "
                                  "whatever holds it or set openai.port (or openai.enabled: false) in the spec")
@@ -66,8 +65,6 @@ def cmd_serve(args) -> int:
 
 def cmd_stop(args) -> int:
     s = specmod.load(args.spec)
-    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
-
     if openai_api.stop(s):
         print(f"stopped the {s.name} OpenAI endpoint")
     if server.stop(s, log=print):
@@ -80,8 +77,6 @@ def cmd_stop(args) -> int:
 def cmd_openai(args) -> int:
     """The OpenAI endpoint alone, in the foreground, in front of a deployment already serving (any backend)."""
     s = specmod.load(args.spec)
-    from pipeline.triton import openai_api  # starlette and uvicorn: loaded only by the verbs that use the endpoint
-
     if args.port:
         s.openai.port = args.port
     cfg = openai_api.front_config(s)
@@ -92,12 +87,10 @@ def cmd_openai(args) -> int:
 
 
 def _tokenizer(s: specmod.Spec):
-    from pipeline.runtime.engine_io import load_tokenizer  # heavy (torch, transformers): loads only for this verb
+    from pipeline.runtime.engine_io import load_tokenizer  # lazy: torch and transformers (~3 s), only for this verb
 
     d = s.engine_dir / "target"
     if s.backend == "tensorrt_llm" and s.tensorrt_llm.era == "llmapi":  # no engine: the checkpoint's tokenizer
-        from pipeline.trtllm.planning import source
-
         d = Path(source(s, "target"))
     if not (d / "tokenizer_config.json").is_file():
         return None

@@ -18,17 +18,26 @@ import hmac
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
+from pipeline.client import RequestError, RequestTimeout, generate
+from pipeline.load import served_methods
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
+from pipeline.triton.repo import client_model, default_methods
+from pipeline.triton.server import ServerError, grpc_url, log_tail, port_free
 
 API_KEY_ENV = "PIPELINE_API_KEY"
 MAX_BODY_BYTES = 16 * 2**20
@@ -118,17 +127,12 @@ def _tokenizer_dir(spec: Spec) -> Path:
 
 def front_config(spec: Spec) -> FrontConfig:
     """The endpoint's view of the deployment: limits and methods from the built engines, as the model sees them."""
-    from pipeline.triton.repo import client_model, default_methods
-    from pipeline.triton.server import grpc_url
-
     tdir = _tokenizer_dir(spec)
     cfg_path = spec.engine_dir / "target" / "config.json"
     bc = json.loads(cfg_path.read_text()).get("build_config", {}) if cfg_path.is_file() else {}
     methods: list[str] = []
     default = None
     if spec.backend == "torch" and cfg_path.is_file():
-        from pipeline.load import served_methods
-
         methods = served_methods(spec)
         if "medusa" in methods:
             methods.append("medusa_typical")
@@ -144,8 +148,6 @@ def front_config(spec: Spec) -> FrontConfig:
 
 
 def _alive(pid: int, cfg: Path) -> bool:
-    import psutil
-
     try:
         p = psutil.Process(pid)
         cmd = p.cmdline()
@@ -165,9 +167,6 @@ def running_pid(spec: Spec) -> int | None:
 
 def health(url: str, timeout: float = 2.0) -> int:
     """HTTP status of GET <root>/health (0 when nothing answers)."""
-    import urllib.error
-    import urllib.request
-
     root = url.removesuffix("/v1")
     try:
         with urllib.request.urlopen(f"{root}/health", timeout=timeout) as r:
@@ -180,8 +179,6 @@ def health(url: str, timeout: float = 2.0) -> int:
 
 def start(spec: Spec, timeout: float = 120.0, log=print) -> int:
     """Start the endpoint for this spec's running deployment; return its pid once /health answers 200."""
-    from pipeline.triton.server import ServerError, log_tail, port_free
-
     pid = running_pid(spec)
     if pid:
         raise ServerError(f"the OpenAI endpoint for {spec.name!r} is already running (pid {pid}, {base_url(spec)}); "
@@ -221,8 +218,6 @@ def start(spec: Spec, timeout: float = 120.0, log=print) -> int:
 
 def stop(spec: Spec, timeout: float = 10.0) -> bool:
     """Stop this spec's endpoint (SIGTERM, then SIGKILL); True when one was running."""
-    import psutil
-
     pid = running_pid(spec)
     if pid is None:
         pid_file(spec).unlink(missing_ok=True)
@@ -518,8 +513,6 @@ class Run:
                                                          or time.monotonic() - self.hit_at > STOP_GRACE_S))
 
     def _work(self) -> None:
-        from pipeline.client import RequestError, generate
-
         cfg, job = self.front.cfg, self.job
         try:
             r = generate(cfg.grpc_url, cfg.triton_model, job.prompt, job.max_tokens, method=job.method,
@@ -559,10 +552,6 @@ class Run:
 
 def triton_error(e: Exception) -> ApiError:
     """A Triton-side failure as an OpenAI error: the model's refusals (`input: got ...`) are the client's (400)."""
-    import re
-
-    from pipeline.client import RequestTimeout
-
     msg = str(e)
     if isinstance(e, RequestTimeout):
         return ApiError(504, f"the deployment did not finish in time: {msg}", None, "timeout", "server_error")
@@ -578,6 +567,7 @@ def triton_error(e: Exception) -> ApiError:
 
 def make_app(front: Front):
     """The Starlette application over `front`."""
+    # lazy: starlette (~0.25 s) only in the endpoint's process
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
@@ -617,7 +607,7 @@ def make_app(front: Front):
         return JSONResponse(model_card())
 
     def triton_ready() -> bool:
-        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc as grpcclient  # lazy: tritonclient.grpc (~0.5 s) only for /health's probe
 
         try:
             with grpcclient.InferenceServerClient(cfg.grpc_url) as c:
@@ -784,9 +774,9 @@ def make_app(front: Front):
 
 def serve(config_path: str) -> None:
     """Run the endpoint in this process until SIGTERM (what `start` launches)."""
-    import uvicorn
+    import uvicorn  # lazy: uvicorn (~0.25 s) only in the endpoint's process
 
-    from pipeline.runtime.engine_io import load_tokenizer
+    from pipeline.runtime.engine_io import load_tokenizer  # lazy: loads torch (~1.5 s); only the endpoint needs it
 
     cfg = FrontConfig(**json.loads(Path(config_path).read_text()))
     front = Front(cfg, load_tokenizer(Path(cfg.tokenizer_dir)), os.environ.get(API_KEY_ENV))

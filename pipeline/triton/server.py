@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from pipeline.common import apply_omp_env
 from pipeline.spec import Spec
 from pipeline.triton.repo import ENSEMBLE
 
@@ -33,7 +34,7 @@ class ServerError(RuntimeError):
 
 
 def pytriton_dir() -> Path:
-    import pytriton  # heavy (seconds): only locating the binary pays it
+    import pytriton  # lazy: pytriton (~0.7 s) only where the binary is located
 
     d = Path(pytriton.__file__).resolve().parent / "tritonserver"
     if not (d / "bin" / "tritonserver").is_file():
@@ -72,8 +73,6 @@ def server_env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from pipeline.common import apply_omp_env
-
     apply_omp_env(env)  # the stubs' OpenMP waits: spin briefly, then yield the core (pipeline/common.py)
     return env
 

@@ -378,6 +378,7 @@ def render(spec: Spec, name: str, kind: str, inputs: list[Tensor], outputs: list
 
 def parse_config(text: str):
     """Parse config.pbtxt text with Triton's ModelConfig schema (raises on any unknown field)."""
+    # lazy: tritonclient.grpc (~0.5 s, grpc) and protobuf, only where a config is written or read
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from pipeline.spec import Spec
 from pipeline.trtllm import engine_repo
+from pipeline.trtllm.era import LLMAPI_ERA
+from pipeline.trtllm.llmapi_repo import LLM_MODEL, parse_config, to_pbtxt
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 
@@ -84,9 +86,6 @@ def install_llmapi_standins(repo: Path, python_path: str) -> list[str]:
 
     The generated config.pbtxt files keep their I/O; only a `python_path` parameter is added.
     """
-    from pipeline.trtllm.era import LLMAPI_ERA
-    from pipeline.trtllm.llmapi_repo import LLM_MODEL, parse_config, to_pbtxt
-
     installed = []
     for cfg_path in sorted(repo.glob("*/config.pbtxt")):
         cfg = parse_config(cfg_path.read_text())

@@ -14,6 +14,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.spec import Spec
 from pipeline.trtllm.era import LLMAPI_ERA, PlanError
 from pipeline.trtllm.memory import memory_plan
@@ -132,8 +134,6 @@ def openai_base_url(spec: Spec) -> str:
 
 
 def dump_yaml(data: dict) -> str:
-    import yaml
-
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 

@@ -31,7 +31,7 @@ CLIENT_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens
 
 def llm_config():
     """ModelConfig of `tensorrt_llm`: the pinned inputs/outputs, one CPU instance, policy as model.yaml says."""
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # lazy: tritonclient.grpc (~0.5 s), as parse_config
 
     c = mc.ModelConfig(name=LLM_MODEL, backend="python", max_batch_size=0)
     c.model_transaction_policy.decoupled = True
@@ -47,7 +47,7 @@ def llm_config():
 
 def client_config(spec: Spec, name: str, python_path: str = ""):
     """ModelConfig of our client-contract model (`ensemble` or `tensorrt_llm_bls`)."""
-    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import model_config_pb2 as mc  # lazy: tritonclient.grpc (~0.5 s), as parse_config
 
     c = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
     c.model_transaction_policy.decoupled = spec.triton.decoupled
@@ -73,12 +73,13 @@ def client_config(spec: Spec, name: str, python_path: str = ""):
 
 
 def to_pbtxt(config) -> str:
-    from google.protobuf import text_format
+    from google.protobuf import text_format  # lazy: protobuf, as parse_config
 
     return text_format.MessageToString(config)
 
 
 def parse_config(text: str):
+    # lazy: tritonclient.grpc (~0.5 s, grpc) and protobuf, only where a config is written or read
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 

@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 from pipeline.spec import Spec
+from pipeline.trtllm import llmapi
 from pipeline.trtllm.engine_repo import write_repo
-from pipeline.trtllm.era import ERA, PlanError
+from pipeline.trtllm.era import ERA, LLMAPI_ERA, PlanError
+from pipeline.trtllm.llmapi_repo import LLMAPI_COPY, write_llmapi_repo
 from pipeline.trtllm.memory import memory_plan
 from pipeline.trtllm.planning import (
     Step,
@@ -81,8 +83,6 @@ def run_plan(spec: Spec, steps: list[Step], force: bool = False) -> int:
 
 def llmapi_engine_command(spec: Spec, dry_run: bool) -> int:
     """`python -m pipeline engine SPEC` in the llmapi era: the plan (no build), its checks, trtllm-serve's YAML."""
-    from pipeline.trtllm import llmapi
-
     try:
         print(llmapi.format_plan(spec))
         mem = memory_plan(spec, planned_engine_configs(spec))
@@ -161,8 +161,6 @@ def engine_command(spec: Spec, dry_run: bool, force: bool = False) -> int:
 def repo_command(spec: Spec) -> int:
     """`python -m pipeline repo SPEC` for backend tensorrt_llm: write triton_repo/<name>/."""
     if spec.tensorrt_llm.era == "llmapi":
-        from pipeline.trtllm.llmapi_repo import LLMAPI_COPY, write_llmapi_repo
-
         try:
             out, copies = write_llmapi_repo(spec)
         except PlanError as e:
@@ -288,9 +286,6 @@ def serve_command(spec: Spec, dry_run: bool) -> int:
 
 def llmapi_serve_command(spec: Spec, dry_run: bool) -> int:
     """The llmapi era's launch: tritonserver through the container's launcher, and the trtllm-serve alternative."""
-    from pipeline.trtllm import llmapi
-    from pipeline.trtllm.era import LLMAPI_ERA
-
     repo = spec.repo_dir.resolve()
     tr = spec.triton
     world = spec.parallel.tp * spec.parallel.pp

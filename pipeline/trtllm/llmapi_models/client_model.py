@@ -55,7 +55,7 @@ class TritonPythonModel:
         self.method = _param(p, "method", "draft_target")
         self.k = int(_param(p, "num_draft_tokens", "0"))
         self.cumulative = _param(p, "streamed_text", "cumulative") == "cumulative"
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: the venv is on sys.path only after the python_path line
 
         self.tok = AutoTokenizer.from_pretrained(_param(p, "tokenizer_dir"))
 

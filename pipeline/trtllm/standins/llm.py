@@ -25,6 +25,7 @@ Requests that arrive together are decoded as one batch (in-flight batching's eff
 import ast
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -51,6 +52,7 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         p = cfg.get("parameters", {})
         sys.path[:0] = [x for x in _param(p, "python_path").split(":") if x and x not in sys.path]
+        # lazy: the project and its venv are on sys.path only after the line above (inside tritonserver)
         import torch
 
         from pipeline.runtime.engine_io import load_engine
@@ -61,14 +63,14 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.exclude_default = _param(p, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
         self.mode = _param(p, "standin_mode", "none")
-        eng = load_engine(__import__("pathlib").Path(_param(p, "standin_engine_dir")))
+        eng = load_engine(Path(_param(p, "standin_engine_dir")))
         self.model = eng.model
         self.vocab = self.model.cfg.vocab_size
         self.medusa = None
         if _param(p, "decoding_mode") == "medusa":
-            from pipeline.runtime.medusa import load_heads_dir, make_engine
+            from pipeline.runtime.medusa import load_heads_dir, make_engine  # lazy: after sys.path, as above
 
-            heads = load_heads_dir(__import__("pathlib").Path(_param(p, "standin_medusa_dir")), self.model,
+            heads = load_heads_dir(Path(_param(p, "standin_medusa_dir")), self.model,
                                    log=lambda *a: None)
             choices = parse_choices(_param(p, "medusa_choices"))
             self.medusa = make_engine(heads, choices, len(choices))
@@ -123,6 +125,7 @@ class TritonPythonModel:
     # -- decoding ------------------------------------------------------------------------------------
 
     def _requests(self, rows: list[dict]):
+        # lazy: the project is on sys.path only once initialize has run (inside tritonserver)
         from pipeline.runtime.generate import Request
         from pipeline.runtime.sampling import SamplingParams
 
@@ -133,6 +136,7 @@ class TritonPythonModel:
         return out
 
     def _decode(self, rows: list[dict], on_emit=None) -> list[list[int]]:
+        # lazy: the project is on sys.path only once initialize has run (inside tritonserver)
         from pipeline.runtime.generate import generate
         from pipeline.runtime.medusa import medusa_generate
 

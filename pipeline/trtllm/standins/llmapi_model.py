@@ -65,6 +65,7 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         extra = cfg.get("parameters", {}).get("python_path", {}).get("string_value", "")
         sys.path[:0] = [x for x in extra.split(":") if x and x not in sys.path]
+        # lazy: tensorrt_llm (the container's, or the stand-in) is on sys.path only after the line above
         from tensorrt_llm import LLM
         from tensorrt_llm.llmapi.llm_utils import update_llm_args_with_extra_dict
 
@@ -76,7 +77,7 @@ class TritonPythonModel:
         self.by_user_id: dict[str, list] = {}
 
     def _convert(self, request):
-        from tensorrt_llm import SamplingParams
+        from tensorrt_llm import SamplingParams  # lazy: importable once initialize has set sys.path
 
         t = pb_utils.get_input_tensor_by_name(request, "text_input")
         if t is None:

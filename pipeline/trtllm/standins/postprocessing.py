@@ -18,7 +18,7 @@ class TritonPythonModel:
         params = cfg["parameters"]
         path = params.get("python_path", {}).get("string_value", "")
         sys.path[:0] = [x for x in path.split(":") if x and x not in sys.path]
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: the venv is on sys.path only after the line above
 
         skip = params.get("skip_special_tokens", {}).get("string_value", "true").lower()
         self.skip_special_tokens = skip in ("true", "1", "t", "y", "yes")

@@ -22,7 +22,7 @@ class TritonPythonModel:
         params = cfg["parameters"]
         path = params.get("python_path", {}).get("string_value", "")
         sys.path[:0] = [x for x in path.split(":") if x and x not in sys.path]
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: the venv is on sys.path only after the line above
 
         tokenizer_dir = params["tokenizer_dir"]["string_value"]
         _ = params["visual_model_path"]["string_value"]  # indexed unconditionally by the original

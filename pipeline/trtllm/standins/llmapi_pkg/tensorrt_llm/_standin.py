@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from pipeline import spec as specmod
+from pipeline.engine import build_target
+from pipeline.runtime.engine_io import load_engine
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.sampling import SamplingParams as RuntimeParams
+from pipeline.runtime.speculative import draft_target, prompt_lookup
 from pipeline.trtllm.era import LLMAPI_ERA
 
 
@@ -238,8 +246,6 @@ class LLM:
         self.speculative_config = args.get("speculative_config")
         if isinstance(self.speculative_config, Eagle3DecodingConfig):
             raise ValueError("Eagle3: the CPU stand-in has no EAGLE-3 drafter (a GPU runs it)")
-        from transformers import AutoTokenizer
-
         self.model_dir = str(model)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or self.model_dir)
         k = self.speculative_config.max_draft_len if self.speculative_config else 0
@@ -268,9 +274,6 @@ class LLM:
         pass
 
     def _decode(self, out: RequestOutput, sp: SamplingParams) -> None:
-        from pipeline.runtime.generate import Request, generate
-        from pipeline.runtime.sampling import SamplingParams as RuntimeParams
-
         arrival = time.monotonic()
         try:
             with self._lock:
@@ -301,13 +304,9 @@ class LLM:
 
                 sc = self.speculative_config
                 if isinstance(sc, DraftTargetDecodingConfig):
-                    from pipeline.runtime.speculative import draft_target
-
                     (res,) = draft_target(self.target, self.draft, [req], sc.max_draft_len, emit,
                                           use_draft_logits=False)
                 elif isinstance(sc, NGramDecodingConfig):
-                    from pipeline.runtime.speculative import prompt_lookup
-
                     (res,) = prompt_lookup(self.target, [req], sc.max_draft_len, emit,
                                            max_ngram=sc.max_matching_ngram_size or 3)
                 else:
@@ -330,10 +329,6 @@ class LLM:
 
 def _engine(model_dir: str, max_seq_len: int, max_input_len: int, k: int):
     """A torch-runtime engine of a Hugging Face directory, built once into the stand-in's cache."""
-    from pipeline import spec as specmod
-    from pipeline.engine import build_target
-    from pipeline.runtime.engine_io import load_engine
-
     src = Path(model_dir).resolve()
     cfg = json.loads((src / "config.json").read_text())
     seq = min(int(max_seq_len), int(cfg.get("max_position_embeddings", max_seq_len)))
