@@ -7,6 +7,7 @@ figures are medians over prompts and speedups are ratios measured in the same ru
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import platform
 import statistics
@@ -18,15 +19,26 @@ from typing import Any
 
 import torch
 
+from pipeline import peers as gguf
+from pipeline.common import chat_ids
+from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
-from pipeline.spec import Spec
+from pipeline.precision import engine_float_state, gguf_source, precision_table, read_bytes
+from pipeline.runtime import kernels, quant
+from pipeline.runtime.decode import apply_spec, decode, load_bundle
+from pipeline.runtime.engine_io import load_model_dir
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.model import float_state, runtime_to_hf
+from pipeline.runtime.quant import hugepage_tensor
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.sources import spec_prompts
+from pipeline.spec import Spec, to_dict
+from pipeline.speedpick import verify_costs
 
 
 def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
     """Sustained read bandwidth: read a buffer much larger than the caches, on huge pages as the weights are, by
     the kernels' streaming read (torch's sum where the kernels are off)."""
-    from pipeline.runtime import kernels
-    from pipeline.runtime.quant import hugepage_tensor
 
     x = hugepage_tensor(mb << 20).view(torch.float32).fill_(1.0)
     read = kernels.stream_read if kernels.available() else torch.sum
@@ -41,9 +53,8 @@ def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
 
 def hf_model(model, dtype: torch.dtype):
     """A transformers model of the engine's family (Llama, Mistral, Qwen2) holding exactly our engine's weights."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM  # lazy: transformers (~2 s) only for the peer
 
-    from pipeline.runtime.model import float_state, runtime_to_hf
 
     c = model.cfg
     extra = {"use_sliding_window": False} if c.model_type == "qwen2" else {}
@@ -52,7 +63,7 @@ def hf_model(model, dtype: torch.dtype):
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=c.tie_embeddings, max_position_embeddings=c.max_position_embeddings, **extra)
-    from transformers.initialization import no_init_weights
+    from transformers.initialization import no_init_weights  # lazy: transformers (~2 s) only for the peer
 
     with no_init_weights():  # every weight is assigned below; a random init of 1.5B parameters costs seconds
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -89,9 +100,6 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
 
 def _timed(b, method: str, prompt: list[int], new: int, params=None, **opts) -> tuple[float, Any]:
     """One batch-1 decode of `new` tokens after `prompt`: (seconds, its result)."""
-    from pipeline.runtime.decode import decode  # the runtime loads when a bench runs, not with this module
-    from pipeline.runtime.generate import Request
-    from pipeline.runtime.sampling import SamplingParams
 
     req = Request(prompt, new, params or SamplingParams())
     t = time.perf_counter()
@@ -172,8 +180,6 @@ def _methods_and_peers(report: dict, b, rows: dict[str, list[Run]], peers: dict[
 
 def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float) -> dict:
     """Memory-bandwidth roofline for batch-1 decoding: the weights read per token against the measured bandwidth."""
-    from pipeline.precision import read_bytes  # as bench's other sections: loaded when a bench runs
-    from pipeline.runtime import kernels
 
     bw = median(bws)
     wbytes = read_bytes(b.target)  # buffers too: tiled and quantized layers hold their weights as buffers
@@ -190,7 +196,6 @@ def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float) -
 
 def _precision(spec: Spec, b, ids: list[list[int]], quick: bool, probe: Callable[[], float], log) -> dict:
     """Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4."""
-    from pipeline.precision import engine_float_state, gguf_source, precision_table  # loaded when a bench runs
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
     return precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
@@ -199,7 +204,6 @@ def _precision(spec: Spec, b, ids: list[list[int]], quick: bool, probe: Callable
 
 def _sampled(b, methods: list[str], ids: list[list[int]], new: int) -> dict:
     """Sampling at temperature 0.7: baseline vs each speculative method; Medusa typical (lossy) vs exact."""
-    from pipeline.runtime.sampling import SamplingParams  # the runtime loads when a bench runs
 
     hot = SamplingParams(temperature=0.7, seed=1234)
     sampled: dict[str, dict] = {}
@@ -234,9 +238,6 @@ def _write_report(spec: Spec, report: dict, log) -> None:
 def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     """Every method and its peers on the same prompts, interleaved; then the sections that explain the figures
     (roofline, precision, verify cost, sampling, bf16, batch 8). Returns the report it writes."""
-    from pipeline.common import chat_ids  # the runtime loads when a bench runs, not with this module
-    from pipeline.runtime.decode import apply_spec, load_bundle
-    from pipeline.sources import spec_prompts
 
     n_prompts, new = (2, 16) if quick else (4, 128)
     b = apply_spec(load_bundle(spec.engine_dir, spec.device), spec)
@@ -261,12 +262,10 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     _methods_and_peers(report, b, rows, peers, k)
 
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
-    from pipeline import peers as gguf  # loaded when a bench runs
 
     report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
 
     # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
-    from pipeline.contention import served_section  # loaded when a bench runs
 
     report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
         spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
@@ -287,15 +286,12 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
 def verify_cost_curve(model, max_s: int) -> list[dict]:
     """One forward over S new tokens at a realistic context length (speedpick.verify_costs), relative to S = 1."""
-    from pipeline.speedpick import verify_costs
 
     costs = verify_costs(model, max_s)
     return [{"tokens": s, "ms": 1000 * c, "relative": c / costs[0]} for s, c in enumerate(costs, start=1)]
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
-    from pipeline.runtime.engine_io import load_model_dir
-    from pipeline.runtime.generate import Request, generate
 
     model16, _ = load_model_dir(spec.engine_dir / "target", spec.device, dtype="bfloat16", verify=False)
     hf16 = hf_model(b.target, torch.bfloat16)
@@ -315,7 +311,6 @@ def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
 
 
 def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
-    from pipeline.runtime.generate import Request, generate
 
     rows = [ids[i % len(ids)] for i in range(batch)]
     t = time.perf_counter()
@@ -328,9 +323,7 @@ def batch_compare(b, hf, ids: list[list[int]], batch: int, new: int) -> dict:
 
 
 def environment(spec: Spec) -> dict:
-    import importlib.metadata as md
 
-    from pipeline.runtime import kernels, quant
 
     pk = {}
     for name in ("torch", "transformers", "numpy", "tritonclient", "nvidia-pytriton", "tokenizers"):
@@ -346,7 +339,6 @@ def environment(spec: Spec) -> dict:
                 break
     except OSError:
         pass
-    from pipeline.spec import to_dict
 
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
             "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),

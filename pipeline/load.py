@@ -18,14 +18,19 @@ import ipaddress
 import json
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from pipeline import openai_client
 from pipeline import spec as specmod
-from pipeline.sources import spec_prompts
+from pipeline.client import RequestError, RequestTimeout, chat_text, generate
+from pipeline.openai_client import base_url as own_url
+from pipeline.triton.repo import client_model
+from pipeline.triton.server import local_host, metrics_url, running_pid, server_rss_mb
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -42,7 +47,6 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _loopback_url(spec: specmod.Spec) -> str:
-    from pipeline.triton.server import local_host
 
     host = local_host(spec.triton.host)
     try:
@@ -57,7 +61,6 @@ def _loopback_url(spec: specmod.Spec) -> str:
 
 def _loopback_base_url(url: str) -> str:
     """An OpenAI base URL on this machine (`load --api openai`), or a ValueError."""
-    import urllib.parse
 
     host = urllib.parse.urlsplit(url).hostname or ""
     try:
@@ -85,7 +88,6 @@ def served_methods(spec: specmod.Spec) -> list[str]:
 
 def server_counter(spec: specmod.Spec, name: str) -> float:
     """Sum of a served-model counter over its labels (0 when the metrics endpoint cannot be read)."""
-    from pipeline.triton.server import metrics_url
 
     try:
         text = urllib.request.urlopen(metrics_url(spec), timeout=10).read().decode()
@@ -109,10 +111,11 @@ def _check(concurrency: int, duration: float, max_tokens: int) -> None:
 
 
 def _prompts(spec: specmod.Spec, num_prompts: int, chat: bool) -> list[str]:
+    from pipeline.sources import spec_prompts  # lazy: loads torch (~1.5 s); the CLI imports this module at start
+
     prompts = spec_prompts(spec, num_prompts)
     if chat:
-        from pipeline.client import chat_text
-        from pipeline.runtime.engine_io import load_tokenizer
+        from pipeline.runtime.engine_io import load_tokenizer  # lazy: torch, as above
 
         tok_dir = spec.engine_dir / "target"
         if (tok_dir / "tokenizer_config.json").is_file():
@@ -234,7 +237,6 @@ class _Clients:
     tally: _Tally = field(default_factory=_Tally)
 
     def send(self, i: int) -> None:
-        from pipeline.client import RequestError, RequestTimeout  # pipeline.client imports tritonclient
 
         p = i % len(self.prompts)
         req = self.mix.request(i)
@@ -265,12 +267,9 @@ class _Clients:
 def _endpoint(spec: specmod.Spec, api: str, base_url: str | None, chat: bool) -> tuple[str, Callable, bool]:
     """(url, generate, decoupled) for the API the clients use; only this machine's loopback is accepted."""
     if api == "openai":
-        from pipeline import openai_client  # imported only for --api openai
-        from pipeline.openai_client import base_url as own_url
 
         url = _loopback_base_url(base_url or own_url(spec))
         return url, lambda *a, **k: openai_client.generate(*a, chat=chat, **k), True
-    from pipeline.client import generate  # pipeline.client imports tritonclient
 
     return _loopback_url(spec), generate, spec.triton.decoupled
 
@@ -281,7 +280,6 @@ def _run_clients(clients: _Clients, concurrency: int, duration: float, pid: int 
 
     The probe reads the server's RSS once the warm-up quarter has passed (caches and arenas grown); a client still
     waiting request_timeout + 15 s after the deadline is left behind and its request counted incomplete."""
-    from pipeline.triton.server import server_rss_mb
 
     t0 = time.monotonic()
     warmed: dict = {}
@@ -387,7 +385,6 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     `api="openai"`: the same clients through an OpenAI-compatible endpoint (`base_url`, default this spec's own
     endpoint; `model` is then the served model name), streaming over HTTP with pipeline.openai_client; the prompts
     go as chat messages (the server applies the template) and the report is load_openai.json."""
-    from pipeline.triton.server import running_pid, server_rss_mb
 
     _check(concurrency, duration, max_tokens)
     pid = running_pid(spec)
@@ -425,7 +422,6 @@ def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens
               methods: tuple[str, ...] = ("baseline",), model: str = "ensemble", log=print,
               request_timeout: float = 120.0) -> dict:
     """tokens/s and latency at each concurrency level (greedy, streaming, resubmitting clients), one reference."""
-    from pipeline.client import generate
 
     for c in levels:
         _check(c, duration, max_tokens)
@@ -457,7 +453,6 @@ def run_curve(spec: specmod.Spec, levels: list[int], duration: float, max_tokens
 
 
 def cmd_load(args) -> int:
-    from pipeline.triton.repo import client_model
 
     s = specmod.load(args.spec)
     every_model = not args.model  # the soak then sends to every served model

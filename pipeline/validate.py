@@ -12,14 +12,18 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
+from pipeline import client, peers
+from pipeline import spec as specmod
 from pipeline.client import chat_text
+from pipeline.common import chat_ids
 from pipeline.figures import Run, mean_accepted_len, summarize
-from pipeline.spec import Spec
+from pipeline.spec import Spec, ValidateSpec
+from pipeline.triton import server
+from pipeline.validate_api import run_validate_api
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
 # New tokens per request in the concurrency curve; at 64 its 32-request bursts of forced-on speculation took
@@ -32,7 +36,6 @@ CURVE_TOKENS = 32
 
 def _request(url: str, text: str, max_tokens: int, method: str, temperature: float = 0.0, seed: int | None = None,
              stream: bool = True) -> dict:
-    from pipeline import client
 
     # disable_at_batch=0: validation measures each method itself, whatever the server's switch-off setting.
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
@@ -53,7 +56,9 @@ def divergence(bundle, prompt_ids: list[int], base: list[int], other: list[int],
         if len(base) == len(other):
             return None
         n = min(len(base), len(other))
-    from pipeline.runtime.generate import prefill
+    import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
+
+    from pipeline.runtime.generate import prefill  # lazy: torch, as above
 
     ctx = prompt_ids + base[:n]
     m = bundle.target
@@ -74,7 +79,6 @@ def tokens_of(tok, text: str) -> list[int]:
 def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
     """Start the server unless it is up, measure every method through it, and stop it again if it was started here
     (a server that was already running is left running)."""
-    from pipeline.triton import server  # tritonclient: loaded when validate runs
 
     if "tensorrt_llm_bls" not in spec.triton.models:
         raise ValueError(f"triton.models: {spec.triton.models}; validate measures tensorrt_llm_bls, serve it too "
@@ -94,7 +98,8 @@ def run_validate(spec: Spec, log=print, quick: bool = False) -> dict:
 def _validate_served(spec: Spec, url: str, log) -> dict:
     """Every section of validate.json, measured through the server at `url`, in the order the report lists them;
     writes the report."""
-    from pipeline.bench import environment  # torch and transformers: loaded when validate runs
+    # lazy: torch and the runtime (~1.5 s); the CLI imports this module at start
+    from pipeline.bench import environment
     from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request
     from pipeline.sources import spec_prompts
@@ -124,7 +129,6 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
     report["peers"].update(_transformers_peers(spec, bundle, texts, new))
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
-    from pipeline import peers  # loaded when validate runs
 
     report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
     # 3b. Concurrency curve.
@@ -202,7 +206,9 @@ def _draft_section(spec: Spec, bundle, base: list[dict]) -> dict:
 def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
     """transformers generate and assisted generation on our weights and the same prompts, in the engine's own dtype
     (the pair: bf16 both), so the comparison is like for like."""
-    from pipeline.bench import _hf_generate, hf_model  # torch and transformers: loaded when validate runs
+    import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
+
+    from pipeline.bench import _hf_generate, hf_model  # lazy: torch and transformers, only when validate runs
 
     peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     hf = hf_model(bundle.target, peer_dtype)
@@ -229,7 +235,6 @@ def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
 def draft_summary(spec: Spec) -> dict:
     """The draft engine as built: source, head size, dtype, quantization, the k chosen and its cost per step
     as a fraction of a target step (measured at build time by `num_draft_tokens: auto`)."""
-    import json
 
     p = spec.engine_dir / "draft" / "config.json"
     if not p.is_file():
@@ -255,8 +260,7 @@ def over_budget(done: int, elapsed_s: float, budget_s: float) -> bool:
 
 def trimmed(spec: Spec) -> list[str]:
     """What this run leaves out against the full validation (the defaults and the whole prompt file)."""
-    from pipeline.sources import read_prompts
-    from pipeline.spec import ValidateSpec
+    from pipeline.sources import read_prompts  # lazy: loads torch (~1.5 s); the CLI imports this module at start
 
     v, full = spec.validate, ValidateSpec()
     out = []
@@ -292,7 +296,6 @@ def _mean_accepted(rs: list[dict]) -> float:
 
 def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Request) -> dict:
     """Per-draft-position acceptance, measured in-process on the same engines (the gRPC contract has no field)."""
-    from pipeline.common import chat_ids
 
     out = {}
     for m in bundle.methods():
@@ -406,7 +409,6 @@ def distribution_test(url: str, text: str, methods: list[str], n: int, tok, log)
 
 def chi2_two_sample(a: list, b: list, min_count: int = 5) -> tuple[float, int, float]:
     """Chi-square homogeneity test; rare categories are pooled so expected counts stay reasonable."""
-    from collections import Counter
 
     ca, cb = Counter(a), Counter(b)
     cats = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
@@ -428,8 +430,6 @@ def chi2_two_sample(a: list, b: list, min_count: int = 5) -> tuple[float, int, f
 
 def chi2_sf(x: float, k: int) -> float:
     """Survival function of the chi-square distribution (regularised upper incomplete gamma)."""
-    from math import exp, lgamma, log
-
     a, z = k / 2.0, x / 2.0
     if z <= 0:
         return 1.0
@@ -440,7 +440,7 @@ def chi2_sf(x: float, k: int) -> float:
             n += 1
             term *= z / n
             s += term
-        return max(0.0, 1.0 - s * exp(-z + a * log(z) - lgamma(a)))
+        return max(0.0, 1.0 - s * math.exp(-z + a * math.log(z) - math.lgamma(a)))
     b, c, d = z + 1 - a, 1e300, 1 / (z + 1 - a)
     h = d
     for i in range(1, 500):
@@ -450,7 +450,7 @@ def chi2_sf(x: float, k: int) -> float:
         d = 1 / d if d else 1e300
         c = b + an / c
         h *= d * c
-    return min(1.0, exp(-z + a * log(z) - lgamma(a)) * h)
+    return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
 
 
 def advice(report: dict, methods: list[str]) -> dict:
@@ -482,10 +482,10 @@ def write_report(spec: Spec, report: dict) -> None:
 
 
 def plots(report: dict, out: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib (~1.5 s) only for the plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: as above, after use("Agg")
 
     ms = list(report["methods"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -607,15 +607,13 @@ def peers_rows(p: dict) -> list[str]:
 
 
 def cmd_validate(args) -> int:
-    from pipeline import spec as specmod
-
     s = specmod.load(args.spec)
     if getattr(args, "api", "grpc") == "openai":  # pipeline/validate_api.py: any OpenAI-compatible server
-        from pipeline.validate_api import run_validate_api
-
         run_validate_api(s, args.base_url or None, args.model or None, args.label)
         return 0
     if s.threads:
+        import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
+
         torch.set_num_threads(s.threads)
     run_validate(s)
     return 0

@@ -39,9 +39,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from pipeline.common import chat_ids
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
 from pipeline.runtime.decode import RESUMABLE, decode
-from pipeline.runtime.generate import Handoff, Sequence, finish
+from pipeline.runtime.generate import Handoff, Request, Sequence, finish
 from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
 from pipeline.triton.replies import CANCEL_CHECK_S, Job, Replies, Responder, Row
@@ -63,7 +64,6 @@ WARMUP_TEXT = ("Write a Python function that reads a CSV file of orders, groups 
 
 def warmup_request(bundle, new: int) -> tuple[list[int], int]:
     """The warm-up's prompt (a chat-formatted coding request, cut to fit the engine) and its token budget."""
-    from pipeline.common import chat_ids
 
     bc = bundle.config["build_config"]
     max_in, max_seq = int(bc["max_input_len"]), int(bc["max_seq_len"])
@@ -89,7 +89,6 @@ def _warm_up(sched: Scheduler, prompt: list[int], new: int, methods: list[str]) 
     answering nobody and counting nothing, before the model reports ready. What the first request would otherwise
     pay (the OpenMP team of this thread, first touch of the caches and the per-step buffers, lazily built tables,
     first calls into the kernels) is paid here. Returns seconds per method."""
-    from pipeline.runtime.generate import Request
 
     count, sched.replies.count = sched.replies.count, (lambda what, method, value: None)
     took = {}
