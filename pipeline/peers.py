@@ -375,6 +375,13 @@ def safe_llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: 
 # ---- the CLI ----------------------------------------------------------------------------------------------------
 
 def cmd_peers(args) -> int:
+    from pipeline import spec as specmod  # lazy: as the verb's other imports
+
+    spec = specmod.load(args.spec)
+    if spec.target.quantization != "gguf" and gguf_of(spec) is None:
+        print(f"peers: {spec.name}'s target ({spec.target.source}) is not a GGUF, so llama-server has nothing of it to "
+              "run: not building llama.cpp (a spec whose target is a GGUF builds it)")
+        return 0
     build(jobs=args.jobs)
     return 0
 

@@ -3,6 +3,7 @@ of its build and the note where it is not built; a real server run only where `m
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -88,6 +89,14 @@ def test_no_llama_server_peer_for_a_target_that_is_not_a_gguf(tmp_path):
     s = specmod.load(write_spec(tmp_path))
     assert peers.gguf_of(s) is None
     assert peers.llama_server_peer(s, ["hi"], 4, log=lambda *a: None) == {}
+
+
+def test_make_peers_builds_nothing_for_a_spec_whose_target_is_not_a_gguf(tmp_path, monkeypatch, capsys):
+    (tmp_path / "models" / "target").mkdir(parents=True)
+    built = []
+    monkeypatch.setattr(peers, "build", lambda **kw: built.append(kw))
+    assert peers.cmd_peers(argparse.Namespace(spec=str(write_spec(tmp_path)), jobs=0)) == 0
+    assert built == [] and "not building llama.cpp" in capsys.readouterr().out
 
 
 def _gguf_spec(tmp_path) -> specmod.Spec:
