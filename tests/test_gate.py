@@ -1,10 +1,14 @@
 """The step lock the served models take turns on (pipeline/triton/gate.py), between real processes.
 
-Each worker process takes `steps` steps under the gate, each a few milliseconds of busy work, and
-records when it held the lock. The records must never overlap (mutual exclusion), and while both
-workers have work neither takes more than four steps in a row (fairness; two at most on a quiet
-machine). A plain flock (`fair=False`) gives runs of 20 to 60 here: the process that releases the
-lock takes it straight back.
+Each worker process takes steps under the gate, each a few milliseconds of busy work, and records when
+it held the lock and whether the other process was waiting for it (its want file held) as the step
+ended. The records must never overlap (mutual exclusion), and every step that ended with the other
+process waiting must be followed by a step of the other process (fairness: the hand-over). Nothing
+depends on how fast the machine is: the workers start in a fixed order (the second waits until the
+first holds the lock, the first holds it until the second waits), and their gates wait an hour for a
+hand-over, so a hand-over never times out on a loaded machine. A plain flock (`fair=False`) lets the
+process that releases the lock take it straight back while the other waits (runs of 20 to 60 steps),
+which the fairness check fails.
 """
 
 from __future__ import annotations
@@ -20,83 +24,115 @@ import pytest
 
 from pipeline.triton.gate import StepGate
 
+HANDOFF_S = 3600.0  # a hand-over that waited this long would be a hang (the test timeout), not a slow machine
+LONG_JOB_CAP = 5000  # steps (20 s of busy work): a long job that never lets the other in ends here and fails
 
-def _worker(directory: str, name: str, steps: int, step_s: float, start, out, pause_every: int = 0,
+
+def _step(gate: StepGate, step_s: float, spans: list) -> None:
+    """One step of busy work under the held gate, recorded as (start, end, the other process was waiting)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < step_s:
+        pass
+    spans.append((t0, time.monotonic(), bool(gate.waiting())))  # while held: a waiter stays waiting until handed
+
+
+def _wait_for_waiter(gate: StepGate) -> None:
+    deadline = time.monotonic() + 60
+    while not gate.waiting():
+        assert time.monotonic() < deadline, "the other process never asked for the gate"
+        time.sleep(0.001)
+
+
+def _worker(directory: str, name: str, role: str, steps: int, step_s: float, barrier, holds, done, out,
             fair: bool = True) -> None:
-    gate = StepGate(directory, name, fair=fair)
-    start.wait(60)  # a barrier: every worker has its want file before any takes a step
-    spans = []
-    if pause_every:  # one long job holding the gate, pausing between its "rounds"
-        with gate:
-            for i in range(steps):
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < step_s:
-                    pass
-                spans.append((t0, time.monotonic()))
-                if (i + 1) % pause_every == 0:
-                    gate.pause()
-    else:
+    """role "first": take the gate, hold the first step until the other waits, then `steps` steps.
+    "second": start once the first holds the gate, `steps` steps, then set `done`.
+    "long": one long job holding the gate, pausing between its steps until `done` (or LONG_JOB_CAP steps)."""
+    gate = StepGate(directory, name, handoff_s=HANDOFF_S, fair=fair)
+    barrier.wait(60)  # every worker has its want file before any takes a step
+    spans: list = []
+    if role == "second":
+        assert holds.wait(60), "the first process never took the gate"
         for _ in range(steps):
             with gate:
-                t0 = time.monotonic()
-                while time.monotonic() - t0 < step_s:
-                    pass
-                spans.append((t0, time.monotonic()))
-    out.put((name, spans, gate.handoffs))
+                _step(gate, step_s, spans)
+        done.set()
+    if role == "first":
+        with gate:
+            holds.set()
+            _wait_for_waiter(gate)
+            _step(gate, step_s, spans)
+        for _ in range(steps - 1):
+            with gate:
+                _step(gate, step_s, spans)
+    held = None
+    if role == "long":
+        with gate:
+            held = (time.monotonic(), None)
+            holds.set()
+            while not done.is_set() and len(spans) < LONG_JOB_CAP:
+                _step(gate, step_s, spans)
+                gate.pause()
+            held = (held[0], time.monotonic())
+    out.put((name, spans, gate.handoffs, held))
     gate.close()
 
 
-def _run(tmp_path, specs: list[tuple[str, int, float, int]], fair: bool = True) -> dict:
+def _run(tmp_path, specs: list[tuple[str, str, int]], step_s: float = 0.004, fair: bool = True) -> dict:
     ctx = mp.get_context("spawn")
-    start, out = ctx.Barrier(len(specs)), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, steps, dt, start, out, pause, fair))
-             for n, steps, dt, pause in specs]
+    barrier, holds, done, out = ctx.Barrier(len(specs)), ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(str(tmp_path), n, role, steps, step_s, barrier, holds, done, out,
+                                               fair)) for n, role, steps in specs]
     for p in procs:
         p.start()
-    got = {}
+    got, held = {}, {}
     for _ in procs:
-        name, spans, handoffs = out.get(timeout=60)
+        name, spans, handoffs, held[name] = out.get(timeout=120)
         got[name] = (spans, handoffs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+    got["held"] = held
     return got
 
 
-def _timeline(got: dict) -> list[tuple[float, float, str]]:
-    return sorted((a, b, n) for n, (spans, _) in got.items() for a, b in spans)
+def _timeline(got: dict) -> list[tuple[float, float, bool, str]]:
+    return sorted((a, b, waited, n) for n, (spans, _) in got.items() if n != "held" for a, b, waited in spans)
 
 
-def _longest_run_while_both_busy(got: dict) -> int:
+def _check_exclusive_and_handed_over(got: dict) -> int:
+    """Mutual exclusion, and every step that ended with the other waiting is followed by the other's step.
+    Returns how many steps ended with the other waiting."""
     line = _timeline(got)
-    both_until = min(spans[-1][1] for spans, _ in got.values())
-    both_from = max(spans[0][0] for spans, _ in got.values())
-    owners = [n for a, _, n in line if both_from <= a <= both_until]
-    longest = run = 0
-    for i, n in enumerate(owners):
-        run = run + 1 if i and owners[i - 1] == n else 1
-        longest = max(longest, run)
-    return longest
+    for (_, a1, _, na), (b0, _, _, nb) in zip(line, line[1:]):
+        assert a1 <= b0, f"{na} and {nb} held the gate at once"
+    handed = 0
+    for i, ((_, _, waited, n), (_, _, _, nxt)) in enumerate(zip(line, line[1:])):
+        if waited:
+            handed += 1
+            assert nxt != n, (f"{n} took the gate straight back while the other waited (step {i} of {len(line)}): "
+                              "the hand-over failed")
+    return handed
 
 
 def test_two_processes_never_hold_the_gate_at_once_and_alternate(tmp_path):
-    got = _run(tmp_path, [("a", 40, 0.004, 0), ("b", 40, 0.004, 0)])
-    line = _timeline(got)
-    for (_, a1, na), (b0, _, nb) in zip(line, line[1:]):
-        assert a1 <= b0, f"{na} and {nb} held the gate at once"
-    assert _longest_run_while_both_busy(got) <= 4  # a plain flock: runs of 20 to 60 (starvation)
-    assert got["a"][1] + got["b"][1] > 20, "the lock changed hands through the hand-over"
+    got = _run(tmp_path, [("a", "first", 40), ("b", "second", 40)])
+    handed = _check_exclusive_and_handed_over(got)
+    assert handed >= 1, "the first step ended with the other waiting (it was held until then)"
+    assert got["a"][1] + got["b"][1] >= handed, "every release with a waiter is counted as a hand-over"
 
 
 def test_a_long_job_that_pauses_between_rounds_lets_the_other_process_in(tmp_path):
-    got = _run(tmp_path, [("long", 60, 0.004, 1), ("short", 20, 0.004, 0)])
-    line = _timeline(got)
-    for (_, a1, _), (b0, _, _) in zip(line, line[1:]):
-        assert a1 <= b0
-    short_end = got["short"][0][-1][1]
-    long_end = got["long"][0][-1][1]
-    assert short_end < long_end, "the short process finished while the long job still ran (it was let in)"
-    assert _longest_run_while_both_busy(got) <= 4  # a plain flock: runs of 20 to 60 (starvation)
+    """The long job holds the gate from before the short process starts until the short process has done all
+    its steps: every short step got in through the long job's pauses."""
+    got = _run(tmp_path, [("long", "long", 0), ("short", "second", 20)])
+    long_spans, short_spans = got["long"][0], got["short"][0]
+    assert len(long_spans) < LONG_JOB_CAP, f"the long job took {LONG_JOB_CAP} steps and never let the short one finish"
+    assert len(short_spans) == 20
+    start, end = got["held"]["long"]
+    assert start < short_spans[0][0] and short_spans[-1][1] < end, "the short process ran inside the long job"
+    assert _check_exclusive_and_handed_over(got) >= 1
+    assert got["long"][1] >= 1, "the short process got in by the long job's hand-overs"
 
 
 def test_alone_the_gate_never_waits_for_anyone(tmp_path):
