@@ -68,9 +68,18 @@ def test_engine_era_refuses_llmapi_only_methods():
         load(tensorrt_llm__era="engine", tensorrt_llm__speculative="ngram")
 
 
-def test_dry_run_prints_the_llmapi_plan_without_trtllm_build():
-    r = subprocess.run([sys.executable, "-m", "pipeline", "engine", str(QWEN), "--dry-run"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+def _cli(capsys, *args: str):
+    """The command line in-process (a subprocess would pay a fresh interpreter's torch import for a dry run)."""
+    from pipeline.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out, err)
+
+
+def test_dry_run_prints_the_llmapi_plan_without_trtllm_build(capsys):
+    r = _cli(capsys, "engine", str(QWEN), "--dry-run")
     assert r.returncode == 0, r.stderr
     assert "trtllm-build" not in r.stdout and "convert_checkpoint" not in r.stdout
     assert f"TensorRT-LLM {LLMAPI_ERA.tensorrt_llm} LLM API plan" in r.stdout
@@ -150,13 +159,12 @@ def test_repository_declares_the_pinned_tensors_and_model_yaml(tmp_path):
                                                   "total_draft_tokens"]
 
 
-def test_medusa_in_the_llmapi_era_names_the_engine_era_from_the_cli(tmp_path):
+def test_medusa_in_the_llmapi_era_names_the_engine_era_from_the_cli(tmp_path, capsys):
     data = yaml.safe_load((ROOT / "build" / "vicuna7b_medusa.yaml").read_text())
     data["tensorrt_llm"]["era"] = "llmapi"
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "m.yaml").write_text(yaml.safe_dump(data))
-    r = subprocess.run([sys.executable, "-m", "pipeline", "engine", str(tmp_path / "build" / "m.yaml"), "--dry-run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = _cli(capsys, "engine", str(tmp_path / "build" / "m.yaml"), "--dry-run")
     assert r.returncode == 2 and "Medusa exists only in the engine era" in r.stderr and "era: engine" in r.stderr
 
 
@@ -309,9 +317,8 @@ def test_plain_tritonclient_streams_from_the_llmapi_model_with_the_pinned_names(
     assert error is None and result.as_numpy("text_output")[0].decode() == want
 
 
-def test_serve_dry_run_prints_the_triton_launch_and_trtllm_serve():
-    r = subprocess.run([sys.executable, "-m", "pipeline", "serve", str(QWEN), "--dry-run"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+def test_serve_dry_run_prints_the_triton_launch_and_trtllm_serve(capsys):
+    r = _cli(capsys, "serve", str(QWEN), "--dry-run")
     assert r.returncode == 0, r.stderr
     assert f"{LLMAPI_ERA.launch_script} --model_repo=" in r.stdout and "--world_size=1" in r.stdout
     assert "trtllm-serve " in r.stdout and "http://127.0.0.1:8000/v1" in r.stdout

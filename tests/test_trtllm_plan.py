@@ -109,13 +109,15 @@ def test_spec_refuses_draft_lookup_that_the_external_draft_flow_cannot_run():
 
 
 @pytest.mark.slow
-def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm():
+def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm(capsys):
+    from pipeline.cli import main
+
     cmd = [sys.executable, "-m", "pipeline", "engine", str(DTM)]
-    dry = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.count("trtllm-build") == 2 and "convert_checkpoint.py" in dry.stdout
-    assert dry.stdout.index("convert_checkpoint.py") < dry.stdout.index("trtllm-build")
-    assert "kv_cache_free_gpu_mem_fraction" in dry.stdout
+    assert main(["engine", str(DTM), "--dry-run"]) == 0  # in-process: a dry run needs no fresh interpreter
+    dry = capsys.readouterr().out
+    assert dry.count("trtllm-build") == 2 and "convert_checkpoint.py" in dry
+    assert dry.index("convert_checkpoint.py") < dry.index("trtllm-build")
+    assert "kv_cache_free_gpu_mem_fraction" in dry
     real = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert real.returncode != 0
     assert "import tensorrt_llm" in real.stderr
