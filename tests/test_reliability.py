@@ -166,7 +166,7 @@ def test_load_run_is_complete_exact_and_reports_memory(served, capsys):
 
     s, srv = served
     spec_path = Path(s.root) / "build" / "rel.yaml"
-    rc = main(["load", str(spec_path), "--concurrency", "8", "--duration", "10", "--max-tokens", "12"])
+    rc = main(["load", str(spec_path), "--concurrency", "8", "--duration", "5", "--max-tokens", "12"])
     report = json.loads((s.report_dir / "load.json").read_text())
     assert rc == 0, report
     assert report["requests"] >= 8
@@ -207,7 +207,7 @@ def test_load_curve_measures_each_level_and_says_whether_it_falls(served):
 
     s, srv = served
     spec_path = Path(s.root) / "build" / "rel.yaml"
-    main(["load", str(spec_path), "--curve", "1,4,16", "--duration", "4", "--max-tokens", "8"])
+    main(["load", str(spec_path), "--curve", "1,4,16", "--duration", "2", "--max-tokens", "8"])
     r = json.loads((s.report_dir / "load_curve.json").read_text())
     assert [p["concurrency"] for p in r["points"]] == [1, 4, 16] and r["max_batch_size"] == 4
     for p in r["points"]:
