@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from pipeline import spec as specmod
-from pipeline.client import RequestError, _tensor, generate, infer_stream, make_inputs
+from pipeline.client import RequestError, RequestTimeout, _tensor, generate, infer_stream, make_inputs
 from pipeline.triton import server as srvmod
+from pipeline.triton.gate import SCAN_S
 from pipeline.triton.repo import write_repo
 from tests.conftest import ROOT, make_model_dir, write_spec
 
@@ -401,8 +402,6 @@ class _StepHolder:
 
     def one_round(self, model: str) -> None:
         """Held, with `model` waiting: let it take one scheduling round, then hold the lock again."""
-        from pipeline.triton.gate import SCAN_S  # the served side's module, imported by this helper alone
-
         fcntl.flock(self.want, fcntl.LOCK_EX)  # waiting, for the model's hand-over to see
         time.sleep(max(0.0, self.want_since + SCAN_S + 0.1 - time.monotonic()))  # its gate has looked for want files
         self.let_go()
@@ -469,8 +468,6 @@ def _abandoned_mid_answer(s, holder: _StepHolder, model: str, start_client, sett
 
 
 def _holder(repo: Path):
-    from pipeline.triton.gate import SCAN_S  # the served side's module, for the holder fixtures alone
-
     holder = _StepHolder(repo)
     time.sleep(SCAN_S + 0.1)  # so every served gate has looked for want files since the holder's appeared
     yield holder
@@ -702,8 +699,6 @@ def test_a_unary_call_whose_deadline_passes_stops_decoding_and_is_counted(unary_
     take one round at a time, drops the call instead of decoding it to the end, and counts it. No speed is
     assumed: a deadline that passes before the model's first round on the call (a loaded machine) is retried
     with twice the time."""
-    from pipeline.client import RequestTimeout
-
     s, srv = unary_served
 
     def start_client(deadline_s: float):

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline import spec as specmod
+from pipeline.cli import main
 from pipeline.client import RequestError, generate
 from pipeline.trtllm import llmapi
 from pipeline.trtllm.era import LLMAPI_ERA
@@ -69,9 +70,7 @@ def test_engine_era_refuses_llmapi_only_methods():
 
 
 def _cli(capsys, *args: str):
-    """The command line in-process (a subprocess would pay a fresh interpreter's torch import for a dry run)."""
-    from pipeline.cli import main
-
+    """The command line in-process (a subprocess would pay a fresh interpreter's start for a dry run)."""
     capsys.readouterr()
     rc = main(list(args))
     out, err = capsys.readouterr()

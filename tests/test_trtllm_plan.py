@@ -13,6 +13,7 @@ import yaml
 
 from pipeline import spec as specmod
 from pipeline import trtllm
+from pipeline.cli import main
 from pipeline.trtllm import KNOWN_ARCHS, PlanError, runner
 from pipeline.trtllm import memory as trtmem
 from pipeline.trtllm import planning as trtplan
@@ -110,8 +111,6 @@ def test_spec_refuses_draft_lookup_that_the_external_draft_flow_cannot_run():
 
 @pytest.mark.slow
 def test_engine_dry_run_prints_the_plan_and_real_run_stops_without_tensorrt_llm(capsys):
-    from pipeline.cli import main
-
     cmd = [sys.executable, "-m", "pipeline", "engine", str(DTM)]
     assert main(["engine", str(DTM), "--dry-run"]) == 0  # in-process: a dry run needs no fresh interpreter
     dry = capsys.readouterr().out
