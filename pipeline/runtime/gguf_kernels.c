@@ -86,6 +86,8 @@ typedef struct {
 // Quantized activations of a chunk of token rows.
 typedef struct {
     const int8_t *q;    // [S, K]
+    const int8_t *qi;   // AVX2 build: q again, each group of G rows from s0 (gg_panels' grouping) at qi + s0 K with
+                        // its rows' 4-column pieces side by side ([K / 4][G][4]), so one pointer reaches every row
     const float *dx;    // [S, K / 32]
     const float *xs;    // [S, K / 32]
     const int32_t *o;   // [S, K / 16]
@@ -243,10 +245,7 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
             if (h == 0)
                 for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
-            const vf_t d = gg_loadf((const float *)sc + 8 * h), dmin = gg_loadf((const float *)sc + 16 + 8 * h);
             for (int j = 0; j < 8; j++) {
-                const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + 8 * h));
-                const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j + 8 * h));
                 // line by line, each row's pair sums adding up in an int16 register: G of them, the line's two
                 // decoded vectors and temporaries fit the 16 ymm with 8 rows (the float accumulators spill instead,
                 // touched once a sub-block)
@@ -254,12 +253,18 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
                 for (int c = 0; c < 4; c++) {
                     vi_t lo, hi;  // line c: low nibbles pair with columns 8c..8c+3, high ones with 8c+4..8c+7
                     a8_nibbles(rec + 64 * (4 * j + c) + 32 * h, &lo, &hi);
+                    const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 8 * j + 2 * c) * 4 * G;
                     for (int i = 0; i < G; i++) {
-                        const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 32 * j + 8 * c;
-                        const __m256i u = _mm256_add_epi16(gg_mb(lo, xr), gg_mb(hi, xr + 4));
+                        const __m256i u = _mm256_add_epi16(gg_mb(lo, xg + 4 * i), gg_mb(hi, xg + 4 * G + 4 * i));
                         t[i] = c ? _mm256_add_epi16(t[i], u) : u;
+                        // GCC would otherwise reassociate the integer adds and compute all 8 products of every row
+                        // first, spilling them (23 stack accesses a row and sub-block at 8 rows, 2.5x the time)
+                        __asm__("" : "+x"(t[i]));
                     }
                 }
+                // the scales only now, from memory (L1), so they hold no register while the sums above need them all
+                const vf_t D = gg_mul(gg_loadf((const float *)sc + 8 * h), gg_u8(sc + 128 + 16 * j + 8 * h));
+                const vf_t M = gg_mul(gg_loadf((const float *)sc + 16 + 8 * h), gg_u8(sc + 256 + 16 * j + 8 * h));
                 const int b = 8 * s + j;
                 for (int i = 0; i < G; i++) {
                     const int64_t at = (int64_t)(s0 + i) * nb + b;
@@ -298,10 +303,11 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
                 l1 = gg_or(l1, gg_and30(hi));
                 h1 = gg_or(h1, gg_and30(gg_sr(hi, 2)));
                 const int b = 16 * s + j;
+                const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 4 * j) * 4 * G;
                 for (int i = 0; i < G; i++) {
-                    const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 16 * j;
-                    const __m256i ta = _mm256_add_epi16(gg_mb(l0, xr), gg_mb(h0, xr + 4));
-                    const __m256i tb = _mm256_add_epi16(gg_mb(l1, xr + 8), gg_mb(h1, xr + 12));
+                    const int8_t *xr = xg + 4 * i;  // columns 16j + 4m of row i at xr + 4 G m
+                    const __m256i ta = _mm256_add_epi16(gg_mb(l0, xr), gg_mb(h0, xr + 4 * G));
+                    const __m256i tb = _mm256_add_epi16(gg_mb(l1, xr + 8 * G), gg_mb(h1, xr + 12 * G));
                     const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + b]),
                                           vi_add(_mm256_madd_epi16(ta, ones), _mm256_madd_epi16(tb, ones)));
                     acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[i]);
@@ -313,16 +319,33 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
 }
 #endif
 
+// A chunk's S token rows in groups of at most GG_MAXG, as even as can be: group g has G rows from s0.
+static inline int gg_group(int S, int g, int *s0) {
+    const int groups = (S + GG_MAXG - 1) / GG_MAXG, base = S / groups, extra = S % groups;
+    *s0 = g * base + (g < extra ? g : extra);
+    return base + (g < extra);
+}
+
+// X->qi of the AVX2 tiles: each group's rows, 4 columns of each in turn.
+static void gg_interleave(const int8_t *q, int8_t *qi, int S, int K) {
+    for (int g = 0, s0; g < (S + GG_MAXG - 1) / GG_MAXG; g++) {
+        const int G = gg_group(S, g, &s0);
+        int8_t *out = qi + (int64_t)s0 * K;
+        for (int k = 0; k < K; k += 4)
+            for (int i = 0; i < G; i++) memcpy(out + ((int64_t)(k / 4) * G + i) * 4, q + (int64_t)(s0 + i) * K + k, 4);
+    }
+}
+
 // Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
 static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
-    const int groups = (S + GG_MAXG - 1) / GG_MAXG, base = S / groups, extra = S % groups;
+    const int groups = (S + GG_MAXG - 1) / GG_MAXG;
     const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
     for (int p = p0; p < p1; p++) {
         const uint8_t *panel = pt->w + p * pbytes;
         float *yp = y + pt->n0 + 16 * p;
         const int left = pt->N - 16 * p;
-        for (int g = 0, s0 = 0; g < groups; g++) {
-            const int G = base + (g < extra);
+        for (int g = 0, s0; g < groups; g++) {
+            const int G = gg_group(S, g, &s0);
 #define GG_CASE(T, n) case n: gg_tile_##T(X, panel, yp, N, K, left, s0, n); break;
             if (pt->type == GG_Q4K) {
                 switch (G) { GG_CASE(q4k, 1) GG_CASE(q4k, 2)
@@ -336,7 +359,6 @@ static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K
                 }
             }
 #undef GG_CASE
-            s0 += G;
         }
     }
 }
@@ -346,17 +368,23 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
     if (threads < 1) threads = 1;
     const int rows_max = S < ROW_CHUNK ? S : ROW_CHUNK;
     // Scratch from the calling thread's slots (skinny.c): reused between calls, checked, never aborting.
-    int oq, odx, oxs, oo, osh, rc = SK_OK;
+    int oq, oqi = 0, odx, oxs, oo, osh, rc = SK_OK;
     int8_t *q = (int8_t *)scratch(SC_GGQ, (size_t)rows_max * K, &oq);
+#if defined(__AVX512F__)
+    int8_t *qi = q;  // the AVX-512 tiles read q row by row
+    (void)oqi;
+#else
+    int8_t *qi = (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi);
+#endif
     float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 32), &odx);
     float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)rows_max * (K / 32), &oxs);
     int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)rows_max * (K / 16), &oo);
     share_t *share = (share_t *)scratch(SC_SHARE, sizeof(share_t) * (size_t)threads, &osh);
-    if (!q || !dx || !xs || !o || !share) {
+    if (!q || !qi || !dx || !xs || !o || !share) {
         rc = SK_ENOMEM;
         goto done;
     }
-    const gx_t X = {q, dx, xs, o};
+    const gx_t X = {q, qi, dx, xs, o};
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  // IEEE denormals: the contract above, whatever the caller's mode
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
@@ -364,6 +392,9 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
         for (int s = 0; s < cs; s++)
             gg_quant_row(x + (int64_t)(c0 + s) * K, K, q + (int64_t)s * K, dx + (int64_t)s * (K / 32),
                          xs + (int64_t)s * (K / 32), o + (int64_t)s * (K / 16));
+#if !defined(__AVX512F__)
+        gg_interleave(q, qi, cs, K);
+#endif
         float *yc = y + (int64_t)c0 * N;
         for (int pi = 0; pi < desc->nparts; pi++) {
             const gg_part_t *pt = &desc->part[pi];
@@ -396,6 +427,9 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
 done:
     scratch_done(share, osh);
     scratch_done(q, oq);
+#if !defined(__AVX512F__)
+    scratch_done(qi, oqi);
+#endif
     scratch_done(dx, odx);
     scratch_done(xs, oxs);
     scratch_done(o, oo);

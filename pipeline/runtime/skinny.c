@@ -72,7 +72,7 @@ enum { SK_OK = 0, SK_EARG = 1, SK_ENOMEM = 2 };
 // freed when the thread ends. A slot grows to the largest request up to SCRATCH_KEEP bytes; a larger one (a long
 // prefill) is allocated for that call alone, so a thread keeps at most SC_N * SCRATCH_KEEP bytes.
 enum { SC_XQ, SC_Q8, SC_S8, SC_C8, SC_SHARE, SC_PRE, SC_ACC, SC_QKV, SC_Q, SC_O, SC_H, SC_ATT, SC_GGQ, SC_GGDX, SC_GGXS,
-       SC_GGO, SC_N };
+       SC_GGO, SC_GGQI, SC_N };
 #define SCRATCH_KEEP ((size_t)8 << 20)
 typedef struct { void *p; size_t n; } slot_t;
 _Atomic long long skinny_scratch_allocs;  // scratch allocations made, for the test that hot calls make none
