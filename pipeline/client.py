@@ -94,7 +94,14 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
     responses, complete, cancelled, answered = [], False, False, False
     deadline = time.monotonic() + timeout
     try:
-        c.async_stream_infer(model, inputs, enable_empty_final_response=True, request_id=request_id)
+        try:
+            c.async_stream_infer(model, inputs, enable_empty_final_response=True, request_id=request_id)
+        except InferenceServerException as e:  # the stream is already gone, e.g. its deadline passed before sending
+            answered = True  # nothing was sent, so there is nothing to cancel
+            if stream_timeout is not None:
+                raise RequestTimeout(f"the stream's deadline (stream_timeout {stream_timeout:g} s) passed before the "
+                                     f"request to {model} was sent: {e.message()}") from None
+            raise RequestError(f"the request to {model} could not be sent on the stream: {e.message()}") from None
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

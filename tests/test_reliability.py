@@ -505,12 +505,12 @@ def test_an_abandoned_stream_stops_decoding_and_is_counted_on_every_model(served
                 got["r"] = infer_stream(srv.grpc_url, model, make_inputs(STREAMY, n, stream=True, end_id=UNUSED_END),
                                         on_response=seen.append, timeout=60, stream_timeout=deadline_s,
                                         cancel=(lambda: bool(seen)) if how == "cancel" else None)
-            except Exception as e:  # noqa: BLE001 - checked below; a deadline can pass before the request is sent
+            except RequestError as e:  # a deadline: the server's, or one that passed before the request was sent
                 got["e"] = str(e)
 
         def check() -> None:
             if how == "deadline":  # passed on the way, or already before tritonclient sent the request on the stream
-                assert re.search(r"Deadline|stream is no longer in valid state", got.get("e", "")), got
+                assert re.search(r"(?i)deadline", got.get("e", "")), got
             else:
                 assert "r" in got and got["r"][1] is False and seen, f"cancelled after its first piece: {got}"
 
