@@ -326,7 +326,7 @@ def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(se
     from pipeline.load import run_load
 
     s = served_deployment
-    r = run_load(s, 6, 8.0, 8, ("baseline", "prompt_lookup", "draft_target", "medusa"), model="oai", num_prompts=3,
+    r = run_load(s, 6, 5.0, 8, ("baseline", "prompt_lookup", "draft_target", "medusa"), model="oai", num_prompts=3,
                  temperatures=(0.0, 0.7), cancel_every=4, disconnect_every=5, unary_every=2, api="openai",
                  log=lambda *a: None)
     assert r["api"] == "openai" and r["url"] == openai_api.base_url(s)
