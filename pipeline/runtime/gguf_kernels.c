@@ -371,11 +371,11 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
     int oq, oqi = 0, odx, oxs, oo, osh, rc = SK_OK;
     int8_t *q = (int8_t *)scratch(SC_GGQ, (size_t)rows_max * K, &oq);
 #if defined(__AVX512F__)
-    int8_t *qi = q;  // the AVX-512 tiles read q row by row
-    (void)oqi;
+    const int interleave = 0;  // the AVX-512 tiles read q row by row
 #else
-    int8_t *qi = (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi);
+    const int interleave = S > 1;  // one token's interleaved layout is q itself: a decode step copies nothing
 #endif
+    int8_t *qi = interleave ? (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi) : q;
     float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 32), &odx);
     float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)rows_max * (K / 32), &oxs);
     int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)rows_max * (K / 16), &oo);
@@ -392,9 +392,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
         for (int s = 0; s < cs; s++)
             gg_quant_row(x + (int64_t)(c0 + s) * K, K, q + (int64_t)s * K, dx + (int64_t)s * (K / 32),
                          xs + (int64_t)s * (K / 32), o + (int64_t)s * (K / 16));
-#if !defined(__AVX512F__)
-        gg_interleave(q, qi, cs, K);
-#endif
+        if (interleave) gg_interleave(q, qi, cs, K);
         float *yc = y + (int64_t)c0 * N;
         for (int pi = 0; pi < desc->nparts; pi++) {
             const gg_part_t *pt = &desc->part[pi];
@@ -427,9 +425,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
 done:
     scratch_done(share, osh);
     scratch_done(q, oq);
-#if !defined(__AVX512F__)
-    scratch_done(qi, oqi);
-#endif
+    if (interleave) scratch_done(qi, oqi);
     scratch_done(dx, odx);
     scratch_done(xs, oxs);
     scratch_done(o, oo);
