@@ -48,6 +48,9 @@
 // registers and let the float accumulators spill (a load and a store a sub-block against 8 to 16 multiplies). Each
 // row's arithmetic is the same whatever the group, so the bits do not change.
 #define GG_MAXG 8
+// AVX2: token rows up to which a pass covers both 8-row halves of a panel (measured on Zen 3, see gg_pass_q4k).
+#define GG_BOTH 3
+#define GG_BOTH6 1
 #if defined(__AVX512F__)
 static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
@@ -232,89 +235,122 @@ static inline __m256i gg_mb(__m256i w, const int8_t *x4) {
     return _mm256_maddubs_epi16(w, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x4)));
 }
 
-static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
-                                                              int K, int left0, int s0, const int G) {
+// One pass over a panel for H of its two 8-row halves from h0 (H = 2: both halves at once, for up to GG_BOTH token
+// rows, so each broadcast activation feeds 2 H vpmaddubsw and the pass's loop and prefetch run once; H = 1 for more
+// rows, whose int16 sums need the registers). A token row's arithmetic is the same either way.
+static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G, int h0,
+                                                              const int H) {
     const int nsb = K / 256, nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        const int left = left0 - 8 * h;
-        if (left <= 0) break;
-        vf_t acc[GG_MAXG], mac[GG_MAXG];
-        for (int i = 0; i < G; i++) acc[i] = mac[i] = gg_set1(0.f);
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
-            if (h == 0)
-                for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
-            for (int j = 0; j < 8; j++) {
-                // line by line, each row's pair sums adding up in an int16 register: G of them, the line's two
-                // decoded vectors and temporaries fit the 16 ymm with 8 rows (the float accumulators spill instead,
-                // touched once a sub-block)
-                __m256i t[GG_MAXG];
-                for (int c = 0; c < 4; c++) {
-                    vi_t lo, hi;  // line c: low nibbles pair with columns 8c..8c+3, high ones with 8c+4..8c+7
-                    a8_nibbles(rec + 64 * (4 * j + c) + 32 * h, &lo, &hi);
-                    const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 8 * j + 2 * c) * 4 * G;
-                    for (int i = 0; i < G; i++) {
-                        const __m256i u = _mm256_add_epi16(gg_mb(lo, xg + 4 * i), gg_mb(hi, xg + 4 * G + 4 * i));
-                        t[i] = c ? _mm256_add_epi16(t[i], u) : u;
+    vf_t acc[2][GG_MAXG], mac[2][GG_MAXG];
+    for (int hh = 0; hh < H; hh++)
+        for (int i = 0; i < G; i++) acc[hh][i] = mac[hh][i] = gg_set1(0.f);
+    for (int s = 0; s < nsb; s++) {
+        const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
+        if (h0 == 0)
+            for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int j = 0; j < 8; j++) {
+            // line by line, each row's pair sums adding up in an int16 register: H G of them, the line's decoded
+            // vectors and temporaries fit the 16 ymm with 8 rows at H = 1 (the float accumulators spill instead,
+            // touched once a sub-block)
+            __m256i t[2][GG_MAXG];
+            for (int c = 0; c < 4; c++) {
+                vi_t lo[2], hi[2];  // line c: low nibbles pair with columns 8c..8c+3, high ones with 8c+4..8c+7
+                for (int hh = 0; hh < H; hh++) a8_nibbles(rec + 64 * (4 * j + c) + 32 * (h0 + hh), &lo[hh], &hi[hh]);
+                const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 8 * j + 2 * c) * 4 * G;
+                for (int i = 0; i < G; i++) {
+                    const __m256i a = _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)(xg + 4 * i)));
+                    const __m256i b = _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)(xg + 4 * G + 4 * i)));
+                    for (int hh = 0; hh < H; hh++) {
+                        const __m256i u = _mm256_add_epi16(_mm256_maddubs_epi16(lo[hh], a),
+                                                           _mm256_maddubs_epi16(hi[hh], b));
+                        t[hh][i] = c ? _mm256_add_epi16(t[hh][i], u) : u;
                         // GCC would otherwise reassociate the integer adds and compute all 8 products of every row
                         // first, spilling them (23 stack accesses a row and sub-block at 8 rows, 2.5x the time)
-                        __asm__("" : "+x"(t[i]));
+                        __asm__("" : "+x"(t[hh][i]));
                     }
                 }
-                // the scales only now, from memory (L1), so they hold no register while the sums above need them all
+            }
+            // the scales only now, from memory (L1), so they hold no register while the sums above need them all
+            const int b = 8 * s + j;
+            for (int hh = 0; hh < H; hh++) {
+                const int h = h0 + hh;
                 const vf_t D = gg_mul(gg_loadf((const float *)sc + 8 * h), gg_u8(sc + 128 + 16 * j + 8 * h));
                 const vf_t M = gg_mul(gg_loadf((const float *)sc + 16 + 8 * h), gg_u8(sc + 256 + 16 * j + 8 * h));
-                const int b = 8 * s + j;
                 for (int i = 0; i < G; i++) {
                     const int64_t at = (int64_t)(s0 + i) * nb + b;
-                    acc[i] = vf_fma(vf_cvt(_mm256_madd_epi16(t[i], ones)), vf_scale(D, X->dx[at]), acc[i]);
-                    mac[i] = vf_fma(M, gg_set1(X->xs[at]), mac[i]);
+                    acc[hh][i] = vf_fma(vf_cvt(_mm256_madd_epi16(t[hh][i], ones)), vf_scale(D, X->dx[at]), acc[hh][i]);
+                    mac[hh][i] = vf_fma(M, gg_set1(X->xs[at]), mac[hh][i]);
                 }
             }
         }
-        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * h, gg_sub(acc[i], mac[i]), left);
+    }
+    for (int hh = 0; hh < H; hh++)
+        for (int i = 0; i < G; i++)
+            vf_store(y + (int64_t)(s0 + i) * ys + 8 * (h0 + hh), gg_sub(acc[hh][i], mac[hh][i]), left0 - 8 * (h0 + hh));
+}
+
+static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    if (G <= GG_BOTH && left0 > 8) {
+        gg_pass_q4k(X, panel, y, ys, K, left0, s0, G, 0, 2);
+    } else {
+        gg_pass_q4k(X, panel, y, ys, K, left0, s0, G, 0, 1);
+        if (left0 > 8) gg_pass_q4k(X, panel, y, ys, K, left0, s0, G, 1, 1);
     }
 }
 
-// Q6_K: |q| <= 63, so |pair| <= 16002 and only two pair sums share an int16 (32004) before widening.
-static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
-                                                              int K, int left0, int s0, const int G) {
+// Q6_K: |q| <= 63, so |pair| <= 16002 and only two pair sums share an int16 (32004) before widening. H halves a pass
+// as gg_pass_q4k (one token row: both halves, each decoded and used in turn, which saves the second pass's loop).
+static inline __attribute__((always_inline)) void gg_pass_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G, int h0,
+                                                              const int H) {
     const int nsb = K / 256, nb = K / 32, n16 = K / 16;
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        const int left = left0 - 8 * h;
-        if (left <= 0) break;
-        vf_t acc[GG_MAXG];
-        for (int i = 0; i < G; i++) acc[i] = gg_set1(0.f);
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
-            if (h == 0)
-                for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
-            const vf_t d = gg_loadf((const float *)sc + 8 * h);
-            for (int j = 0; j < 16; j++) {
-                const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j + 8 * h));
-                vi_t l0, h0, l1, h1;
-                a8_nibbles(rec + 64 * (2 * j) + 32 * h, &l0, &h0);
+    vf_t acc[2][GG_MAXG];
+    for (int hh = 0; hh < H; hh++)
+        for (int i = 0; i < G; i++) acc[hh][i] = gg_set1(0.f);
+    for (int s = 0; s < nsb; s++) {
+        const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
+        if (h0 == 0)
+            for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int j = 0; j < 16; j++) {
+            const int b = 16 * s + j;
+            const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 4 * j) * 4 * G;
+            for (int hh = 0; hh < H; hh++) {
+                const int h = h0 + hh;
+                const vf_t D = gg_mul(gg_loadf((const float *)sc + 8 * h), gg_i8(sc + 64 + 16 * j + 8 * h));
+                vi_t l0, h0v, l1, h1;
+                a8_nibbles(rec + 64 * (2 * j) + 32 * h, &l0, &h0v);
                 a8_nibbles(rec + 64 * (2 * j + 1) + 32 * h, &l1, &h1);
                 const vi_t hi = gg_load(hb + 64 * j + 32 * h);
                 l0 = gg_or(l0, gg_and30(gg_sl(hi, 4)));
-                h0 = gg_or(h0, gg_and30(gg_sl(hi, 2)));
+                h0v = gg_or(h0v, gg_and30(gg_sl(hi, 2)));
                 l1 = gg_or(l1, gg_and30(hi));
                 h1 = gg_or(h1, gg_and30(gg_sr(hi, 2)));
-                const int b = 16 * s + j;
-                const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 4 * j) * 4 * G;
                 for (int i = 0; i < G; i++) {
                     const int8_t *xr = xg + 4 * i;  // columns 16j + 4m of row i at xr + 4 G m
-                    const __m256i ta = _mm256_add_epi16(gg_mb(l0, xr), gg_mb(h0, xr + 4 * G));
+                    const __m256i ta = _mm256_add_epi16(gg_mb(l0, xr), gg_mb(h0v, xr + 4 * G));
                     const __m256i tb = _mm256_add_epi16(gg_mb(l1, xr + 8 * G), gg_mb(h1, xr + 12 * G));
                     const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + b]),
                                           vi_add(_mm256_madd_epi16(ta, ones), _mm256_madd_epi16(tb, ones)));
-                    acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[i]);
+                    acc[hh][i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[hh][i]);
                 }
             }
         }
-        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * h, acc[i], left);
+    }
+    for (int hh = 0; hh < H; hh++)
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * (h0 + hh), acc[hh][i], left0 - 8 * (h0 + hh));
+}
+
+static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                              int K, int left0, int s0, const int G) {
+    if (G <= GG_BOTH6 && left0 > 8) {
+        gg_pass_q6k(X, panel, y, ys, K, left0, s0, G, 0, 2);
+    } else {
+        gg_pass_q6k(X, panel, y, ys, K, left0, s0, G, 0, 1);
+        if (left0 > 8) gg_pass_q6k(X, panel, y, ys, K, left0, s0, G, 1, 1);
     }
 }
 #endif
