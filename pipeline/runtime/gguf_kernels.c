@@ -98,36 +98,48 @@ typedef struct {
 
 static inline int gg_record(int type) { return type == GG_Q4K ? GG_SB_Q4K : GG_SB_Q6K; }
 
-// One row x [K] -> q, dx, xs, o (the header's activation rule). Scalar, so both builds round alike.
+// One row x [K] -> q, dx, xs, o (the header's activation rule), in AVX2 in both builds, so they round alike (the
+// product x * RN(127 / max) and its round-to-nearest-even conversion are single IEEE steps in any width). Vector, not
+// scalar: quantizing a row ran alone while the other threads waited, 3.4 ns a column (30 us of a 16-row K = 8960 call).
 static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs, int32_t *o) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fmax = _mm256_set1_ps(3.4028235e38f);
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
-        float mx = 0.f;
-        int bad = 0;
-        for (int k = 0; k < 32; k++) {
-            const float a = fabsf(xb[k]);
-            if (!(a <= 3.4028235e38f)) bad = 1;  // NaN or infinity
-            else if (a > mx) mx = a;
+        __m256 v[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm256_loadu_ps(xb + 8 * u);
+            const __m256 a = _mm256_and_ps(v[u], absm);
+            m = _mm256_max_ps(m, a);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, fmax, _CMP_NLE_UQ));  // NaN or infinity
         }
+        float t[8], mx = 0.f;
+        _mm256_storeu_ps(t, m);
+        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
         int8_t *qb = q + 32 * b;
-        if (bad || mx < 1e-30f) {
+        const int isbad = _mm256_movemask_ps(bad) != 0;
+        if (isbad || mx < 1e-30f) {
             memset(qb, 0, 32);
-            dx[b] = bad ? NAN : 0.f;
-            xs[b] = bad ? NAN : 0.f;
+            dx[b] = isbad ? NAN : 0.f;
+            xs[b] = isbad ? NAN : 0.f;
             o[2 * b] = o[2 * b + 1] = 0;
             continue;
         }
-        const float inv = 127.0f / mx;
-        int sum[2] = {0, 0};
-        for (int k = 0; k < 32; k++) {
-            const int v = (int)nearbyintf(xb[k] * inv);
-            qb[k] = (int8_t)v;
-            sum[k / 16] += v;
+        const __m256 inv = _mm256_set1_ps(127.0f / mx);
+        __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int u = 0; u < 4; u++) {
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));  // MXCSR round to nearest even = rint
+            sum[u / 2] = _mm256_add_epi32(sum[u / 2], qi);
+            const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+            _mm_storel_epi64((__m128i *)(qb + 8 * u), _mm_packs_epi16(w16, w16));
         }
+        int32_t lanes[2][8], tot[2] = {0, 0};
+        _mm256_storeu_si256((__m256i *)lanes[0], sum[0]);
+        _mm256_storeu_si256((__m256i *)lanes[1], sum[1]);
+        for (int i = 0; i < 8; i++) tot[0] += lanes[0][i], tot[1] += lanes[1][i];
         dx[b] = mx / 127.0f;
-        xs[b] = dx[b] * (float)(sum[0] + sum[1]);
-        o[2 * b] = -32 * sum[0];
-        o[2 * b + 1] = -32 * sum[1];
+        xs[b] = dx[b] * (float)(tot[0] + tot[1]);
+        o[2 * b] = -32 * tot[0];
+        o[2 * b + 1] = -32 * tot[1];
     }
 }
 
