@@ -86,19 +86,41 @@ def served_methods(spec: specmod.Spec) -> list[str]:
     return out
 
 
-def server_counter(spec: specmod.Spec, name: str) -> float:
-    """Sum of a served-model counter over its labels (0 when the metrics endpoint cannot be read)."""
+def server_counters(spec: specmod.Spec, *names: str) -> dict[str, float]:
+    """Each served-model counter in `names` summed over its labels, from one read of the metrics endpoint (all 0
+    when it cannot be read)."""
 
     try:
         text = urllib.request.urlopen(metrics_url(spec), timeout=10).read().decode()
     except OSError:
-        return 0.0
-    return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+        return dict.fromkeys(names, 0.0)
+    out = dict.fromkeys(names, 0.0)
+    for ln in text.splitlines():
+        name, brace, _ = ln.partition("{")
+        if brace and name in out:
+            out[name] += float(ln.rpartition(" ")[2])
+    return out
+
+
+def server_counter(spec: specmod.Spec, name: str) -> float:
+    """Sum of a served-model counter over its labels (0 when the metrics endpoint cannot be read)."""
+    return server_counters(spec, name)[name]
+
+
+CANCELLED = "spec_decode_requests_cancelled_total"
+# Every request a served model takes ends in exactly one of these (a load request is one row).
+ENDED = ("spec_decode_requests_total", "spec_decode_request_errors_total", CANCELLED)
 
 
 def _server_cancelled(spec: specmod.Spec) -> float:
     """Requests the server stopped for their clients (every served model counts its own)."""
-    return server_counter(spec, "spec_decode_requests_cancelled_total")
+    return server_counter(spec, CANCELLED)
+
+
+def _server_ended(spec: specmod.Spec) -> tuple[float, float]:
+    """(requests the served models cancelled, requests they are done with: finished, failed or cancelled)."""
+    c = server_counters(spec, *ENDED)
+    return c[CANCELLED], sum(c.values())
 
 
 def _check(concurrency: int, duration: float, max_tokens: int) -> None:
@@ -304,11 +326,21 @@ def _run_clients(clients: _Clients, concurrency: int, duration: float, pid: int 
     return t0, probe, warmed
 
 
-def _await_server_cancels(spec: specmod.Spec, tally: _Tally, cancelled_before: float) -> None:
-    """Give the server up to 10 s to count the cancellations the clients provoked (it notices the last ones late)."""
+def _await_server_cancels(spec: specmod.Spec, tally: _Tally, cancelled_before: float, ended_before: float) -> None:
+    """Give the server up to 10 s to count the cancellations the clients provoked (it notices the last ones late).
+
+    The wait ends early once it has counted them all, or once it has ended every request the clients sent (finished,
+    failed or cancelled): an abandoned request the model finished before its cancel arrived is never counted as
+    cancelled, and waiting longer would not change the count (a server without these counters gets the 10 s)."""
     provoked = tally.stats["cancelled"] + tally.stats["disconnected"] + tally.stats.get("cut", 0)
+    if not provoked:
+        return
+    sent = tally.stats["requests"]
     settle = time.monotonic() + 10
-    while _server_cancelled(spec) - cancelled_before < provoked and time.monotonic() < settle:
+    while time.monotonic() < settle:
+        cancelled, ended = _server_ended(spec)
+        if cancelled - cancelled_before >= provoked or ended - ended_before >= sent:
+            return
         time.sleep(0.2)
 
 
@@ -401,7 +433,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
         reference = [generate(url, model, p, max_tokens, method=None if api == "openai" and base_url else "baseline",
                               unary=not decoupled, timeout=request_timeout)["text"] for p in prompts]
     rss_start = server_rss_mb(pid) if pid else 0.0  # a peer behind --base-url: not measured
-    cancelled_before = _server_cancelled(spec)
+    cancelled_before, ended_before = _server_ended(spec)
     mix = _Mix(methods, temperatures, sample_every, cancel_every, disconnect_every, unary_every, decoupled)
     clients = _Clients(generate, url, model, models, prompts, reference, max_tokens, long_budget, mix, window,
                        time.monotonic() + duration, request_timeout)
@@ -409,7 +441,7 @@ def run_load(spec: specmod.Spec, concurrency: int, duration: float, max_tokens: 
     log(f"{concurrency} {what} clients for {duration:.0f}s ({', '.join(methods)}; max_tokens {max_tokens}) ...")
     t0, probe, warmed = _run_clients(clients, concurrency, duration, pid)
     wall = time.monotonic() - t0
-    _await_server_cancels(spec, clients.tally, cancelled_before)
+    _await_server_cancels(spec, clients.tally, cancelled_before, ended_before)
     rss_after = server_rss_mb(pid) if pid else 0.0
     probe.cancel()
     rss_mb = {"start": rss_start, "before": warmed.get("rss", rss_start), "after": rss_after}

@@ -181,12 +181,17 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     """`load --soak`, short: every provoked cancel and disconnect is counted by the server, nothing else fails,
     greedy answers equal the reference and the server's memory stays put."""
     from pipeline.cli import main
+    from pipeline.load import ENDED, server_counters
 
     s, srv = served
     spec_path = Path(s.root) / "build" / "rel.yaml"
+    ended_before = sum(server_counters(s, *ENDED).values())
     rc = main(["load", str(spec_path), "--soak", "--concurrency", "8", "--duration", "8", "--max-tokens", "12"])
     r = json.loads((s.report_dir / "load.json").read_text())
     assert rc == 0, r
+    # The run waits for the server to end every request it sent (finished, failed or cancelled), not a fixed time:
+    # the 8 greedy references (--prompts' default) and every request of the run are ended by the time it reports.
+    assert sum(server_counters(s, *ENDED).values()) - ended_before == 8 + r["requests"]
     assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
     assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
     assert r["models"] == ["ensemble", "tensorrt_llm_bls"], "the soak sends to every served model"
