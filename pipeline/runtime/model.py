@@ -241,7 +241,13 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # nn.Embedding's own init (normal_) on the meta device, where build_model constructs, runs torch's Python
+        # reference op and so imports torch._dynamo: 2.4 s of every process that loads an engine (each server stub).
+        # The same draw, skipped on meta only (build_model assigns the weights).
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
