@@ -14,6 +14,8 @@ import pytest
 import torch
 import yaml
 
+from pipeline.triton import server as srvmod
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -276,3 +278,35 @@ def pytest_sessionstart(session):
 
     start.tier_guarded = True
     server.start = start
+
+
+# ---- servers stopped without waiting ---------------------------------------------------------------------------
+# A tritonserver stop is mostly waiting: tritonserver looks at its models' unload once a second and each python stub's
+# interpreter takes a second to exit. A fixture's server stops in the background while the next tests run (the next
+# spec's server starts meanwhile); the session waits for every stop at its end and fails if one did not finish.
+_stopping: list[threading.Thread] = []
+_stop_errors: list[str] = []
+
+
+def stop_later(*specs) -> None:
+    """Stop these specs' servers in the background (pipeline.triton.server.stop: SIGTERM, SIGKILL after 30 s)."""
+
+    def one(spec) -> None:
+        try:
+            srvmod.stop(spec)
+        except Exception as e:  # noqa: BLE001 - reported at the end of the session
+            _stop_errors.append(f"stopping {spec.name}'s server ({srvmod.pid_file(spec)}): {e!r}")
+
+    for s in specs:
+        t = threading.Thread(target=one, args=(s,), name=f"stop {s.name}", daemon=True)
+        t.start()
+        _stopping.append(t)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for t in _stopping:
+        t.join(timeout=60)
+    left = [f"{t.name}: still running after 60 s" for t in _stopping if t.is_alive()] + _stop_errors
+    if left:
+        sys.stderr.write("servers not stopped cleanly: " + "; ".join(left) + "\n")
+        session.exitstatus = session.exitstatus or 1

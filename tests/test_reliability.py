@@ -22,7 +22,7 @@ from pipeline.client import RequestError, RequestTimeout, _tensor, generate, inf
 from pipeline.triton import server as srvmod
 from pipeline.triton.gate import SCAN_S
 from pipeline.triton.repo import write_repo
-from tests.conftest import ROOT, make_model_dir, write_spec
+from tests.conftest import ROOT, make_model_dir, stop_later, write_spec
 
 LIMITS = {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 512, "max_draft_len": 4}
 UNUSED_END = 0
@@ -39,7 +39,7 @@ def served(tiny_root, tiny_engine):
     write_repo(s, log=lambda *a: None)
     srv = srvmod.start(s, log=lambda *a: None)
     yield s, srv
-    srvmod.stop(s)
+    stop_later(s)  # exits while the next tests run (tests/conftest.py)
 
 
 def _error(url: str, model: str, inputs: list) -> str:
@@ -657,7 +657,7 @@ def unary_served(tiny_root, tiny_engine, served):
     write_repo(s, log=lambda *a: None)
     srv = srvmod.start(s, log=lambda *a: None)
     yield s, srv
-    srvmod.stop(s)
+    stop_later(s)  # exits while the next tests run (tests/conftest.py)
 
 
 def test_unary_infer_works_on_both_models_of_a_non_decoupled_deployment(served, unary_served):

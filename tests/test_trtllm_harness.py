@@ -26,7 +26,7 @@ from pipeline.client import RequestError, generate
 from pipeline.triton import server as srvmod
 from pipeline.trtllm import engine_repo
 from pipeline.trtllm.harness import install_standins
-from tests.conftest import make_model_dir, prompts, write_spec
+from tests.conftest import make_model_dir, prompts, stop_later, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = [ROOT / "build" / n for n in ("llama70b_draft1b_tp4.yaml", "vicuna7b_medusa.yaml", "qwen_coder_trtllm.yaml")]
@@ -95,7 +95,7 @@ def harness(request, tmp_path_factory, tiny_tokenizer):
     try:
         yield h
     finally:
-        srvmod.stop(h.spec)
+        stop_later(h.spec)  # exits while the next spec's server starts (tests/conftest.py)
 
 
 def start_harness(path: Path, root: Path, tiny_tokenizer) -> Harness:

@@ -20,7 +20,7 @@ from pipeline.client import RequestError, generate
 from pipeline.trtllm import llmapi
 from pipeline.trtllm.era import LLMAPI_ERA
 from pipeline.trtllm.llmapi_repo import LLM_MODEL, parse_config, write_llmapi_repo
-from tests.conftest import make_model_dir, prompts, write_spec
+from tests.conftest import make_model_dir, prompts, stop_later, write_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = ROOT / "build" / "qwen_coder_trtllm.yaml"
@@ -227,7 +227,7 @@ def served(request, tmp_path_factory, tiny_tokenizer):
         srvmod.start(spec, log=lambda *a: None)
         yield Served(spec, AutoTokenizer.from_pretrained(str(root / "models" / "target")), target)
     finally:
-        srvmod.stop(spec)
+        stop_later(spec)  # exits while the next case's server starts (tests/conftest.py)
         if before is None:
             os.environ.pop("TRTLLM_STANDIN_CACHE", None)
         else:
