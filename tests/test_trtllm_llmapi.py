@@ -5,6 +5,7 @@ client and a plain tritonclient with the torch runtime's greedy text through Dra
 
 from __future__ import annotations
 
+import os
 import queue
 import subprocess
 import sys
@@ -189,29 +190,48 @@ class Served:
         return self.tok.decode(res.tokens, skip_special_tokens=True)
 
 
-@pytest.fixture(scope="module", params=["draft_target", "ngram", "unary"])
-def served(request, tmp_path_factory, tiny_tokenizer):
-    from transformers import AutoTokenizer
-
+@pytest.fixture(scope="module")
+def llmapi_models(tmp_path_factory, tiny_tokenizer):
+    """The tiny Qwen2 target and draft every case serves, the target's reference engine, and one stand-in engine
+    cache for the module: the cases that load the same checkpoint with the same limits and k (Draft_Target streamed
+    and unary) build its engines once, as the stand-in's cache is meant to."""
     from pipeline.engine import build_target
     from pipeline.runtime.engine_io import load_engine
-    from pipeline.triton import server as srvmod
-    from pipeline.triton.repo import python_path
-    from pipeline.trtllm.harness import install_llmapi_standins
 
-    root = tmp_path_factory.mktemp(f"llmapi_{request.param}")
+    root = tmp_path_factory.mktemp("llmapi_models")
     make_model_dir(root / "models" / "target", tokenizer=tiny_tokenizer, hidden=48, heads=6, kv_heads=1, tie=False,
                    family="qwen2")
     make_model_dir(root / "models" / "draft", tokenizer=tiny_tokenizer, layers=1, hidden=56, heads=7, kv_heads=1,
                    tie=True, family="qwen2", seed=5)
     ref = specmod.load(write_spec(root, name="ref", target={"source": "models/target"}))
     target = load_engine(build_target(ref, log=lambda *a: None)).model
+    before = os.environ.get("TRTLLM_STANDIN_CACHE")
+    os.environ["TRTLLM_STANDIN_CACHE"] = str(root / "standin-cache")  # the servers inherit it: engines stay here
+    try:
+        yield root / "models", target
+    finally:
+        if before is None:
+            os.environ.pop("TRTLLM_STANDIN_CACHE", None)
+        else:
+            os.environ["TRTLLM_STANDIN_CACHE"] = before
+
+
+@pytest.fixture(scope="module", params=["draft_target", "ngram", "unary"])
+def served(request, tmp_path_factory, llmapi_models):
+    from transformers import AutoTokenizer
+
+    from pipeline.triton import server as srvmod
+    from pipeline.triton.repo import python_path
+    from pipeline.trtllm.harness import install_llmapi_standins
+
+    models, target = llmapi_models
+    root = tmp_path_factory.mktemp(f"llmapi_{request.param}")
     ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
-    changes = {"target__source": str(root / "models" / "target"), "tensorrt_llm__target_arch": "auto",
+    changes = {"target__source": str(models / "target"), "tensorrt_llm__target_arch": "auto",
                "tensorrt_llm__draft_arch": "auto", "limits__max_seq_len": 256, "limits__max_input_len": 128,
                "triton": {**ports, "host": "127.0.0.1", "startup_timeout_s": 300}}
     if request.param in ("draft_target", "unary"):
-        changes["draft__source"] = str(root / "models" / "draft")
+        changes["draft__source"] = str(models / "draft")
         changes["triton"]["decoupled"] = request.param != "unary"
     else:
         changes.update(draft__source="none", speculation__prompt_lookup_num_tokens=3)
@@ -219,19 +239,11 @@ def served(request, tmp_path_factory, tiny_tokenizer):
     pp = ":".join(python_path())
     repo, _ = write_llmapi_repo(spec, container_model_dir=root / "no-container", python_path=pp)
     install_llmapi_standins(repo, pp)
-    import os
-
-    before = os.environ.get("TRTLLM_STANDIN_CACHE")
-    os.environ["TRTLLM_STANDIN_CACHE"] = str(root / "standin-cache")  # the server inherits it: engines stay here
     try:
         srvmod.start(spec, log=lambda *a: None)
-        yield Served(spec, AutoTokenizer.from_pretrained(str(root / "models" / "target")), target)
+        yield Served(spec, AutoTokenizer.from_pretrained(str(models / "target")), target)
     finally:
         stop_later(spec)  # exits while the next case's server starts (tests/conftest.py)
-        if before is None:
-            os.environ.pop("TRTLLM_STANDIN_CACHE", None)
-        else:
-            os.environ["TRTLLM_STANDIN_CACHE"] = before
 
 
 def test_project_client_gets_the_torch_greedy_text_streamed_and_whole_with_acceptance(served):
@@ -329,6 +341,6 @@ def test_gpu_check_without_a_gpu_fails_clearly(tmp_path):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi: `make gpu-check` runs for real here")
     r = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "PY": sys.executable})
+                       env={**os.environ, "PY": sys.executable})
     assert r.returncode == 3
     assert "no NVIDIA GPU here" in r.stdout and "tensorrt-llm==1.2.1" in r.stdout
