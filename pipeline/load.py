@@ -102,19 +102,9 @@ def server_counters(spec: specmod.Spec, *names: str) -> dict[str, float]:
     return out
 
 
-def server_counter(spec: specmod.Spec, name: str) -> float:
-    """Sum of a served-model counter over its labels (0 when the metrics endpoint cannot be read)."""
-    return server_counters(spec, name)[name]
-
-
 CANCELLED = "spec_decode_requests_cancelled_total"
 # Every request a served model takes ends in exactly one of these (a load request is one row).
 ENDED = ("spec_decode_requests_total", "spec_decode_request_errors_total", CANCELLED)
-
-
-def _server_cancelled(spec: specmod.Spec) -> float:
-    """Requests the server stopped for their clients (every served model counts its own)."""
-    return server_counter(spec, CANCELLED)
 
 
 def _server_ended(spec: specmod.Spec) -> tuple[float, float]:
@@ -358,7 +348,7 @@ def _summary(spec: specmod.Spec, clients: _Clients, t0: float, wall: float, dura
         "sampled_requests": stats["sampled"], "streamed": stats["streamed"], "unary": stats["unary"],
         "cancelled": stats["cancelled"] + stats["disconnected"], "cancelled_by_client": stats["cancelled"],
         "disconnected": stats["disconnected"],
-        "server_cancelled": _server_cancelled(spec) - cancelled_before,
+        "server_cancelled": server_counters(spec, CANCELLED)[CANCELLED] - cancelled_before,
         "output_tokens": stats["tokens"],
         "tokens_per_s": steady if clients.window else (stats["tokens"] / wall if wall > 0 else 0.0),
         "cut_at_deadline": stats.get("cut", 0),
