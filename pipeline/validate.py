@@ -113,6 +113,8 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     texts = [chat_text(tok, p) for p in prompts]
     new = v.max_new_tokens
     log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
+    phases: dict[str, float] = {}
+    lap = _lap_clock(phases)
     for m in methods:
         _request(url, chat_text(tok, warm), 8, m)
     report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
@@ -122,15 +124,18 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
                     "methods": {}, "peers": {}}
     # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
     runs, texts, prompts = _exactness_pass(url, texts, prompts, methods, new, v.prompt_budget_s, report, log)
+    lap("exactness")
     _method_sections(report, runs, bundle, texts, v.near_tie_margin)
     report["draft"] = _draft_section(spec, bundle, runs["baseline"])
     report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
     report["suspicious"] = suspicious(report, bundle)
+    lap("acceptance_per_position")
     # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
     report["peers"].update(_transformers_peers(spec, bundle, texts, new))
+    lap("transformers")
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
-
     report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
+    lap("llama_cpp_server")
     # 3b. Concurrency curve.
     report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
     report["crossover"] = crossover(report["batch_curve"], methods)
@@ -139,13 +144,30 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
     # 3c. Temperatures: exact methods vs Medusa typical (lossy).
     report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
+    lap("batch_curve_and_temperatures")
     # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
     report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok, log)
+    lap("distribution")
     report["advice"] = advice(report, methods)
     report["environment"] = environment(spec)
+    report["phase_seconds"] = phases
     write_report(spec, report)
-    log(f"wrote {spec.report_dir / 'validate.json'}")
+    log(f"wrote {spec.report_dir / 'validate.json'}; validate's sections took " + ", ".join(
+        f"{k} {v:.0f} s" for k, v in phases.items()))
     return report
+
+
+def _lap_clock(phases: dict[str, float]):
+    """lap(name): the seconds since the previous lap (or the clock's start) recorded as phases[name], so the report
+    says where a make all's validate minutes went (the 30-minute budget of the main job)."""
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(now - last[0], 1)
+        last[0] = now
+
+    return lap
 
 
 def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: list[str], new: int, budget_s: float,
@@ -593,6 +615,9 @@ def markdown(r: dict) -> str:
     env = r["environment"]
     lines += ["## Environment", "", f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores, "
               f"{env['torch_threads']} torch threads); packages {env['packages']}", ""]
+    if r.get("phase_seconds"):
+        lines += ["Sections took: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["phase_seconds"].items())
+                  + f" ({sum(r['phase_seconds'].values()) / 60:.1f} min).", ""]
     return "\n".join(lines)
 
 

@@ -84,6 +84,39 @@ def test_acceptance_is_accepted_over_drafted_across_prompts():
     assert s["spec_draft_n_max"] == 6 and s["per_prompt_tokens_per_s"] == [12.8, 12.8]
 
 
+def _fake_draft_runs(rates: dict[int, list[float]], calls: list):
+    """run(n, prompts, first) for best_draft_mode: prompt i at n-max n decodes at rates[n][i] (what llama-server
+    would report; it cannot be built in the tests)."""
+
+    def run(n: int, prompts: list[str], first: int) -> peers.ModeRun:
+        calls.append((n, first, len(prompts)))
+        mr = peers.ModeRun(peers.Mode(Path("d.gguf"), n))
+        for i in range(first, first + len(prompts)):
+            r = peers.parse_completion(RESPONSE, wall_s=128 / rates[n][i])
+            mr.runs.append(r)
+        return mr
+
+    return run
+
+
+def test_each_n_max_runs_a_quarter_of_the_prompts_and_the_faster_one_runs_the_rest():
+    calls: list = []
+    rates = {3: [7.6, 7.8, 7.0, 6.6, 7.4, 7.2, 7.1, 6.6], 6: [6.7, 6.3, 9.9, 9.9, 9.9, 9.9, 9.9, 9.9]}
+    d = peers.best_draft_mode(_fake_draft_runs(rates, calls), [f"p{i}" for i in range(8)], (3, 6))
+    assert calls == [(3, 0, 2), (6, 0, 2), (3, 2, 6)]  # n-max 6 never sees prompts 3-8
+    assert d["spec_draft_n_max"] == 3
+    assert d["per_prompt_tokens_per_s"] == pytest.approx(rates[3])  # every prompt, in order
+    assert d["tried"]["3"]["prompts"] == 8 and d["tried"]["6"]["prompts"] == 2
+    assert d["tried"]["6"]["tokens_per_s"] == pytest.approx(6.5)
+
+
+def test_with_two_prompts_the_probe_is_the_whole_run():
+    calls: list = []
+    d = peers.best_draft_mode(_fake_draft_runs({3: [5.0, 5.0], 6: [8.0, 8.0]}, calls), ["a", "b"], (3, 6))
+    assert calls == [(3, 0, 2), (6, 0, 2)] and d["spec_draft_n_max"] == 6
+    assert [peers.probe_prompts(n) for n in (1, 2, 7, 8, 12, 16)] == [1, 2, 2, 2, 3, 4]
+
+
 def test_no_llama_server_peer_for_a_target_that_is_not_a_gguf(tmp_path):
     (tmp_path / "models" / "target").mkdir(parents=True)
     s = specmod.load(write_spec(tmp_path))

@@ -51,6 +51,10 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
     assert running_pid(s) is None, "validate must stop the server it started"
     on_disk = json.loads((s.report_dir / "validate.json").read_text())
     assert on_disk["methods"].keys() == report["methods"].keys()
+    # where the minutes went, section by section, in the order they ran
+    assert list(on_disk["phase_seconds"]) == ["exactness", "acceptance_per_position", "transformers",
+                                              "llama_cpp_server", "batch_curve_and_temperatures", "distribution"]
+    assert all(v >= 0 for v in on_disk["phase_seconds"].values()) and on_disk["phase_seconds"]["exactness"] > 0
     methods = on_disk["methods"]
     assert {"baseline", "draft_target", "prompt_lookup", "medusa"} <= set(methods)
     for name, m in methods.items():
