@@ -48,7 +48,9 @@ def _peers(report: dict) -> list[str]:
     parts = []
     gen = (peers.get("hf_generate") or {}).get("tokens_per_s")
     if gen:
-        parts.append(f"transformers `generate` {gen:.1f} tokens/s (baseline "
+        short = peers["hf_generate"].get("new_tokens")
+        parts.append(f"transformers `generate` {gen:.1f} tokens/s" + (f" ({short}-token answers)" if short else "")
+                     + " (baseline "
                      f"{methods['baseline']['tokens_per_s'] / gen:.2f}x it)")
     hfa = (peers.get("hf_assisted") or {}).get("tokens_per_s")
     if hfa and "draft_target" in methods:

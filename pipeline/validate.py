@@ -29,6 +29,7 @@ SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
 # New tokens per request in the concurrency curve; at 64 its 32-request bursts of forced-on speculation took
 # half the curve and pushed the main job past its 30-minute budget.
 CURVE_TOKENS = 32
+PEER_TOKENS = 32  # transformers' tokens per prompt in validate (bench runs the full length)
 
 
 
@@ -235,11 +236,13 @@ def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
     peer_dtype = torch.float32 if spec.dtype == "float32" else torch.bfloat16
     hf = hf_model(bundle.target, peer_dtype)
     tok = bundle.tokenizer
-    # A quarter of the prompts, at least 2: transformers' bf16 decode is 4-7x slower than ours, and its assisted
-    # generation on 4 of the pair's 8 prompts took 4.6 min of a 34-min make all on a slow-memory Zen 3 minute.
-    ids = [tokens_of(tok, t) for t in texts[: max(2, len(texts) // 4)]]
+    # A quarter of the prompts (at least 2) and PEER_TOKENS of each: transformers' bf16 decode is 4-7x slower than
+    # ours; both peers on 2 prompts x 128 tokens still took 4.7 of a 30-min make all (Zen 3, slow memory). bench runs
+    # them on every prompt at full length.
+    n, new = peer_budget(len(texts), new)
+    ids = [tokens_of(tok, t) for t in texts[:n]]
     out: dict = {"hf_generate": {"tokens_per_s": statistics.median(
-        [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids),
+        [new / _hf_generate(hf, [i], new)[0] for i in ids]), "prompts": len(ids), "new_tokens": new,
         "dtype": str(peer_dtype).removeprefix("torch.")}}
     draft_dir = spec.engine_dir / "draft_hf"
     if draft_dir.is_dir():
@@ -249,11 +252,17 @@ def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
         k = bundle.spec.k_for("draft_target")
         out["hf_assisted"] = {"tokens_per_s": statistics.median(
             [new / _hf_generate(hf, [i], new, assistant=d, k=k)[0] for i in ids]), "prompts": len(ids),
-            "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}
+            "new_tokens": new, "num_assistant_tokens": k, "dtype": str(peer_dtype).removeprefix("torch.")}
         del d
     else:
         out["hf_assisted"] = {"tokens_per_s": None, "note": "no draft built"}
     return out
+
+
+def peer_budget(prompts: int, new: int) -> tuple[int, int]:
+    """(prompts, new tokens) validate runs transformers on: a quarter of the prompts, at least 2, and at most
+    PEER_TOKENS tokens of each."""
+    return min(prompts, max(2, prompts // 4)), min(new, PEER_TOKENS)
 
 
 def draft_summary(spec: Spec) -> dict:
@@ -569,7 +578,8 @@ def markdown(r: dict) -> str:
                      f"{e['latency_ms']['p50']:.0f} | {e['latency_ms']['p95']:.0f} | {e['ttft_ms']['p50']:.0f} |")
     for name, p in r["peers"].items():
         tps = p.get("tokens_per_s")
-        who = name if name.startswith("llama_cpp") else f"transformers {name}"
+        short = f" ({p['prompts']} prompts x {p['new_tokens']} tokens)" if "new_tokens" in p else ""
+        who = name if name.startswith("llama_cpp") else f"transformers {name}{short}"
         cell = f"{tps:.1f}" if tps else f"n/a ({p.get('note', '')})"
         if name == "llama_cpp_server" and tps:
             lines += peers_rows(p)

@@ -80,8 +80,9 @@ def test_validate_writes_the_report_from_server_responses(tiny_all):
     assert methods["draft_target"]["total_draft_tokens"] > 0
     assert 0 <= methods["draft_target"]["acceptance_rate"] <= 1
     assert methods["draft_target"]["lookup_min_ngram"] == 2
-    assert on_disk["peers"]["hf_generate"]["tokens_per_s"] > 0
-    assert on_disk["peers"]["hf_assisted"]["tokens_per_s"] > 0
+    for peer in ("hf_generate", "hf_assisted"):  # the spec's 8 tokens: under validate's PEER_TOKENS cap
+        assert on_disk["peers"][peer]["tokens_per_s"] > 0 and on_disk["peers"][peer]["new_tokens"] == 8
+    assert "transformers hf_generate (2 prompts x 8 tokens)" in (s.report_dir / "validate.md").read_text()
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2) for m in methods}
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
@@ -179,3 +180,13 @@ def test_prompt_budget_stops_new_prompts_once_spent_after_the_minimum():
 def test_a_negative_prompt_budget_is_refused_with_its_key(tmp_path):
     with pytest.raises(ValueError, match="validate.prompt_budget_s"):
         specmod.parse({"name": "t", "validate": {"prompt_budget_s": -1}}, root=tmp_path)
+
+
+def test_transformers_peers_run_a_quarter_of_the_prompts_and_at_most_32_tokens_each():
+    from pipeline.validate import PEER_TOKENS, peer_budget
+
+    assert PEER_TOKENS == 32
+    assert peer_budget(8, 128) == (2, 32)
+    assert peer_budget(16, 128) == (4, 32)
+    assert peer_budget(1, 8) == (1, 8)  # never more prompts than ran, nor more tokens than asked
+    assert peer_budget(5, 16) == (2, 16)
