@@ -638,7 +638,8 @@ def peers_rows(p: dict) -> list[str]:
     d = p.get("draft")
     if d:
         acc = f"{d['acceptance']:.2f}" if d.get("acceptance") is not None else ""
-        rows.append(f"| llama-server + draft (n-max {d['spec_draft_n_max']}) | {d['tokens_per_s']:.1f} (decode "
+        part = f", {d['prompts']} of {p['prompts']} prompts" if d.get("stopped") else ""
+        rows.append(f"| llama-server + draft (n-max {d['spec_draft_n_max']}{part}) | {d['tokens_per_s']:.1f} (decode "
                     f"{d['decode_tokens_per_s']:.1f}) | | {acc} | | | | | |")
     return rows
 

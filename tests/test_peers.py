@@ -110,6 +110,19 @@ def test_each_n_max_runs_a_quarter_of_the_prompts_and_the_faster_one_runs_the_re
     assert d["tried"]["6"]["tokens_per_s"] == pytest.approx(6.5)
 
 
+def test_a_draft_mode_well_under_plain_on_the_probe_stops_there_and_one_near_it_runs_every_prompt():
+    rates = {3: [7.6, 7.8] + [7.0] * 6, 6: [6.7, 6.3] + [6.0] * 6}
+    plain = [11.0, 11.2, 11.4, 11.3, 10.9, 11.1, 11.5, 11.2]
+    calls: list = []
+    d = peers.best_draft_mode(_fake_draft_runs(rates, calls), [f"p{i}" for i in range(8)], (3, 6), plain)
+    assert calls == [(3, 0, 2), (6, 0, 2)]  # 7.7 < 0.8 x 11.1: the rest never runs
+    assert d["prompts"] == 2 and d["spec_draft_n_max"] == 3 and "could not be the better mode" in d["stopped"]
+    near = {3: [9.5, 9.3] + [9.0] * 6, 6: [8.0, 8.0] + [8.0] * 6}  # 9.4 >= 0.8 x 11.1
+    calls.clear()
+    d = peers.best_draft_mode(_fake_draft_runs(near, calls), [f"p{i}" for i in range(8)], (3, 6), plain)
+    assert calls == [(3, 0, 2), (6, 0, 2), (3, 2, 6)] and d["prompts"] == 8 and "stopped" not in d
+
+
 def test_with_two_prompts_the_probe_is_the_whole_run():
     calls: list = []
     d = peers.best_draft_mode(_fake_draft_runs({3: [5.0, 5.0], 6: [8.0, 8.0]}, calls), ["a", "b"], (3, 6))
@@ -256,3 +269,12 @@ def test_the_built_server_answers_greedily_and_drafts_with_its_draft(tmp_path):
     assert s["draft_n"] > 0 and s["acceptance"] > 0.8
     # Speculation changes nothing in a greedy answer: the plain server's text, word for word.
     assert spec.runs[0]["text"] == plain.runs[0]["text"]
+
+
+def test_the_llama_cpp_compile_runs_at_the_lowest_priority():
+    prefix = peers.low_priority()
+    assert prefix[1:] == ["-n", "19"] and Path(prefix[0]).name == "nice"
+    import subprocess
+
+    out = subprocess.run([*prefix, "sh", "-c", "cat /proc/self/stat"], capture_output=True, text=True, check=True)
+    assert int(out.stdout.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of /proc/<pid>/stat: the nice value
