@@ -157,3 +157,15 @@ def test_each_precisions_weights_on_huge_pages_are_reported():
     for prec in ("bfloat16", "int8"):
         assert 2 << 20 <= t[prec]["hugepage_bytes"] <= t[prec]["bytes_per_token"] + (4 << 20), prec
     assert t["bfloat16"]["hugepage_bytes"] > t["int8"]["hugepage_bytes"]
+
+
+def test_a_bfloat16_reference_keeps_its_layer_matrices_in_bfloat16_and_the_rest_in_float32():
+    from pipeline.precision import narrow_layers
+
+    st = {"embed.weight": torch.randn(8, 4), "norm.weight": torch.randn(4), "layers.0.wqkv.weight": torch.randn(12, 4),
+          "layers.0.wqkv.bias": torch.randn(12), "lm_head.weight": torch.randn(8, 4)}
+    want = {k: v.clone() for k, v in st.items()}
+    narrow_layers(st)
+    assert {k for k, v in st.items() if v.dtype == torch.bfloat16} == {"layers.0.wqkv.weight", "lm_head.weight"}
+    assert torch.equal(st["layers.0.wqkv.weight"], want["layers.0.wqkv.weight"].to(torch.bfloat16))
+    assert torch.equal(st["embed.weight"], want["embed.weight"]) and torch.equal(st["norm.weight"], want["norm.weight"])
