@@ -348,7 +348,8 @@ def best_draft_mode(run, prompts: list[str], n_maxes: tuple[int, ...], plain: li
 
     Unless it cannot be the better of the two: when `plain` (plain decoding's tokens/s per prompt) shows the fastest
     n-max under PROBE_LOSES x plain's median on the same probe prompts, the rest is not run and `stopped` says why
-    (on the AVX2 Zen 3 the draft ran at 0.65x plain; on Sapphire Rapids at 0.76-0.97x, which runs every prompt)."""
+    (on the AVX2 Zen 3 the draft ran at 0.65-0.70x plain; issue 28's Sapphire Rapids figures put it at 0.76-0.97x,
+    which would run every prompt)."""
     probe = probe_prompts(len(prompts))
     tried = {n: run(n, prompts[:probe], 0) for n in n_maxes}
     k = max(tried, key=lambda n: tried[n].summary()["tokens_per_s"])

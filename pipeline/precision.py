@@ -210,8 +210,9 @@ def engine_float_state(engine_dir, spec) -> tuple[ModelConfig, dict[str, torch.T
 
 def narrow_layers(state: dict[str, torch.Tensor]) -> None:
     """In place: a bfloat16 reference's layer matrices to bfloat16, as the engine build casts them before it
-    quantizes (norms, biases and the embedding stay float32). The GGUF read back in float32 held 6.2 GB for the 1.5B,
-    and `make bench` was killed for memory (24 GB resident) on a 24 GiB machine while building the precision table."""
+    quantizes (norms, biases and the embedding stay float32): half of the 1.5B's 6.2 GB of float32 layers. Not
+    enough on its own: the precision table, every variant built at once, still passed 23 GB and was killed on a
+    24 GiB machine (2026-12-02)."""
     for k, v in state.items():
-        if v.dim() == 2 and v.dtype == torch.float32 and not k.startswith(("embed.", "tok_embeddings.")):
+        if v.dim() == 2 and v.dtype == torch.float32 and not k.startswith("embed."):
             state[k] = v.to(torch.bfloat16)

@@ -260,9 +260,9 @@ def _transformers_peers(spec: Spec, bundle, texts: list[str], new: int) -> dict:
 
 
 def peer_budget(prompts: int, new: int) -> tuple[int, int]:
-    """(prompts, new tokens) validate runs transformers on: a quarter of the prompts, at least 2, and at most
-    PEER_TOKENS tokens of each."""
-    return min(prompts, max(2, prompts // 4)), min(new, PEER_TOKENS)
+    """(prompts, new tokens) validate runs transformers on: the quarter of the prompts (at least 2) llama-server's
+    n-max is picked on, and at most PEER_TOKENS tokens of each."""
+    return peers.probe_prompts(prompts), min(new, PEER_TOKENS)
 
 
 def draft_summary(spec: Spec) -> dict:
