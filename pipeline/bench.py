@@ -7,6 +7,7 @@ figures are medians over prompts and speedups are ratios measured in the same ru
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata as md
 import json
 import platform
@@ -271,14 +272,18 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
     report["roofline"] = _roofline(b, bws, [r.tokens_per_s for r in rows["baseline"]],
                                    report["methods"]["baseline"]["tokens_per_s"])
+    # Batch-8 throughput (baseline) with transformers alongside; then the transformers models go (4 GB for the
+    # pair): the precision table builds up to five copies of the target and needs the room.
+    report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)
+    del hf_peer, draft_hf
+    gc.collect()
     report["precision"] = _precision(spec, b, ids, quick, probe, log)
     report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     # Verify cost: one target forward over S new tokens, relative to S = 1.
     report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
     report["temperature_0.7"] = _sampled(b, methods, ids, new)
-    # bf16 weights and batch-8 throughput (baseline), with transformers alongside.
+    # bf16 weights with transformers alongside.
     report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
-    report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)
     report["environment"] = environment(spec)
     _write_report(spec, report, log)
     return report
@@ -368,6 +373,31 @@ def contention_lines(c: dict) -> list[str]:
     return out + [f"- {n}" for n in notes]
 
 
+def precision_lines(t: dict) -> list[str]:
+    """bench.md's precision table: each weight precision of the target against the reference, and how it was run."""
+    rows = [(p, t[p]) for p in ("float32", "bfloat16", "int8", "int4", "int4_a8", "gguf") if p in t]
+    if not rows:
+        return []
+    lines = ["", f"## Target per weight precision ({t['prompts']} prompts x {t['new_tokens']} tokens, decode steps "
+             f"only; vs {t['reference']}; kernels {t['kernel_path']})", "",
+             "| precision | tokens/s | vs reference | MB read per token | roofline | agreement | mean log-prob |",
+             "|---|---|---|---|---|---|---|"]
+    for p, e in rows:
+        mb = f"{e['bytes_per_token'] / 1e6:.0f}"
+        if "bytes_vs_gguf" in e:
+            mb += f" ({e['bytes_vs_gguf']:.3f}x the GGUF's {e['gguf_tensor_bytes'] / 1e6:.0f})"
+        lines.append(f"| {p} | {e['tokens_per_s']:.1f} | {e['speedup_vs_reference']:.2f}x | {mb} | "
+                     f"{100 * e['roofline_fraction']:.0f}% | {e['agreement_vs_reference']:.3f} | "
+                     f"{e['mean_logprob']:.3f} |")
+    groups = t.get("groups") or []
+    if len(groups) > 1:
+        lines += ["", "Decoded in groups that fit this machine's memory, each beside the reference: "
+                  + "; ".join(", ".join(g) for g in groups) + "."]
+    if t.get("skipped"):
+        lines += ["", f"Left out: {t['skipped']}."]
+    return lines
+
+
 def bench_markdown(r: dict) -> str:
     lines = [f"# Benchmark: {r['spec']} ({r['dtype']}, batch {r['batch']}, {r['new_tokens']} new tokens, "
              f"{r['prompts']} prompts, greedy)", "",
@@ -407,6 +437,7 @@ def bench_markdown(r: dict) -> str:
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "
                      f"{e['mean_accepted_len']:.2f} |")
     lines += contention_lines(r.get("contention") or {})
+    lines += precision_lines(r.get("precision") or {})
     bf, b8 = r["bf16"], r["batch8"]
     lines += ["", f"bf16: ours {bf['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
               f"{bf['hf_generate_tokens_per_s']:.1f} ({bf['ratio']:.2f}x).",

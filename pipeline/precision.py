@@ -47,6 +47,11 @@ from pipeline.runtime.model import ModelConfig, Transformer, build_model, hf_to_
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int4_a8")
 FLOAT32_MAX_BYTES = 4 << 30  # a float32 copy of a larger model is left out (memory on small machines)
+MEMORY_RESERVE = 2 << 30  # left free beside the table's models: the teacher-forced logits, the KV caches, the OS
+# A built model's resident bytes over its weight bytes, an upper bound measured on the 1.5B (2026-12-02): bfloat16
+# 0.98, int8 1.13, int4 1.45, int4_a8 1.62 (quantization leftovers, huge-page rounding), gguf 1.33. Applied to the
+# reference (the largest), it bounds every variant: 1.25 x 3.55 GB = 4.4 GB against at most 3.5 GB measured.
+RESIDENT_OVER_WEIGHTS = 1.25
 
 
 def read_bytes(model: Transformer) -> int:
@@ -80,10 +85,53 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
     return int((logp.argmax(-1) == tgt).sum()), float(logp[torch.arange(len(cont)), tgt].sum())
 
 
+def mem_available() -> int:
+    """Bytes Linux says can be allocated without swapping (/proc/meminfo's MemAvailable); 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def group_plan(others: list[str], budget: int, cost: int) -> tuple[list[list[str]], int]:
+    """(the non-reference precisions in decode groups, how many fit in a group) when each group sits beside the
+    reference in `budget` bytes and no model costs more than `cost` (the reference's). No group when not even one
+    fits: the table then has the reference alone."""
+    per_group = max(0, (budget - cost) // max(cost, 1))
+    if per_group == 0:
+        return [], 0
+    return [others[i:i + per_group] for i in range(0, len(others), per_group)], per_group
+
+
+def _decode_group(models: dict[str, Transformer], ids: list[list[int]], new_tokens: int, end_ids, probe,
+                  probes: list[float], runs: dict) -> None:
+    """Every prompt round-robin over `models`, appending (decode tokens/s, end-to-end tokens/s, tokens, bandwidth
+    around it) per prompt to `runs[prec]`."""
+    for model in models.values():
+        generate(model, [Request(ids[0][:8], 2)])  # warm-up
+    for p in ids:
+        for prec, model in models.items():
+            t = time.perf_counter()
+            (res,) = generate(model, [Request(p, new_tokens, end_ids=end_ids)])
+            e2e = len(res.tokens) / (time.perf_counter() - t)
+            decode_s = res.elapsed_s - res.first_token_s
+            tps = (len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0 else e2e
+            if probe is not None:
+                probes.append(probe())
+                bw = (probes[-2] + probes[-1]) / 2
+            else:
+                bw = probes[0]
+            runs[prec].append((tps, e2e, res.tokens, bw))
+
+
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
                     bandwidth_gbs: float | Callable[[], float], group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
-                    log: Callable[[str], None] = print, gguf_path=None) -> dict:
+                    log: Callable[[str], None] = print, gguf_path=None, memory_bytes: int | None = None) -> dict:
     """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
     mean_logprob}` for each precision, plus the reference's name and the kernel path that ran; with `gguf_path` (a
     GGUF of Q4_K / Q6_K tensors, whose dequantized weights `state` holds) a `gguf` row too.
@@ -91,7 +139,12 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     `bandwidth_gbs` is a figure or a probe: a probe runs before each decode and after the last, and each decode's
     roofline uses the mean of the readings on either side of it (`bandwidth_probes_gbs` lists them all,
     `bandwidth_gbs` is their median). One reading taken at another moment had put the bf16 target at 128% of its
-    roofline (29.6 GB/s read while it decoded at 38); readings a prompt apart in one bench went 57, 60, 21, 57, 51."""
+    roofline (29.6 GB/s read while it decoded at 38); readings a prompt apart in one bench went 57, 60, 21, 57, 51.
+
+    `memory_bytes` is what the table may allocate (default: MemAvailable less MEMORY_RESERVE). The precisions are
+    built in groups that fit it beside the reference, each group decoded round-robin with the reference
+    (`groups`), and each `speedup_vs_reference` is against the reference's runs in its own group: every variant at
+    once passed 23 GB for the 1.5B and was killed on a 24 GiB machine."""
     # float32 from bf16 weights would only widen them; a float32 copy of a large model may not fit.
     nbytes = sum(v.numel() for v in state.values()) * 4
     chosen = [p for p in precisions if p != "float32" or reference == "float32" and nbytes <= FLOAT32_MAX_BYTES]
@@ -106,70 +159,93 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
                  "prompts": len(ids), "kernel_path": kernels.path()}
     if gs4 is None:
         out["int4_skipped"] = f"no int4 group size in {quant.GROUP_SIZES} divides the layer widths {widths}"
-    # Every precision is built first and the prompts run round-robin over them: this machine's memory bandwidth
-    # drifts by tens of percent within a minute, and timing one precision after the other put that drift into
-    # the ratios (bf16 steps of 70 and 102 ms a minute apart in one process).
-    models, huge = {}, {}
-    for prec in order:
+    budget = memory_bytes if memory_bytes is not None else mem_available() - MEMORY_RESERVE
+
+    def build(prec: str) -> tuple[Transformer, int]:
         before = quant.hugepage_bytes()
-        models[prec] = variant(cfg, state, prec, gs4 if prec.startswith("int4") else group_size, gguf_path)
-        huge[prec] = max(0, quant.hugepage_bytes() - before)
-    tps: dict = {prec: [] for prec in order}
-    e2e: dict = {prec: [] for prec in order}
-    conts: dict = {prec: [] for prec in order}
-    for prec in order:
-        generate(models[prec], [Request(ids[0][:8], 2)])  # warm-up
-    probes = [bandwidth_gbs()] if callable(bandwidth_gbs) else []
-    around: dict = {prec: [] for prec in order}  # the bandwidth each decode ran at: mean of the readings around it
-    for p in ids:
-        for prec in order:
-            t = time.perf_counter()
-            (res,) = generate(models[prec], [Request(p, new_tokens, end_ids=end_ids)])
-            e2e[prec].append(len(res.tokens) / (time.perf_counter() - t))
-            decode_s = res.elapsed_s - res.first_token_s
-            tps[prec].append((len(res.tokens) - 1) / decode_s if len(res.tokens) > 1 and decode_s > 0
-                             else e2e[prec][-1])
-            conts[prec].append(res.tokens)
-            if probes:
-                probes.append(bandwidth_gbs())
-                around[prec].append((probes[-2] + probes[-1]) / 2)
-            else:
-                around[prec].append(bandwidth_gbs)
-    if probes:
-        bandwidth_gbs = statistics.median(probes)
-        out["bandwidth_probes_gbs"] = probes
-    out["bandwidth_gbs"] = bandwidth_gbs
-    ref_cont = conts[reference]
-    for prec in order:
-        model = models.pop(prec)
-        agree = total = 0
-        logp = 0.0
-        for p, c in zip(ids, ref_cont):
-            if not c:
-                continue
-            a, lp = teacher_forced(model, p, c)
-            agree, total, logp = agree + a, total + len(c), logp + lp
-        b = read_bytes(model)
-        speed = statistics.median(tps[prec])
-        ratio = statistics.median(x / r for x, r in zip(tps[prec], tps[reference]))
-        out[prec] = {"tokens_per_s": speed, "end_to_end_tokens_per_s": statistics.median(e2e[prec]),
-                     "per_prompt_tokens_per_s": tps[prec], "per_prompt_bandwidth_gbs": around[prec],
-                     "speedup_vs_reference": ratio,
-                     "bytes_per_token": b, "hugepage_bytes": huge[prec],
-                     **({"group_size": gs4} if prec.startswith("int4") else {}),
-                     "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps[prec], around[prec])),
-                     "roofline_fraction_at_median_bandwidth": speed / (bandwidth_gbs * 1e9 / b),
-                     "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
-        if prec == "gguf":
-            tensors, embd = gguf_bytes(gguf_path)
-            out[prec].update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd),
-                             kernel_path=kernels.path())
-        log(f"  {prec:9s} {speed:7.2f} tokens/s  {b / 1e6:8.1f} MB/token  roofline "
-            f"{out[prec]['roofline_fraction']:.2f}  agreement {out[prec]['agreement_vs_reference']:.3f}  "
-            f"mean logprob {out[prec]['mean_logprob']:.3f}")
-        del model
+        model = variant(cfg, state, prec, gs4 if prec.startswith("int4") else group_size, gguf_path)
+        return model, max(0, quant.hugepage_bytes() - before)
+
+    # The prompts run round-robin over the models of a group: this machine's memory bandwidth drifts by tens of
+    # percent within a minute, and timing one precision after the other put that drift into the ratios (bf16 steps
+    # of 70 and 102 ms a minute apart in one process). The reference is the largest model (float32 or bfloat16;
+    # the quantized ones are smaller): its resident cost bounds every other's.
+    ref_model, ref_huge = build(reference)
+    cost = int(quant.weight_bytes(ref_model) * RESIDENT_OVER_WEIGHTS)
+    groups, per_group = group_plan(order[1:], budget, cost)
+    out["memory"] = {"budget_bytes": budget, "reference_cost_bytes": cost, "per_group": per_group}
+    out["groups"] = [[reference, *g] for g in groups] or [[reference]]
+    if not groups and order[1:]:
+        out["skipped"] = (f"{order[1:]}: not one fits beside the {reference} reference (~{cost / 1e9:.1f} GB each) "
+                          f"in {budget / 1e9:.1f} GB; free memory or run bench on a larger machine")
+        log(f"  precision: {out['skipped']}")
+    if len(out["groups"]) > 1:
+        log(f"  precision: {len(out['groups'])} groups of at most {per_group} beside the reference "
+            f"({budget / 1e9:.1f} GB to use, ~{cost / 1e9:.1f} GB a model)")
+    probes: list[float] = [bandwidth_gbs()] if callable(bandwidth_gbs) else [bandwidth_gbs]
+    probe = bandwidth_gbs if callable(bandwidth_gbs) else None
+    ref_runs: list[list[tuple]] = []  # the reference's runs, one list per group
+    rows: dict = {}
+    for group in out["groups"]:
+        models = {reference: ref_model}
+        huge = {reference: ref_huge}
+        for prec in group[1:]:
+            models[prec], huge[prec] = build(prec)
+        runs: dict = {prec: [] for prec in group}
+        _decode_group(models, ids, new_tokens, end_ids, probe, probes, runs)
+        ref_runs.append(runs[reference])
+        ref_cont = [r[2] for r in ref_runs[0]]  # greedy: the same tokens in every group
+        for prec in group if len(ref_runs) == 1 else group[1:]:  # the reference's row from its first group
+            rows[prec] = _row(prec, models[prec], runs[prec], runs[reference], ids, ref_cont, huge[prec],
+                              gs4, gguf_path)
+            _log_row(log, prec, rows[prec])
+        for prec in group[1:]:
+            del models[prec]
         gc.collect()
+    del ref_model
+    gc.collect()
+    if probe is not None:
+        out["bandwidth_probes_gbs"] = probes
+    bandwidth = statistics.median(probes)
+    out["bandwidth_gbs"] = bandwidth
+    for prec in order:
+        if prec in rows:
+            rows[prec]["roofline_fraction_at_median_bandwidth"] = (
+                rows[prec]["tokens_per_s"] / (bandwidth * 1e9 / rows[prec]["bytes_per_token"]))
+            out[prec] = rows[prec]
     return out
+
+
+def _row(prec: str, model: Transformer, runs: list[tuple], ref_runs: list[tuple], ids: list[list[int]],
+         ref_cont: list[list[int]], huge: int, gs4, gguf_path) -> dict:
+    """One precision's row from its runs and the reference's runs in the same group."""
+    agree = total = 0
+    logp = 0.0
+    for p, c in zip(ids, ref_cont):
+        if not c:
+            continue
+        a, lp = teacher_forced(model, p, c)
+        agree, total, logp = agree + a, total + len(c), logp + lp
+    b = read_bytes(model)
+    tps = [r[0] for r in runs]
+    around = [r[3] for r in runs]
+    row = {"tokens_per_s": statistics.median(tps), "end_to_end_tokens_per_s": statistics.median(r[1] for r in runs),
+           "per_prompt_tokens_per_s": tps, "per_prompt_bandwidth_gbs": around,
+           "speedup_vs_reference": statistics.median(x / r[0] for x, r in zip(tps, ref_runs)),
+           "bytes_per_token": b, "hugepage_bytes": huge,
+           **({"group_size": gs4} if prec.startswith("int4") else {}),
+           "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps, around)),
+           "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
+    if prec == "gguf":
+        tensors, embd = gguf_bytes(gguf_path)
+        row.update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd), kernel_path=kernels.path())
+    return row
+
+
+def _log_row(log, prec: str, row: dict) -> None:
+    log(f"  {prec:9s} {row['tokens_per_s']:7.2f} tokens/s  {row['bytes_per_token'] / 1e6:8.1f} MB/token  roofline "
+        f"{row['roofline_fraction']:.2f}  agreement {row['agreement_vs_reference']:.3f}  "
+        f"mean logprob {row['mean_logprob']:.3f}")
 
 
 def gguf_source(spec):

@@ -70,7 +70,7 @@ def _precision(table: dict) -> list[str]:
     """One line for the target's precision table: decode speed, roofline and agreement per precision."""
     parts = [f"{p} {e['tokens_per_s']:.1f} tokens/s ({e['speedup_vs_reference']:.2f}x, "
              f"{100 * e['roofline_fraction']:.0f}% of its roofline, agreement {e['agreement_vs_reference']:.3f})"
-             for p in ("float32", "bfloat16", "int8", "int4", "int4_a8") if (e := table.get(p))]
+             for p in ("float32", "bfloat16", "int8", "int4", "int4_a8", "gguf") if (e := table.get(p))]
     if not parts:
         return []
     return [f"Target per weight precision ({table['new_tokens']} new tokens, decode steps only, each set against the "

@@ -148,3 +148,19 @@ def test_bench_writes_what_it_returns(bench):
     dt = r["methods"]["draft_target"]
     row = f"| draft_target | {dt['tokens_per_s']:.1f} | {dt['speedup']:.2f}x | 1.00 | {dt['mean_accepted_len']:.2f} |"
     assert row in md
+
+
+def test_bench_md_has_the_precision_table_and_the_groups_it_ran_in(bench):
+    from pipeline.bench import precision_lines
+
+    spec, r = bench
+    md = (spec.report_dir / "bench.md").read_text()
+    t = r["precision"]
+    assert t["groups"] and t["groups"][0][0] == t["reference"]  # every group decodes beside the reference
+    for p in ("bfloat16", "int8", "int4"):
+        e = t[p]
+        assert f"| {p} | {e['tokens_per_s']:.1f} | {e['speedup_vs_reference']:.2f}x | " in md
+    grouped = precision_lines({**t, "groups": [[t["reference"], "int8"], [t["reference"], "int4"]],
+                               "skipped": "['gguf']: not one fits"})
+    assert "each beside the reference: " + t["reference"] + ", int8; " in "\n".join(grouped)
+    assert "Left out: ['gguf']: not one fits." in grouped

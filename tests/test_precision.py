@@ -8,7 +8,14 @@ import math
 import pytest
 import torch
 
-from pipeline.precision import precision_table, teacher_forced, variant
+from pipeline.precision import (
+    RESIDENT_OVER_WEIGHTS,
+    group_plan,
+    mem_available,
+    precision_table,
+    teacher_forced,
+    variant,
+)
 from pipeline.runtime.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -169,3 +176,63 @@ def test_a_bfloat16_reference_keeps_its_layer_matrices_in_bfloat16_and_the_rest_
     assert {k for k, v in st.items() if v.dtype == torch.bfloat16} == {"layers.0.wqkv.weight", "lm_head.weight"}
     assert torch.equal(st["layers.0.wqkv.weight"], want["layers.0.wqkv.weight"].to(torch.bfloat16))
     assert torch.equal(st["embed.weight"], want["embed.weight"]) and torch.equal(st["norm.weight"], want["norm.weight"])
+
+
+def test_group_plan_fits_as_many_as_the_budget_holds_beside_the_reference():
+    others = ["int8", "int4", "int4_a8", "gguf"]
+    assert group_plan(others, 100, 10) == ([others], 9)  # room for all: one group, as before
+    assert group_plan(others, 35, 10) == ([["int8", "int4"], ["int4_a8", "gguf"]], 2)
+    assert group_plan(others, 29, 10) == ([["int8"], ["int4"], ["int4_a8"], ["gguf"]], 1)
+    assert group_plan(others, 19, 10) == ([], 0)  # the reference alone fits
+    assert group_plan(others, -5, 10) == ([], 0)
+
+
+def test_mem_available_reads_the_kernels_figure():
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    assert 0 < mem_available() <= total
+
+
+def _cost() -> int:
+    from pipeline.runtime import quant
+
+    return int(quant.weight_bytes(variant(CFG, _state(), "float32", 32)) * RESIDENT_OVER_WEIGHTS)
+
+
+def test_a_small_memory_budget_decodes_the_precisions_in_groups_each_beside_the_reference(monkeypatch):
+    """make bench on the 1.5B was killed for memory with every precision built at once: within a budget that holds
+    one variant beside the reference, each decodes round-robin with the reference and its ratio pairs with those
+    reference runs."""
+    from pipeline import precision
+
+    timed: list = []
+    real = precision.generate
+
+    def spy(model, reqs, **kw):
+        if reqs[0].max_new_tokens == 4:
+            timed.append(id(model))
+        return real(model, reqs, **kw)
+
+    monkeypatch.setattr(precision, "generate", spy)
+    ids = [[1, 2, 3], [4, 5, 6, 7]]
+    t = precision_table(CFG, _state(), ids, 4, bandwidth_gbs=10.0, group_size=32,
+                        precisions=("float32", "int8", "int4"), log=lambda *a: None, memory_bytes=2 * _cost() + 1)
+    assert t["groups"] == [["float32", "int8"], ["float32", "int4"]] and t["memory"]["per_group"] == 1
+    assert len(timed) == 8 and timed[0] == timed[2] == timed[4] == timed[6]  # the reference in both groups
+    assert timed[1] == timed[3] != timed[5] == timed[7] and timed[1] != timed[0]
+    assert len(t["float32"]["per_prompt_tokens_per_s"]) == 2 and t["float32"]["agreement_vs_reference"] == 1.0
+    for prec in ("int8", "int4"):
+        assert len(t[prec]["per_prompt_tokens_per_s"]) == 2 and t[prec]["speedup_vs_reference"] > 0
+    whole = precision_table(CFG, _state(), ids, 4, bandwidth_gbs=10.0, group_size=32,
+                            precisions=("float32", "int8", "int4"), log=lambda *a: None, memory_bytes=10 * _cost())
+    assert whole["groups"] == [["float32", "int8", "int4"]]
+    for prec in ("int8", "int4"):  # greedy decoding: the same continuations, so the same quality either way
+        assert whole[prec]["agreement_vs_reference"] == t[prec]["agreement_vs_reference"]
+        assert whole[prec]["mean_logprob"] == pytest.approx(t[prec]["mean_logprob"], abs=1e-9)
+
+
+def test_a_budget_that_holds_no_variant_keeps_the_reference_and_says_what_was_left_out():
+    logs: list[str] = []
+    t = precision_table(CFG, _state(), [[1, 2, 3]], 4, bandwidth_gbs=10.0, group_size=32,
+                        precisions=("float32", "int8"), log=logs.append, memory_bytes=_cost() + 1)
+    assert t["groups"] == [["float32"]] and "int8" not in t and t["float32"]["agreement_vs_reference"] == 1.0
+    assert "int8" in t["skipped"] and "larger machine" in t["skipped"] and any("not one fits" in m for m in logs)
