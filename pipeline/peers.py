@@ -46,6 +46,17 @@ CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_
               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
               "-DLLAMA_USE_PREBUILT_UI=OFF",  # ON would download the web UI at configure time
               "-DCMAKE_C_FLAGS=" + " ".join(NO_AMX), "-DCMAKE_CXX_FLAGS=" + " ".join(NO_AMX)]
+# cmake's compiler launcher for the llama.cpp build: ggml's sources (every kernel llama-server decodes with) compile as
+# configured, -O3 -march=native; the rest (llama, common, server, mtmd, httplib: 85% of the compile's CPU time,
+# none of it in the per-token matmuls) at -O1. See docs/peers.md ("Time") for what it saves and what it costs.
+LAUNCHER = r"""#!/usr/bin/env bash
+src= prev=
+for a in "$@"; do [[ $prev == -c ]] && src=$a; prev=$a; done
+[[ $src == */llama.cpp/ggml/* ]] && exec "$@"
+args=()
+for a in "$@"; do [[ $a == -O[23s] || $a == -Ofast ]] && a=-O1; args+=("$a"); done
+exec "${args[@]}"
+"""
 DRAFT_N_MAX = (3, 6)
 # The draft modes stop after the probe prompts when the fastest runs under this fraction of plain decoding there.
 PROBE_LOSES = 0.8
@@ -72,7 +83,12 @@ def install_dir(tag: str | None = None) -> Path:
     """Where the built binaries live: outside the repository, in the pipeline's cache, one directory per CPU."""
     from pipeline.sources import cache_dir  # lazy: loads torch (~1.5 s); the CLI imports peers at start
 
-    return cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}-{tag or cpu_tag()}"
+    return cache_dir() / f"llama.cpp-{LLAMA_CPP_VERSION}-{tag or cpu_tag()}-{build_digest()}"
+
+
+def build_digest() -> str:
+    """A digest of how llama.cpp is built (cmake arguments, launcher): a change builds anew beside the old."""
+    return hashlib.sha256(json.dumps([CMAKE_ARGS, LAUNCHER]).encode()).hexdigest()[:6]
 
 
 def binary(name: str = "llama-server", tag: str | None = None) -> Path | None:
@@ -127,12 +143,20 @@ def build(log=print, jobs: int | None = None) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     tree = _sources(work, log)
     bdir = work / "build"
+    launcher = work / "o1-outside-ggml.sh"
+    launcher.write_text(LAUNCHER)
+    launcher.chmod(0o755)
     log(f"building llama.cpp {LLAMA_CPP_VERSION} ({', '.join(BINARIES)}) in {bdir}: about 12 min on 2 cores")
     subprocess.run([cmake, "-S", str(tree), "-B", str(bdir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-                    *CMAKE_ARGS], check=True, stdout=subprocess.DEVNULL)
+                    *CMAKE_ARGS, *launcher_args(launcher)], check=True, stdout=subprocess.DEVNULL)
     subprocess.run([*low_priority(), cmake, "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 1), "--target",
                     *BINARIES], check=True)
     return install(bdir, log)
+
+
+def launcher_args(launcher: Path) -> list[str]:
+    """The cmake arguments that put LAUNCHER in front of every C and C++ compile."""
+    return [f"-DCMAKE_C_COMPILER_LAUNCHER={launcher}", f"-DCMAKE_CXX_COMPILER_LAUNCHER={launcher}"]
 
 
 def low_priority() -> list[str]:
@@ -153,7 +177,9 @@ def install(bdir: Path, log=print) -> Path:
     for n in BINARIES:
         shutil.copy2(bdir / "bin" / n, part / "bin" / n)
     (part / "build.json").write_text(json.dumps({"llama_cpp_python": LLAMA_CPP_VERSION, "cpu_tag": cpu_tag(),
-                                                 "cmake_args": CMAKE_ARGS}, indent=2))
+                                                 "cmake_args": CMAKE_ARGS,
+                                                 "launcher": "-O1 outside ggml (pipeline/peers.py LAUNCHER)"},
+                                                indent=2))
     if dest.exists():  # an older, incomplete layout: replaced whole
         shutil.rmtree(dest)
     os.rename(part, dest)

@@ -169,7 +169,7 @@ def test_the_build_is_cached_per_cpu_outside_the_repository(tmp_path, monkeypatc
     assert a.startswith("x86_64-avx512-") and b.startswith("x86_64-amx-") and a != b
     assert peers.cpu_tag(set(avx512), "x86_64") == a  # the same CPU finds its build again
     d = peers.install_dir(a)
-    assert d.parent == tmp_path and d.name == f"llama.cpp-{peers.LLAMA_CPP_VERSION}-{a}"
+    assert d.parent == tmp_path and d.name == f"llama.cpp-{peers.LLAMA_CPP_VERSION}-{a}-{peers.build_digest()}"
     assert peers.binary(tag=a) is None
 
 
@@ -219,6 +219,7 @@ def test_a_build_moves_its_binaries_into_place_only_when_complete(tmp_path, monk
     assert peers.binary() == dest / "bin" / "llama-server" and peers.binary("llama-bench")
     info = json.loads((dest / "build.json").read_text())
     assert "-mno-amx-int8" in " ".join(info["cmake_args"])  # the AMX crash: built without AMX
+    assert "-O1 outside ggml" in info["launcher"]
     assert not list(tmp_path.glob("*.partial-*"))
     assert peers.build(log=lambda *a: None) == dest  # reused, not rebuilt
 
@@ -278,3 +279,30 @@ def test_the_llama_cpp_compile_runs_at_the_lowest_priority():
 
     out = subprocess.run([*prefix, "sh", "-c", "cat /proc/self/stat"], capture_output=True, text=True, check=True)
     assert int(out.stdout.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of /proc/<pid>/stat: the nice value
+
+
+@pytest.mark.parametrize("src, level", [("/c/llama.cpp/ggml/src/ggml-cpu/ops.cpp", "-O3"),
+                                        ("/c/llama.cpp/ggml/src/ggml-quants.c", "-O3"),
+                                        ("/c/llama.cpp/src/llama-kv-cache.cpp", "-O1"),
+                                        ("/c/llama.cpp/tools/server/server-context.cpp", "-O1"),
+                                        ("/c/llama.cpp/vendor/cpp-httplib/httplib.cpp", "-O1")])
+def test_the_compile_launcher_keeps_o3_for_ggml_and_compiles_the_rest_at_o1(tmp_path, src, level):
+    """ggml holds the kernels llama-server decodes with: they keep the configured -O3; the rest, most of the compile
+    time, goes to -O1. The launcher runs the compiler it is given, here `echo`, with the arguments it rewrote."""
+    import subprocess
+
+    launcher = tmp_path / "launcher.sh"
+    launcher.write_text(peers.LAUNCHER)
+    launcher.chmod(0o755)
+    cmd = ["echo", "-DNDEBUG", "-O3", "-march=native", "-o", "x.o", "-c", src]
+    out = subprocess.run([str(launcher), *cmd], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [*cmd[1:2], level, *cmd[3:]]
+    assert peers.launcher_args(launcher) == [f"-DCMAKE_C_COMPILER_LAUNCHER={launcher}",
+                                             f"-DCMAKE_CXX_COMPILER_LAUNCHER={launcher}"]
+
+
+def test_a_change_in_how_llama_cpp_is_built_gets_its_own_install_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path))
+    before = peers.install_dir("x86_64-avx2-00000000")
+    monkeypatch.setattr(peers, "CMAKE_ARGS", [*peers.CMAKE_ARGS, "-DGGML_LTO=ON"])
+    assert peers.install_dir("x86_64-avx2-00000000") != before
