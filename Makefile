@@ -27,8 +27,8 @@ fetch: setup
 	$(PY) -m pipeline fetch $(SPEC)
 
 # Optional peer: llama.cpp's llama-server (and llama-bench), built from the sources vendored in the pinned
-# llama-cpp-python sdist into ~/.cache/spec-pipeline/llama.cpp-<version>-<cpu>/ (about 12 minutes on 2 cores,
-# once per CPU). bench and validate run it on the target's GGUF when it is built (docs/peers.md).
+# llama-cpp-python sdist into ~/.cache/spec-pipeline/llama.cpp-<version>-<cpu>/ (5-7 minutes on 2 quiet
+# cores, once per CPU). bench and validate run it on the target's GGUF when it is built (docs/peers.md).
 peers: setup
 	$(PY) -m pipeline peers $(SPEC)
 

@@ -47,8 +47,8 @@ CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_
               "-DLLAMA_USE_PREBUILT_UI=OFF",  # ON would download the web UI at configure time
               "-DCMAKE_C_FLAGS=" + " ".join(NO_AMX), "-DCMAKE_CXX_FLAGS=" + " ".join(NO_AMX)]
 # cmake's compiler launcher for the llama.cpp build: ggml's sources (every kernel llama-server decodes with) compile as
-# configured, -O3 -march=native; the rest (llama, common, server, mtmd, httplib: 85% of the compile's CPU time,
-# none of it in the per-token matmuls) at -O1. See docs/peers.md ("Time") for what it saves and what it costs.
+# configured, -O3 -march=native; the rest (llama, common, server, mtmd, httplib: 90% of the compile's CPU time,
+# none of it in the per-token matmuls) at -O1: 4.9 min against 6.5 on a quiet Zen 4, decoding as fast. See docs/peers.md ("Time") for what it saves and what it costs.
 LAUNCHER = r"""#!/usr/bin/env bash
 src= prev=
 for a in "$@"; do [[ $prev == -c ]] && src=$a; prev=$a; done
@@ -60,7 +60,7 @@ exec "${args[@]}"
 DRAFT_N_MAX = (3, 6)
 # The draft modes stop after the probe prompts when the fastest runs under this fraction of plain decoding there.
 PROBE_LOSES = 0.8
-NOT_BUILT = "llama-server not built for this CPU (run `make peers`; about 12 min on 2 cores)"
+NOT_BUILT = "llama-server not built for this CPU (run `make peers`; 5-7 min on 2 quiet cores)"
 
 
 # ---- the build --------------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def build(log=print, jobs: int | None = None) -> Path:
     launcher = work / "o1-outside-ggml.sh"
     launcher.write_text(LAUNCHER)
     launcher.chmod(0o755)
-    log(f"building llama.cpp {LLAMA_CPP_VERSION} ({', '.join(BINARIES)}) in {bdir}: about 12 min on 2 cores")
+    log(f"building llama.cpp {LLAMA_CPP_VERSION} ({', '.join(BINARIES)}) in {bdir}: 5-7 min on 2 quiet cores")
     subprocess.run([cmake, "-S", str(tree), "-B", str(bdir), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                     *CMAKE_ARGS, *launcher_args(launcher)], check=True, stdout=subprocess.DEVNULL)
     subprocess.run([*low_priority(), cmake, "--build", str(bdir), "-j", str(jobs or os.cpu_count() or 1), "--target",
