@@ -48,7 +48,8 @@ CMAKE_ARGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_
               "-DCMAKE_C_FLAGS=" + " ".join(NO_AMX), "-DCMAKE_CXX_FLAGS=" + " ".join(NO_AMX)]
 # cmake's compiler launcher for the llama.cpp build: ggml's sources (every kernel llama-server decodes with) compile as
 # configured, -O3 -march=native; the rest (llama, common, server, mtmd, httplib: 90% of the compile's CPU time,
-# none of it in the per-token matmuls) at -O1: 4.9 min against 6.5 on a quiet Zen 4, decoding as fast. See docs/peers.md ("Time") for what it saves and what it costs.
+# none of it in the per-token matmuls) at -O1: 4.9 min against 6.5 on a quiet Zen 4, decoding as fast (docs/peers.md,
+# "Time").
 LAUNCHER = r"""#!/usr/bin/env bash
 src= prev=
 for a in "$@"; do [[ $prev == -c ]] && src=$a; prev=$a; done
