@@ -23,9 +23,8 @@ from pipeline.runtime.model import wt
 SIZES = [1, 2, 4, 6, 8]
 
 
-def main(engine_dir: str, context: int = 128, rounds: int = 6) -> None:
-    m = load_engine(Path(engine_dir))
-    m = getattr(m, "model", m)
+def main(engine_dir: str, context: int = 128, rounds: int = 5) -> None:
+    m = load_engine(Path(engine_dir)).model
     print(f"kernel path {kernels.path()}, {kernels.threads()} threads, context {context}")
     cfg = m.cfg
     kinds = {"qkv": ("wqkv", cfg.hidden_size), "o": ("wo", cfg.num_heads * cfg.head_dim),
