@@ -1,5 +1,8 @@
 """What one busy process costs our decoding, per OpenMP wait policy and thread count (issue 28, item 6).
 
+Since 2026-12-03 the C kernels run on their own pool (skinny.c `pool_run`), whose wait follows the machine's load;
+the OpenMP policies here now reach torch's own regions only, and the tables this produced are in docs/peers.md.
+
 Each configuration runs in a fresh process (libgomp reads its environment once, when torch loads it): it loads the
 engine, warms up, then decodes `--new` greedy tokens of one prompt, quiet and beside a Python busy loop, alternating
 (`pipeline.contention.measure`). It prints quiet and busy tokens/s and the slowdown per configuration.

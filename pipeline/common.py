@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 # (10.6 tokens/s served), and a waiter then yields its core: 5.4 tokens/s busy (1.9x). Measured with
 # experiments/contention.py and bench's contention section (docs/peers.md). The environment's own value wins;
 # libgomp reads it once, when it is loaded, so it is set before torch is imported (pipeline/__main__.py) and for
-# the served stubs (server_env).
+# the served stubs (server_env). Since the C kernels run on their own pool (skinny.c `pool_run`, which chooses
+# its wait from the machine's load), this covers torch's own OpenMP regions only.
 OMP_ENV = {"GOMP_SPINCOUNT": "1000"}
 
 

@@ -659,3 +659,117 @@ def test_the_bandwidth_probe_reads_every_byte(threads):
             x[i] = 1
             assert kernels.stream_read(x) != 0, (n, i)
             x[i] = 0
+
+
+def _pool_counter(name: str):
+    import ctypes
+
+    return ctypes.c_longlong.in_dll(kernels._load(), name)
+
+
+@pytest.fixture
+def pool_wait():
+    """The pool's two spin budgets (ns), restored after the test."""
+    quiet, busy = _pool_counter("pool_spin_quiet_ns"), _pool_counter("pool_spin_busy_ns")
+    saved = quiet.value, busy.value
+    yield quiet, busy
+    quiet.value, busy.value = saved
+
+
+def test_kernel_calls_from_several_threads_at_once_keep_single_thread_bits(threads):
+    """One caller at a time gets the pool; a call made while it is taken runs its shares on its own thread. Both give
+    the bits of a one-thread call (the served stub's batcher and a second Python thread may call at once)."""
+    import threading
+
+    ws = [weights(kind, 640, 256, seed=11)[0] for kind in ("int4_a8", "bf16_tiled", "float32")]
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(12))
+    kernels.configure_threads(1)
+    want = [kernels.linear(x, w) for w in ws]
+    kernels.configure_threads(2)
+    bad: list[str] = []
+
+    def caller(i: int) -> None:
+        for r in range(40):
+            w = (i + r) % len(ws)
+            if not torch.equal(kernels.linear(x, ws[w]), want[w]):
+                bad.append(f"thread {i} call {r}")
+
+    ts = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not any(t.is_alive() for t in ts), "a kernel call hung with several callers"
+    assert not bad, bad[:5]
+
+
+def test_a_forked_child_starts_its_own_pool_workers():
+    """The parent's workers do not exist in a forked child: its first parallel call starts new ones (a child that
+    waited on the parent's would hang) and gets the same bits."""
+    code = (
+        "import os, signal, torch\n"
+        "from pipeline.runtime import kernels\n"
+        "from tests.test_kernels import weights\n"
+        "w = weights('int4_a8', 640, 256, seed=3)[0]\n"
+        "x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))\n"
+        "kernels.configure_threads(2)\n"
+        "want = kernels.linear(x, w)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(60)\n"
+        "    ok = all(torch.equal(kernels.linear(x, w), want) for _ in range(20))\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "child 0" in res.stdout, (res.stdout, res.stderr[-1000:])
+
+
+def test_pool_workers_spin_through_short_gaps_within_the_budget_and_sleep_past_it(threads, pool_wait):
+    """The wait between calls (a decode step's Python): a budget longer than the gap keeps the worker awake (no
+    futex sleeps), a zero budget puts it to sleep in every gap. The calls' bits do not depend on either."""
+    import time
+
+    quiet, busy = pool_wait
+    w = weights("int4_a8", 640, 256, seed=5)[0]
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    kernels.configure_threads(2)
+    want = kernels.linear(x, w)
+    sleeps = _pool_counter("pool_sleeps")
+
+    def gaps(n: int, gap_s: float) -> int:
+        kernels.linear(x, w)
+        before = sleeps.value
+        for _ in range(n):
+            end = time.perf_counter() + gap_s
+            while time.perf_counter() < end:
+                pass
+            assert torch.equal(kernels.linear(x, w), want)
+        return sleeps.value - before
+
+    quiet.value = busy.value = 200_000_000  # 200 ms: far past a 1 ms gap
+    assert gaps(20, 0.001) == 0
+    quiet.value = busy.value = 0
+    assert gaps(20, 0.001) >= 20
+
+
+def test_the_pool_sees_another_runnable_process_and_takes_the_short_wait(threads):
+    """Beside CPU-bound processes the probe of /proc/loadavg finds runnable threads that are not ours, so waits use
+    pool_spin_busy_ns (a spinning thread would take the core from the one holding the work)."""
+    import time
+
+    from pipeline.contention import busy_process
+
+    w = weights("int4_a8", 640, 256, seed=5)[0]
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    kernels.configure_threads(2)
+    seen = _pool_counter("pool_busy_seen")
+    with busy_process(), busy_process():
+        before = seen.value
+        end = time.perf_counter() + 1.0
+        while time.perf_counter() < end and seen.value == before:
+            kernels.linear(x, w)
+            time.sleep(0.005)
+        assert seen.value > before, "no probe saw the busy processes in 1 s of calls"

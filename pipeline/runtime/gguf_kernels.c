@@ -411,6 +411,26 @@ static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K
     }
 }
 
+// One thread's panels of a part (its share, then the others' from the back), with IEEE denormals on that thread.
+typedef struct {
+    const gx_t *X;
+    const gg_part_t *pt;
+    float *y;
+    share_t *share;
+    int S, K, N, blk, threads;
+} gg_job_t;
+static void gg_share(void *ctx, int t) {
+    const gg_job_t *j = (const gg_job_t *)ctx;
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);
+    int a, b;
+    while (take(&j->share[t], j->blk, 0, &a, &b)) gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
+    for (int o = 1; o < j->threads; o++)
+        while (take(&j->share[(t + o) % j->threads], j->blk, 1, &a, &b))
+            gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
+    _mm_setcsr(csr);
+}
+
 // y[S, N] = x[S, K] @ W.T for a GGUF layer (K % 256 == 0); threads share panels as skinny_matmul shares rows.
 static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, int K, int N, int threads) {
     if (threads < 1) threads = 1;
@@ -457,16 +477,8 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
                 const uint32_t n1 = n0 + chunk < (uint32_t)P ? n0 + chunk : (uint32_t)P;
                 atomic_init(&share[t].v, (uint64_t)n1 << 32 | n0);
             }
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-            for (int t = 0; t < threads; t++) {
-                const unsigned int tcsr = _mm_getcsr();
-                _mm_setcsr(tcsr & ~0x8040u);
-                int a, b;
-                while (take(&share[t], blk, 0, &a, &b)) gg_panels(&X, pt, yc, cs, K, N, a, b);
-                for (int j = 1; j < threads; j++)
-                    while (take(&share[(t + j) % threads], blk, 1, &a, &b)) gg_panels(&X, pt, yc, cs, K, N, a, b);
-                _mm_setcsr(tcsr);
-            }
+            const gg_job_t job = {&X, pt, yc, share, cs, K, N, blk, threads};
+            pool_run(gg_share, (void *)&job, threads);
         }
     }
     _mm_setcsr(csr);

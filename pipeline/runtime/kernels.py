@@ -44,7 +44,7 @@ ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512v
 # Both builds: only the fused multiply-adds written in skinny.c (fmaf, FMA intrinsics) fuse. GCC's default for GNU C is
 # -ffp-contract=fast, which lets each build fuse a * b + c on its own, so plain C arithmetic (RoPE, RMSNorm, SwiGLU,
 # the int8 row scale) could round differently in the two builds; the bit-for-bit contract needs it off.
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
 # skinny.c's weight types the Python side names (codes from the library, `weight_types()`): fp32 / bf16 tensors by
 # dtype; QLinear layouts in _weight_args.
 TENSOR_WT = {torch.float32: "f32", torch.bfloat16: "bf16"}

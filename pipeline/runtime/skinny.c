@@ -33,6 +33,7 @@
 // both implement the same sequence, so the two builds agree bit for bit as well. Both are compiled with
 // -ffp-contract=off (kernels.py): only the fused multiply-adds written here (fmaf, FMA intrinsics) fuse, so plain C
 // arithmetic rounds as written in either build.
+#define _GNU_SOURCE  // sched_getaffinity, CPU_COUNT (the pool's core count)
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -955,7 +956,186 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
     }
 }
 
+// The kernels' thread pool, in place of OpenMP's parallel-for. Its wait decides two things libgomp's one spin count
+// cannot have at once (docs/peers.md "A busy machine"): between a decode step's C calls the caller runs Python for
+// 50-500 us, and a worker that went to sleep there cost a draft_target request ~10% (GOMP_SPINCOUNT=1000 against
+// libgomp's default 300000, in process, 4 alternating runs each, Zen 4); but beside another CPU-bound process, long
+// spins took the core from the thread holding the work (draft_target 39x slower at the default, 2.0x at 1000). So a
+// waiting thread spins long while the machine has no runnable thread besides ours (/proc/loadavg's running count,
+// read at most every POOL_PROBE_NS), and briefly otherwise, then sleeps on a futex. pool_run gives share t of n to
+// fn(ctx, t): share 0 on the caller, the others on the workers. Shares never change an output's bits (each output
+// element is computed by one fixed sequence, whoever runs it), so a nested call, or a second caller while the pool
+// is busy, simply runs every share itself.
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#define POOL_MAX 63
+#define POOL_PROBE_NS 20000000LL
+typedef void (*pool_fn)(void *ctx, int t);
+static struct {
+    pthread_mutex_t lock;                // one caller's job at a time
+    _Atomic uint32_t gen, done;          // job count (workers sleep on it); jobs finished (the caller sleeps on it)
+    _Atomic int left, sleepers, caller_sleeps;
+    pool_fn fn;
+    void *ctx;
+    int n, workers;
+    pid_t pid;                           // a forked child starts its own workers
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static _Thread_local int pool_inside;    // this thread is running a share: a call from it runs alone
+// Spin budgets, ns: long while the machine is otherwise idle, short when something else wants a core (the tests set
+// both through ctypes; 0 sleeps at once). pool_busy_seen counts probes that found another runnable thread and
+// pool_sleeps the futex waits, for the tests.
+long long pool_spin_quiet_ns = 3000000, pool_spin_busy_ns = 20000;
+_Atomic long long pool_busy_seen, pool_sleeps;
+static _Atomic long long probe_at;
+static _Atomic int probe_busy;
+
+static inline long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+// Runnable threads on the machine besides ours: /proc/loadavg's fourth field is running/total; `ours` of them are
+// this pool's (the caller and every worker not asleep).
+static int others_running(int ours) {
+    char buf[128];
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (!f) return 0;
+    const size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    int running = 0;
+    if (sscanf(buf, "%*s %*s %*s %d/", &running) != 1) return 0;
+    return running > ours ? running - ours : 0;
+}
+
+static int pool_cpus = 1 << 30;  // the CPUs this process may run on (pool_grow)
+
+static long long spin_budget(void) {
+    const long long t = now_ns();
+    if (t - atomic_load_explicit(&probe_at, memory_order_relaxed) > POOL_PROBE_NS) {
+        atomic_store_explicit(&probe_at, t, memory_order_relaxed);
+        const int busy = others_running(1 + pool.workers - atomic_load(&pool.sleepers)) > 0;
+        atomic_store_explicit(&probe_busy, busy, memory_order_relaxed);
+        if (busy) atomic_fetch_add_explicit(&pool_busy_seen, 1, memory_order_relaxed);
+    }
+    // more threads than cores: a spinner always holds a core another of ours needs
+    const int busy = atomic_load_explicit(&probe_busy, memory_order_relaxed) || pool.workers + 1 > pool_cpus;
+    return busy ? pool_spin_busy_ns : pool_spin_quiet_ns;
+}
+
+// Spin until *w != v or the budget is spent; 1 when it changed.
+static int spin_until(_Atomic uint32_t *w, uint32_t v, long long budget) {
+    if (budget <= 0) return atomic_load(w) != v;
+    const long long end = now_ns() + budget;
+    for (;;) {
+        for (int i = 0; i < 32; i++) {
+            if (atomic_load_explicit(w, memory_order_acquire) != v) return 1;
+            _mm_pause();
+        }
+        if (now_ns() > end) return 0;
+    }
+}
+
+static void futex_wait(_Atomic uint32_t *w, uint32_t v) {
+    atomic_fetch_add_explicit(&pool_sleeps, 1, memory_order_relaxed);
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0);
+}
+static void futex_wake(_Atomic uint32_t *w) {
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+}
+
+static uint32_t pool_born[POOL_MAX];  // the job count when worker i was started: its first job is the next one
+
+static void *pool_worker(void *arg) {
+    const int me = (int)(intptr_t)arg;  // runs share me + 1
+    uint32_t seen = pool_born[me];
+    pool_inside = 1;
+    for (;;) {
+        if (!spin_until(&pool.gen, seen, spin_budget())) {
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.gen) == seen) futex_wait(&pool.gen, seen);
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        if (me + 1 < pool.n) pool.fn(pool.ctx, me + 1);
+        if (atomic_fetch_sub(&pool.left, 1) == 1) {
+            atomic_fetch_add(&pool.done, 1);
+            if (atomic_load(&pool.caller_sleeps)) futex_wake(&pool.done);
+        }
+    }
+    return NULL;
+}
+
+// Workers for shares 1..n-1 (started on first need, kept for the process); the number running.
+static int pool_grow(int n) {
+    if (pool.pid != getpid()) {  // first use, or a forked child: the parent's workers are not here
+        pool.workers = 0, pool.pid = getpid();
+        cpu_set_t set;
+        pool_cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+        if (pool_cpus < 1) pool_cpus = 1;
+    }
+    while (pool.workers < n - 1 && pool.workers < POOL_MAX) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        pool_born[pool.workers] = atomic_load(&pool.gen);
+        const int rc = pthread_create(&th, &at, pool_worker, (void *)(intptr_t)pool.workers);
+        pthread_attr_destroy(&at);
+        if (rc) break;
+        pool.workers++;
+    }
+    return pool.workers;
+}
+
+static void pool_run(pool_fn fn, void *ctx, int n) {
+    if (n > 1 && !pool_inside && pthread_mutex_trylock(&pool.lock) == 0) {
+        if (pool_grow(n) >= n - 1) {
+            pool.fn = fn, pool.ctx = ctx, pool.n = n;
+            atomic_store(&pool.left, pool.workers);
+            const uint32_t d = atomic_load(&pool.done);
+            atomic_fetch_add_explicit(&pool.gen, 1, memory_order_seq_cst);
+            if (atomic_load(&pool.sleepers)) futex_wake(&pool.gen);
+            pool_inside = 1;
+            fn(ctx, 0);
+            pool_inside = 0;
+            if (!spin_until(&pool.done, d, spin_budget())) {
+                atomic_store(&pool.caller_sleeps, 1);
+                while (atomic_load(&pool.done) == d) futex_wait(&pool.done, d);
+                atomic_store(&pool.caller_sleeps, 0);
+            }
+            pthread_mutex_unlock(&pool.lock);
+            return;
+        }
+        pthread_mutex_unlock(&pool.lock);
+    }
+    for (int t = 0; t < n; t++) fn(ctx, t);
+}
+
 #include "gguf_kernels.c"
+
+// One thread's part of a skinny_matmul chunk: its own share front to back, then the others' from the back.
+typedef struct {
+    const void *x, *w;
+    const float *sc;
+    float *y;
+    share_t *share;
+    int S, K, N, gs, wt, blk, threads;
+} rows_job_t;
+static void rows_share(void *ctx, int t) {
+    const rows_job_t *j = (const rows_job_t *)ctx;
+    int a, b;
+    while (take(&j->share[t], j->blk, 0, &a, &b)) rows(j->x, j->w, j->sc, j->y, j->S, j->K, j->N, j->gs, a, b, j->wt);
+    for (int o = 1; o < j->threads; o++)
+        while (take(&j->share[(t + o) % j->threads], j->blk, 1, &a, &b)) {
+            rows(j->x, j->w, j->sc, j->y, j->S, j->K, j->N, j->gs, a, b, j->wt);
+            atomic_fetch_add_explicit(&skinny_stolen_rows, b - a, memory_order_relaxed);
+        }
+}
 
 // x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
 // superblocks of 64 bytes read as 32 little-endian 16-bit words, word i holding column 32m + i in nibble m
@@ -1020,16 +1200,8 @@ int skinny_matmul(const float *x, const void *w, const float *sc, float *y, int 
             const uint32_t n1 = n0 + chunk < (uint32_t)Nr ? n0 + chunk : (uint32_t)Nr;
             atomic_init(&share[t].v, (uint64_t)n1 << 32 | n0);
         }
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-        for (int t = 0; t < threads; t++) {
-            int a, b;
-            while (take(&share[t], blk, 0, &a, &b)) rows(xc, w, sc, yc, cs, K, N, gs, a, b, wt);
-            for (int j = 1; j < threads; j++)
-                while (take(&share[(t + j) % threads], blk, 1, &a, &b)) {
-                    rows(xc, w, sc, yc, cs, K, N, gs, a, b, wt);
-                    atomic_fetch_add_explicit(&skinny_stolen_rows, b - a, memory_order_relaxed);
-                }
-        }
+        const rows_job_t job = {xc, w, sc, yc, share, cs, K, N, gs, wt, blk, threads};
+        pool_run(rows_share, (void *)&job, threads);
     }
 done:
     scratch_done(share, o_sh);
@@ -1043,23 +1215,29 @@ done:
 // The bandwidth probe: a pure streaming read of n bytes (a multiple of 64) split over the threads, returning an xor
 // of the words so that nothing is optimised away. It reads 4-8% faster than torch's sum (paired, 8 rounds, twice);
 // software prefetching 8-32 KB ahead made it 1-28% slower.
+typedef struct {
+    const char *p;
+    int64_t blocks, per;
+    uint64_t *part;
+} stream_job_t;
+static void stream_share(void *ctx, int t) {
+    const stream_job_t *j = (const stream_job_t *)ctx;
+    __m256i a = _mm256_setzero_si256(), b = a;
+    const int64_t e = (t + 1) * j->per < j->blocks ? (t + 1) * j->per : j->blocks;
+    for (int64_t i = t * j->per; i < e; i++) {
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(j->p + 64 * i)));
+        b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(j->p + 64 * i + 32)));
+    }
+    a = _mm256_xor_si256(a, b);
+    j->part[t] = (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 1) ^
+                 (uint64_t)_mm256_extract_epi64(a, 2) ^ (uint64_t)_mm256_extract_epi64(a, 3);
+}
 uint64_t stream_read(const void *p, int64_t n, int threads) {
     threads = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     const int64_t blocks = n / 64, per = (blocks + threads - 1) / threads;
     uint64_t part[256] = {0};
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; t++) {
-        const char *c = (const char *)p;
-        __m256i a = _mm256_setzero_si256(), b = a;
-        const int64_t e = (t + 1) * per < blocks ? (t + 1) * per : blocks;
-        for (int64_t i = t * per; i < e; i++) {
-            a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(c + 64 * i)));
-            b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(c + 64 * i + 32)));
-        }
-        a = _mm256_xor_si256(a, b);
-        part[t] = (uint64_t)_mm256_extract_epi64(a, 0) ^ (uint64_t)_mm256_extract_epi64(a, 1) ^
-                  (uint64_t)_mm256_extract_epi64(a, 2) ^ (uint64_t)_mm256_extract_epi64(a, 3);
-    }
+    const stream_job_t job = {(const char *)p, blocks, per, part};
+    pool_run(stream_share, (void *)&job, threads);
     uint64_t x = 0;
     for (int t = 0; t < threads; t++) x ^= part[t];
     return x;
@@ -1126,6 +1304,36 @@ static inline __m256 silu_mul8(__m256 a, __m256 b) {
     return _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), ex)), b);
 }
 
+// SwiGLU of x [S, 2K] into out [S, K], 8 columns an item, items split evenly over `threads` shares (share t of
+// them runs items [t n / threads, (t + 1) n / threads)); a row's last K % 8 go through the same vector code, padded,
+// so every element is computed alike wherever it falls.
+typedef struct {
+    const float *x;
+    float *out;
+    int K;
+    int64_t n;
+    int threads;
+} swiglu_job_t;
+static void swiglu_share(void *ctx, int t) {
+    const swiglu_job_t *j = (const swiglu_job_t *)ctx;
+    const int K = j->K, per = (K + 7) / 8;
+    for (int64_t it = j->n * t / j->threads; it < j->n * (t + 1) / j->threads; it++) {
+        const int64_t s = it / per;
+        const int k = (int)(it % per) * 8;
+        const float *a = j->x + s * 2 * K + k, *b = a + K;
+        float *out = j->out + s * K + k;
+        if (k + 8 <= K) {
+            _mm256_storeu_ps(out, silu_mul8(_mm256_loadu_ps(a), _mm256_loadu_ps(b)));
+        } else {
+            float ta[8] = {0}, tb[8] = {0}, to[8];
+            memcpy(ta, a, sizeof(float) * (K - k));
+            memcpy(tb, b, sizeof(float) * (K - k));
+            _mm256_storeu_ps(to, silu_mul8(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb)));
+            memcpy(out, to, sizeof(float) * (K - k));
+        }
+    }
+}
+
 // y[S, N] (+)= pre(x)[S, K] @ w[N, K].T, where pre is identity (mode 0), RMSNorm with weight g (mode 1,
 // x is [S, K]) or SwiGLU silu(x[:, :K]) * x[:, K:] (mode 2, x is [S, 2K]).
 // Returns skinny_matmul's status (SK_EARG also for a mode other than 0, 1, 2).
@@ -1141,26 +1349,10 @@ int fused_linear(const float *x, const float *g, float eps, const void *w, const
         if (mode == 1) {
             rmsnorm(x, g, eps, buf, S, K);
         } else {
-            // Split over the threads (a single thread's SwiGLU made the other wait), 8 columns at a time; a row's last
-            // K % 8 go through the same vector code, padded, so every element is computed alike wherever it falls.
-            const int per = (K + 7) / 8;
-            const int64_t n = (int64_t)S * per;
-#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)S * K >= 2048)
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t s = t / per;
-                const int k = (int)(t % per) * 8;
-                const float *a = x + s * 2 * K + k, *b = a + K;
-                float *out = buf + s * K + k;
-                if (k + 8 <= K) {
-                    _mm256_storeu_ps(out, silu_mul8(_mm256_loadu_ps(a), _mm256_loadu_ps(b)));
-                } else {
-                    float ta[8] = {0}, tb[8] = {0}, to[8];
-                    memcpy(ta, a, sizeof(float) * (K - k));
-                    memcpy(tb, b, sizeof(float) * (K - k));
-                    _mm256_storeu_ps(to, silu_mul8(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb)));
-                    memcpy(out, to, sizeof(float) * (K - k));
-                }
-            }
+            // Split over the threads (a single thread's SwiGLU made the other wait) from 2048 elements.
+            const int parts = (int64_t)S * K >= 2048 ? threads : 1;
+            const swiglu_job_t job = {x, buf, K, (int64_t)S * ((K + 7) / 8), parts};
+            pool_run(swiglu_share, (void *)&job, parts);
         }
         in = buf;
     }
@@ -1276,15 +1468,26 @@ static inline float dot_d(const float *q, const float *k, int D) {
 // slot index (l % 8) and a masked slot adds an exact 0, and V rows of masked slots are never read.
 // Written with 8-lane AVX2 only, so both builds run the same instructions.
 // Returns SK_OK, SK_EARG (shapes: Hq a multiple of Hkv, kv_len <= L), or SK_ENOMEM (some outputs not written).
-int attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
-              int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
-    if (B < 0 || S < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || kv_len < 0 || kv_len > L) return SK_EARG;
-    int group = Hq / Hkv;
-    int items = B * S * Hq;
-    const int kv8 = (kv_len + 7) & ~7;
-    _Atomic int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) if (items > 1 && (int64_t)items * kv_len >= 512)
-    for (int it = 0; it < items; it++) {
+typedef struct {
+    const float *q, *kc, *vc;
+    const uint8_t *mask;
+    const int64_t *slots;
+    float *out;
+    int S, Hq, Hkv, group, D, L, kv_len, kv8, items, parts;
+    float scale;
+    _Atomic int failed;
+} attn_job_t;
+static void attention_share(void *ctx, int share) {
+    attn_job_t *j = (attn_job_t *)ctx;
+    const float *q = j->q, *kc = j->kc, *vc = j->vc;
+    const float scale = j->scale;
+    const uint8_t *mask = j->mask;
+    const int64_t *slots = j->slots;
+    float *out = j->out;
+    const int S = j->S, Hq = j->Hq, Hkv = j->Hkv, group = j->group, D = j->D, L = j->L, kv_len = j->kv_len,
+              kv8 = j->kv8;
+    const int i0 = (int)((int64_t)j->items * share / j->parts), i1 = (int)((int64_t)j->items * (share + 1) / j->parts);
+    for (int it = i0; it < i1; it++) {
         int h = it % Hq, t = it / Hq, b = t / S;
         const float *qv = q + (int64_t)it * D;
         const float *K = kc + ((int64_t)b * Hkv + h / group) * L * D;
@@ -1297,7 +1500,7 @@ int attention(const float *q, const float *kc, const float *vc, const uint8_t *m
         int o_sc = 0;  // past 1024 slots: the thread's own scratch, kept between calls
         float *sc = kv8 <= 1024 ? stack : (float *)scratch(SC_ATT, sizeof(float) * kv8, &o_sc);
         if (!sc) {
-            atomic_store(&failed, 1);
+            atomic_store(&j->failed, 1);
             continue;
         }
         float mx = -INFINITY;
@@ -1353,7 +1556,17 @@ int attention(const float *q, const float *kc, const float *vc, const uint8_t *m
         if (sc != stack) scratch_done(sc, o_sc);
 #undef SEES
     }
-    return atomic_load(&failed) ? SK_ENOMEM : SK_OK;
+}
+
+int attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
+              int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
+    if (B < 0 || S < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || kv_len < 0 || kv_len > L) return SK_EARG;
+    const int items = B * S * Hq;
+    const int parts = items > 1 && (int64_t)items * kv_len >= 512 ? (threads < items ? threads : items) : 1;
+    attn_job_t job = {q, kc, vc, mask, slots, out, S, Hq, Hkv, Hq / Hkv, D, L, kv_len, (kv_len + 7) & ~7, items, parts,
+                      scale, 0};
+    pool_run(attention_share, (void *)&job, parts);
+    return atomic_load(&job.failed) ? SK_ENOMEM : SK_OK;
 }
 
 // A whole decoder layer in one call (what Block.fast ran as five calls from Python): the per-call Python and

@@ -107,7 +107,7 @@ class TritonPythonModel:
             cfg, "step_lock", "true") == "true" and args.get("model_repository") else NoGate()
         threads: list[str] = []  # as the decode thread sees them (OpenMP thread counts are per thread)
 
-        def setup() -> Scheduler:  # on the decode thread: it alone runs torch's and the kernels' OpenMP teams
+        def setup() -> Scheduler:  # on the decode thread: it alone runs torch's OpenMP team and the kernels' pool
             kernels.configure_threads(int(_param(cfg, "threads", "0") or 0))  # spec `threads`
             import torch  # after _add_paths (the venv's torch)
 
