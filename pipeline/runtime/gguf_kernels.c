@@ -1,5 +1,5 @@
 // GGUF k-quant weights (Q4_K, Q6_K) in the skinny kernel, never rounded twice (#included by skinny.c before
-// skinny_matmul, so it sees A8_LANES, vi_t / vf_t, a8_nibbles, vi_dp, take / share_t and the ISA switch).
+// skinny_matmul, so it sees A8_LANES, vi_t / vf_t, a8_nibbles, vi_dp, claim / share_t, pool_run and the ISA switch).
 //
 // Weights. A GGUF tensor keeps its own integers and scales; at build time (pipeline/runtime/gguf_weights.py) each
 // part of a layer is repacked into panels of 16 output rows (one int32 lane per row, as W4A8's tile_a8), super-block
@@ -424,10 +424,7 @@ static void gg_share(void *ctx, int t) {
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);
     int a, b;
-    while (take(&j->share[t], j->blk, 0, &a, &b)) gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
-    for (int o = 1; o < j->threads; o++)
-        while (take(&j->share[(t + o) % j->threads], j->blk, 1, &a, &b))
-            gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
+    while (claim(j->share, j->threads, t, j->blk, &a, &b)) gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
     _mm_setcsr(csr);
 }
 

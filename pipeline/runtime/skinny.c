@@ -955,12 +955,20 @@ static inline int take(share_t *s, int blk, int back, int *n0, int *n1) {
         }
     }
 }
+// Thread t's next claim of `threads` shares: from its own share's front while it lasts, then from the back of the
+// others' (1: own rows, 2: taken from another's share, 0: nothing left anywhere).
+static inline int claim(share_t *share, int threads, int t, int blk, int *n0, int *n1) {
+    if (take(&share[t], blk, 0, n0, n1)) return 1;
+    for (int o = 1; o < threads; o++)
+        if (take(&share[(t + o) % threads], blk, 1, n0, n1)) return 2;
+    return 0;
+}
 
 // The kernels' thread pool, in place of OpenMP's parallel-for. Its wait decides two things libgomp's one spin count
 // cannot have at once (docs/peers.md "A busy machine"): between a decode step's C calls the caller runs Python for
 // 50-500 us, and a worker that went to sleep there cost a draft_target request ~10% (GOMP_SPINCOUNT=1000 against
 // libgomp's default 300000, in process, 4 alternating runs each, Zen 4); but beside another CPU-bound process, long
-// spins took the core from the thread holding the work (draft_target 39x slower at the default, 2.0x at 1000). So a
+// spins took the core from the thread holding the work (draft_target 39x slower at the default, 2.0-2.2x at 1000). So a
 // waiting thread spins long while the machine has no runnable thread besides ours (/proc/loadavg's running count,
 // read at most every POOL_PROBE_NS), and briefly otherwise, then sleeps on a futex. pool_run gives share t of n to
 // fn(ctx, t): share 0 on the caller, the others on the workers. Shares never change an output's bits (each output
@@ -1129,12 +1137,10 @@ typedef struct {
 static void rows_share(void *ctx, int t) {
     const rows_job_t *j = (const rows_job_t *)ctx;
     int a, b;
-    while (take(&j->share[t], j->blk, 0, &a, &b)) rows(j->x, j->w, j->sc, j->y, j->S, j->K, j->N, j->gs, a, b, j->wt);
-    for (int o = 1; o < j->threads; o++)
-        while (take(&j->share[(t + o) % j->threads], j->blk, 1, &a, &b)) {
-            rows(j->x, j->w, j->sc, j->y, j->S, j->K, j->N, j->gs, a, b, j->wt);
-            atomic_fetch_add_explicit(&skinny_stolen_rows, b - a, memory_order_relaxed);
-        }
+    for (int k; (k = claim(j->share, j->threads, t, j->blk, &a, &b));) {
+        rows(j->x, j->w, j->sc, j->y, j->S, j->K, j->N, j->gs, a, b, j->wt);
+        if (k == 2) atomic_fetch_add_explicit(&skinny_stolen_rows, b - a, memory_order_relaxed);
+    }
 }
 
 // x: [S, K] fp32; w: [N, K] as wt (int4: [N, K / 2] bytes of u = q + 8: columns below K & ~127 in 128-column
