@@ -5,7 +5,8 @@ interleaved rounds, so a drift in the machine's memory bandwidth hits every S al
     PYTHONPATH=. .venv/bin/python experiments/verify_profile.py engines/qwen_coder/target
 
 Run it on a quiet machine: 8 tokens against 1 is bench.json's `verify_cost_ms` ratio, split by stage
-(docs/gguf_weights.md has the Zen 4 table it printed).
+(docs/gguf_weights.md has the Zen 4 table it printed). The last line is the floor under 8 tokens: their
+multiply-adds at the kernel build's measured int8 peak (bench.json's `verify_floor`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.bench import macs_per_token
 from pipeline.runtime import kernels
 from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.model import wt
@@ -60,6 +62,13 @@ def main(engine_dir: str, context: int = 128, rounds: int = 5) -> None:
     for name in ["forward + logits", "decoder layers", "logits", *kinds]:
         row = [best[(name, S)] * 1e3 for S in SIZES]
         print(f"{name:18}" + "".join(f"{v:9.2f}" for v in row) + f"   {row[-1] / row[0]:6.2f}")
+    # The floor no tile order beats: 8 tokens' multiply-adds at the build's int8 peak (bench.json's verify_floor).
+    peak, macs = kernels.int8_peak(0.3), macs_per_token(cfg)
+    floor = 1e3 * max(SIZES) * macs / peak["macs_per_s"]
+    one, top = best[("forward + logits", 1)] * 1e3, best[("forward + logits", max(SIZES))] * 1e3
+    print(f"int8 peak {peak['macs_per_s'] / 1e9:.0f} G multiply-adds/s ({peak['instruction']}); {max(SIZES)} tokens x "
+          f"{macs / 1e9:.2f} G take at least {floor:.1f} ms = {floor / one:.2f} x S=1; measured {top / one:.2f}, "
+          f"{100 * floor / top:.0f}% of the peak")
 
 
 if __name__ == "__main__":

@@ -131,10 +131,11 @@ def _labelled_runs(b, methods: list[str]) -> list[tuple[str, str, dict]]:
 
 
 def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new: int, hf_peer, draft_hf, k: int,
-                 probe: Callable[[], float], log) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float]]:
-    """Every run and the transformers peers on prompt i before prompt i + 1, so machine noise hits all alike:
-    (runs per label, peers' tokens/s, bandwidth probes). The roofline's bandwidth is read between the prompts, as
-    the speeds are: it drifts by tens of percent."""
+                 probe: Callable[[], float], log, llama: gguf.PlainPeer | None = None, texts: list[str] | None = None
+                 ) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float]]:
+    """Every run, the transformers peers and `llama` (llama-server plain, on `texts`, the raw prompts) on prompt i
+    before prompt i + 1, so machine noise hits all alike: (runs per label, peers' tokens/s, bandwidth probes). The
+    roofline's bandwidth is read between the prompts, as the speeds are: it drifts by tens of percent."""
     rows: dict[str, list[Run]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
     bws = [probe()]
@@ -148,9 +149,11 @@ def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new
         if draft_hf is not None:
             dt, _ = _hf_generate(hf_peer, [p], new, assistant=draft_hf, k=k)
             peers["hf_assisted"].append(new / dt)
+        theirs = llama.ask(texts[i]) if llama is not None and texts is not None else None
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
-            + f", hf_generate {peers['hf_generate'][-1]:.1f} tokens/s")
+            + f", hf_generate {peers['hf_generate'][-1]:.1f}"
+            + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
         bws.append(probe())
     return rows, peers, bws
 
@@ -257,14 +260,15 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     def probe() -> float:
         return measure_bandwidth_gbs(128 if quick else 512, reps=3)
 
-    rows, peers, bws = _interleaved(b, runs, ids, new, hf_peer, draft_hf, k, probe, log)
+    with gguf.PlainPeer(spec, new, log, warm=prompts[0]) as llama:  # llama-server plain, between ours per prompt
+        rows, peers, bws = _interleaved(b, runs, ids, new, hf_peer, draft_hf, k, probe, log, llama, prompts[1:])
     report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
                     "methods": {}, "peers": {}}
     _methods_and_peers(report, b, rows, peers, k)
 
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on the same prompts, when built.
 
-    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0]))
+    report["peers"].update(gguf.safe_llama_server_peer(spec, prompts[1:], new, log, warm=prompts[0], plain=llama))
 
     # A busy machine (issue 28): ours served and llama-server, quiet against one busy process, 64 tokens.
 
@@ -281,6 +285,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     # Verify cost: one target forward over S new tokens, relative to S = 1.
     report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
+    report["verify_floor"] = verify_floor(b.target.cfg, report["verify_cost_ms"], 0.05 if quick else 0.3)
     report["temperature_0.7"] = _sampled(b, methods, ids, new)
     # bf16 weights with transformers alongside.
     report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
@@ -294,6 +299,47 @@ def verify_cost_curve(model, max_s: int) -> list[dict]:
 
     costs = verify_costs(model, max_s)
     return [{"tokens": s, "ms": 1000 * c, "relative": c / costs[0]} for s, c in enumerate(costs, start=1)]
+
+
+def macs_per_token(cfg) -> int:
+    """Multiply-adds of one token's forward through the decoder's projections and the full output head (attention
+    over the context is left out: a few percent at bench's 128-token context)."""
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * layer + h * cfg.vocab_size
+
+
+def verify_floor(cfg, curve: list[dict], seconds: float, tokens: int = 8) -> dict:
+    """How cheap verifying `tokens` tokens could be on this machine: their multiply-adds at the kernel build's
+    measured int8 peak (kernels.int8_peak), against the measured one-token step. When that floor alone is near or
+    above 1.3 steps (issue 28's target), no tile order on these vector units reaches the target; AMX would."""
+    if not kernels.available():
+        return {"note": "the skinny kernel is off (torch path): no int8 dot product to measure"}
+    peak = kernels.int8_peak(seconds)
+    macs = macs_per_token(cfg)
+    floor_ms = 1000 * tokens * macs / peak["macs_per_s"]
+    one = curve[0]["ms"]
+    at = next((c for c in curve if c["tokens"] == tokens), None)
+    return {"tokens": tokens, "macs_per_token": macs, "int8_macs_per_s": peak["macs_per_s"],
+            "instruction": peak["instruction"], "threads": peak["threads"], "kernel_path": kernels.path(),
+            "floor_ms": floor_ms, "floor_relative": floor_ms / one,
+            "measured_relative": at["relative"] if at else None,
+            "fraction_of_peak": floor_ms / at["ms"] if at else None}
+
+
+def verify_floor_lines(f: dict) -> list[str]:
+    """bench.md's sentence on the verify floor (nothing for an older report without it)."""
+    if not f:
+        return []
+    if "floor_ms" not in f:
+        return [f"Verify floor: {f.get('note', 'not measured')}.", ""]
+    got = (f" Measured: {f['measured_relative']:.2f} steps, {100 * f['fraction_of_peak']:.0f}% of that peak."
+           if f.get("measured_relative") is not None else "")
+    return [f"Verify floor: {f['tokens']} tokens x {f['macs_per_token'] / 1e9:.2f} G multiply-adds at this build's "
+            f"int8 peak, {f['int8_macs_per_s'] / 1e9:.0f} G/s ({f['instruction']}, {f['threads']} threads), take "
+            f"{f['floor_ms']:.1f} ms: {f['floor_relative']:.2f} one-token steps before any other instruction.{got}",
+            ""]
 
 
 def bf16_compare(spec: Spec, b, ids: list[list[int]], new: int, log) -> dict:
@@ -432,6 +478,7 @@ def bench_markdown(r: dict) -> str:
               f"(skinny kernel: {rf['skinny_kernel']}).", "",
               "Verify cost (one forward over S new tokens, relative to S=1): "
               + ", ".join(f"{c['tokens']}: {c['relative']:.2f}" for c in r["verify_cost_ms"]), "",
+              *verify_floor_lines(r.get("verify_floor") or {}),
               "## Temperature 0.7", "", "| method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|"]
     for m, e in r["temperature_0.7"].items():
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "

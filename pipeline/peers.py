@@ -6,10 +6,11 @@ download, cmake and ninja come from PyPI where the system lacks them, and the bi
 directory only when the build is complete (built and copied into a `.partial-<pid>` directory, then renamed).
 
 validate and bench run it on the target's GGUF through its HTTP API (OpenAI chat completions, so the GGUF's own
-chat template applies), on the prompts they run ours on, greedy, with the same token budget: plain, and with the
-draft's GGUF (`--spec-type draft-simple`: with `-md` alone the server loads the draft and never drafts), the better
-of `--spec-draft-n-max` 3 and 6. Each mode is its own server process (the speculative settings are per server in
-this llama.cpp), bound to 127.0.0.1 on a free port and stopped afterwards. Where the binary is not built, the
+chat template applies), on the prompts they run ours on, greedy, with the same token budget: plain, prompt by prompt
+between ours (`PlainPeer`), and then with the draft's GGUF (`--spec-type draft-simple`: with `-md` alone the server
+loads the draft and never drafts), the better of `--spec-draft-n-max` 3 and 6. Each mode is its own server process
+(the speculative settings are per server in this llama.cpp), bound to 127.0.0.1 on a free port and stopped
+afterwards. Where the binary is not built, the
 report carries a note saying how to build it, not a figure.
 
 AMX. On a Sapphire Rapids Xeon, a `GGML_NATIVE=ON` build crashes (SIGSEGV in `ggml_backend_amx_mul_mat`) on any
@@ -348,6 +349,64 @@ def run_mode(exe: Path, gguf: Path, mode: Mode, prompts: list[str], new: int, th
     return out
 
 
+class PlainPeer:
+    """llama-server decoding plainly, started once and asked prompt by prompt between our own requests (validate's
+    exactness pass, bench's interleaved prompts), so that its figures and ours come from the same minutes: this
+    machine's memory bandwidth drifts by tens of percent within a minute, and run minutes apart the two had read
+    1.05-1.18x of each other for the same plain decoding of the same weights in three make alls. Inactive (every
+    `ask` returns None) where there is no GGUF target or no built server; a failure (start or request) is kept in
+    `failed` and ends its requests, and `llama_server_peer` then runs plain decoding on its own as before. Idle
+    between requests, the server takes no CPU (its threads wait on a condition variable)."""
+
+    def __init__(self, spec, new: int, log=print, warm: str | None = None):
+        self.spec, self.new, self.log, self.warm = spec, new, log, warm
+        self.run = ModeRun(Mode())
+        self.server: LlamaServer | None = None
+        self.failed: str | None = None
+
+    def __enter__(self) -> PlainPeer:
+        gguf, exe = gguf_of(self.spec), binary()
+        if gguf is None or exe is None:
+            return self
+        threads = self.spec.threads or os.cpu_count() or 1
+        port = free_port()
+        log_path = self.spec.report_dir / "llama-server" / "llama-server-plain-interleaved.log"
+        try:
+            self.server = LlamaServer(server_command(exe, gguf, port, threads, 4096), port, log_path).__enter__()
+            if self.warm:
+                self.server.chat(self.warm, 8)
+        except (OSError, RuntimeError, ValueError, TimeoutError, subprocess.SubprocessError) as e:
+            self._fail(e)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    @property
+    def active(self) -> bool:
+        return self.server is not None and self.failed is None
+
+    def _fail(self, e: BaseException) -> None:
+        self.failed = f"{type(e).__name__}: {str(e)[:500]}"
+        self.log(f"  llama-server (interleaved) failed: {self.failed}; it runs after our prompts instead")
+        if self.server is not None:
+            self.server.stop()
+
+    def ask(self, prompt: str) -> dict | None:
+        """One greedy completion of the prompt (raw text: the server applies the GGUF's chat template); its figures,
+        or None when inactive or failed."""
+        if not self.active:
+            return None
+        try:
+            r = self.server.chat(prompt, self.new)
+        except (OSError, RuntimeError, ValueError, TimeoutError, urllib.error.URLError) as e:
+            self._fail(e)
+            return None
+        self.run.runs.append(r)
+        return r
+
+
 def gguf_of(spec, part: str = "target") -> Path | None:
     """The GGUF file of the spec's target (or draft), when it comes from one."""
     from pipeline import sources  # lazy: loads torch (~1.5 s); the CLI imports peers at start
@@ -395,9 +454,11 @@ def best_draft_mode(run, prompts: list[str], n_maxes: tuple[int, ...], plain: li
 
 
 def llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str | None = None,
-                      n_maxes: tuple[int, ...] = DRAFT_N_MAX) -> dict:
+                      n_maxes: tuple[int, ...] = DRAFT_N_MAX, plain: PlainPeer | None = None) -> dict:
     """`peers.llama_cpp_server`: plain, and with the draft's GGUF at each n-max (the best one reported), on the
-    target's GGUF; {} when the target is not a GGUF, a note when the binary is not built."""
+    target's GGUF; {} when the target is not a GGUF, a note when the binary is not built. `plain`: a PlainPeer that
+    already ran every one of `prompts` between ours (its figures are used and marked `interleaved`); otherwise plain
+    decoding runs here, after ours."""
     gguf = gguf_of(spec)
     if gguf is None:
         return {}
@@ -410,8 +471,13 @@ def llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str |
                    "gguf": gguf.name, "threads": threads, "prompts": len(prompts), "new_tokens": new,
                    "api": "/v1/chat/completions (the GGUF's chat template), cache_prompt false, temperature 0",
                    "amx": "built without AMX (see pipeline/peers.py)"}
-    plain = run_mode(exe, gguf, Mode(), prompts, new, threads, log_dir, log, warm)
-    entry["plain"] = plain.summary()
+    if plain is not None and plain.failed is None and len(plain.run.runs) == len(prompts):
+        entry["plain"] = {**plain.run.summary(), "interleaved": True}
+    else:
+        entry["plain"] = {**run_mode(exe, gguf, Mode(), prompts, new, threads, log_dir, log, warm).summary(),
+                          "interleaved": False}
+        if plain is not None and plain.failed:
+            entry["plain"]["interleaving_failed"] = plain.failed
     best = ("plain", entry["plain"])
     draft = gguf_of(spec, "draft")
     if draft is not None:
@@ -431,11 +497,12 @@ def llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str |
     return {"llama_cpp_server": entry}
 
 
-def safe_llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str | None = None) -> dict:
+def safe_llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str | None = None,
+                           plain: PlainPeer | None = None) -> dict:
     """`llama_server_peer` for validate and bench: a peer that fails (a crash, a timeout) becomes a note in the
     report naming what happened, and the run goes on."""
     try:
-        return llama_server_peer(spec, prompts, new, log, warm)
+        return llama_server_peer(spec, prompts, new, log, warm, plain=plain)
     except (OSError, RuntimeError, ValueError, TimeoutError, subprocess.SubprocessError) as e:
         log(f"  llama-server failed: {type(e).__name__}: {str(e)[:500]}")
         return {"llama_cpp_server": {"tokens_per_s": None, "note": f"llama-server failed: {type(e).__name__}: "

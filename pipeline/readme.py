@@ -114,9 +114,23 @@ def render_spec(name: str, spec_path: str, validate: dict | None, bench: dict | 
             else:  # a report from before the per-prompt pairing: its speed median against its probe median
                 out.append(f"Baseline reaches {100 * rf['fraction_of_limit']:.0f}% of the memory-bandwidth limit "
                            f"({rf['limit_tokens_per_s']:.1f} tokens/s at {rf['bandwidth_gbs']:.1f} GB/s, the medians).")
+        out += _verify(bench)
         out += _precision(bench.get("precision") or {})
         out.append("")
     return out
+
+
+def _verify(bench: dict) -> list[str]:
+    """The 8-token verification against one step, and the floor its multiply-adds set on this CPU (issue 28)."""
+    curve, f = bench.get("verify_cost_ms") or [], bench.get("verify_floor") or {}
+    at = next((c for c in curve if c["tokens"] == 8), None)
+    if at is None:
+        return []
+    line = f"Verifying 8 tokens costs {at['relative']:.2f} one-token steps ({at['ms']:.1f} ms)"
+    if "floor_ms" in f:
+        line += (f"; their multiply-adds alone at this CPU's int8 peak ({f['int8_macs_per_s'] / 1e9:.0f} G/s, "
+                 f"{f['instruction'].split(' (')[0]}) take {f['floor_relative']:.2f} steps")
+    return [line + "."]
 
 
 def _read(path: Path) -> dict | None:

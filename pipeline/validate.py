@@ -123,8 +123,11 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
                     "acceptance_definition": "acceptance_rate = accepted draft tokens / proposed draft tokens; "
                     "mean_accepted_len = tokens emitted per target forward pass",
                     "methods": {}, "peers": {}}
-    # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt.
-    runs, texts, prompts = _exactness_pass(url, texts, prompts, methods, new, v.prompt_budget_s, report, log)
+    # 1-3. Exactness, acceptance and latency at concurrency 1, interleaved by prompt; llama.cpp's server decoding
+    # plainly on the target's GGUF between them (where it is built), so both see the same minutes of this machine.
+    with peers.PlainPeer(spec, new, log, warm=warm) as llama:
+        runs, texts, prompts = _exactness_pass(url, texts, prompts, methods, new, v.prompt_budget_s, report, log,
+                                               llama)
     lap("exactness")
     _method_sections(report, runs, bundle, texts, v.near_tie_margin)
     report["draft"] = _draft_section(spec, bundle, runs["baseline"])
@@ -135,7 +138,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     report["peers"].update(_transformers_peers(spec, bundle, texts, new))
     lap("transformers")
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
-    report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm))
+    report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm, plain=llama))
     lap("llama_cpp_server")
     # 3b. Concurrency curve.
     report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
@@ -172,9 +175,11 @@ def _lap_clock(phases: dict[str, float]):
 
 
 def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: list[str], new: int, budget_s: float,
-                    report: dict, log) -> tuple[dict[str, list[dict]], list[str], list[str]]:
-    """Every method on prompt i before prompt i + 1 (concurrency 1), until the prompts or the budget run out:
-    (responses per method, the texts and prompts that ran). A spent budget is recorded in the report."""
+                    report: dict, log, peer: peers.PlainPeer | None = None
+                    ) -> tuple[dict[str, list[dict]], list[str], list[str]]:
+    """Every method on prompt i before prompt i + 1 (concurrency 1), then `peer` (llama-server, plain) on it, until
+    the prompts or the budget run out: (responses per method, the texts and prompts that ran). A spent budget is
+    recorded in the report."""
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     t0 = time.perf_counter()
     for i, text in enumerate(texts):
@@ -187,8 +192,10 @@ def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: lis
             break
         for m in methods:
             runs[m].append(_request(url, text, new, m))
+        theirs = peer.ask(prompts[i]) if peer is not None else None
         log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
-            f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods) + " tokens/s")
+            f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods)
+            + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
     return runs, texts, prompts
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import subprocess
 import sys
@@ -310,3 +311,69 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         sys.stderr.write("servers not stopped cleanly: " + "; ".join(left) + "\n")
         session.exitstatus = session.exitstatus or 1
+
+
+# ---- llama-server's stand-in (validate's and bench's interleaved peer) -------------------------------------------
+
+STAND_IN = """#!{python}
+# llama-server's command line and HTTP API as far as PlainPeer uses them: /health, and /v1/chat/completions answered
+# with the shape of RESPONSE (no draft counts). Each request's prompt goes to $STAND_IN_LOG; the prompt CRASH kills
+# the first process that receives it (the marker file says it happened), as a crashed server would.
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+log, marker = os.environ["STAND_IN_LOG"], os.environ["STAND_IN_LOG"] + ".crashed"
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send({{"status": "ok"}})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt, n = body["messages"][0]["content"], body["max_tokens"]
+        with open(log, "a") as f:
+            f.write(json.dumps({{"prompt": prompt, "max_tokens": n, "port": port, "pid": os.getpid()}}) + "\\n")
+        if prompt == "CRASH" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(9)
+        self._send({{"choices": [{{"message": {{"role": "assistant", "content": "x" * n}}}}],
+                    "usage": {{"completion_tokens": n}},
+                    "timings": {{"prompt_n": 5, "prompt_ms": 10.0, "predicted_n": n,
+                                "predicted_per_second": 100.0 + n}}}})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def install_stand_in(tmp_path: Path, monkeypatch):
+    """peers' llama-server and the spec's GGUF target replaced by the stand-in and an empty file (the binary cannot be
+    built in the tests); returns the request log reader: one dict per request, in arrival order."""
+    from pipeline import peers
+
+    exe = tmp_path / "llama-server"
+    exe.write_text(STAND_IN.format(python=sys.executable))
+    exe.chmod(0o755)
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"")
+    log = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    monkeypatch.setattr(peers, "binary", lambda *a, **k: exe)
+    monkeypatch.setattr(peers, "gguf_of", lambda spec, part="target": gguf if part == "target" else None)
+
+    def requests() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    return requests
+
+
+@pytest.fixture
+def stand_in_server(tmp_path, monkeypatch):
+    """install_stand_in for one test."""
+    return install_stand_in(tmp_path, monkeypatch)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline import spec as specmod
-from tests.conftest import make_model_dir, write_spec
+from tests.conftest import install_stand_in, make_model_dir, write_spec
 
 K, LOOKUP_K, NGRAM = 3, 4, 3
+LLAMA_REQUESTS: list[dict] = []  # what llama-server's stand-in was asked during the module's bench run
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,10 @@ def bench(tmp_path_factory, tiny_tokenizer):
     quiet = lambda *a, **k: None  # noqa: E731
     build_target(s, log=quiet)
     build_draft(s, log=quiet)
-    report = run_bench(s, quick=True, log=quiet)
+    with pytest.MonkeyPatch.context() as mp:  # llama-server's stand-in as the GGUF peer, for this run only
+        llama = install_stand_in(root, mp)
+        report = run_bench(s, quick=True, log=quiet)
+        LLAMA_REQUESTS[:] = llama()
     return s, report
 
 
@@ -164,3 +170,44 @@ def test_bench_md_has_the_precision_table_and_the_groups_it_ran_in(bench):
                                "skipped": "['gguf']: not one fits"})
     assert "each beside the reference: " + t["reference"] + ", int8; " in "\n".join(grouped)
     assert "Left out: ['gguf']: not one fits." in grouped
+
+
+def test_bench_verify_floor_is_the_model_multiply_adds_at_the_measured_int8_peak(bench):
+    """The floor under an 8-token verification: the target's multiply-adds per token, counted here from the
+    transformers model's Linear layers and head, times 8, at the int8 peak bench measured; related to the measured
+    one-token and 8-token forwards of the same report."""
+    import transformers
+
+    from pipeline.bench import verify_floor_lines
+    from pipeline.runtime import kernels
+
+    spec, r = bench
+    f = r["verify_floor"]
+    if not kernels.available():
+        assert "torch path" in f["note"]
+        return
+    hf = transformers.AutoModelForCausalLM.from_pretrained(Path(spec.root) / spec.target.source)
+    linear = [m for m in hf.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    macs = sum(m.in_features * m.out_features for m in linear) + hf.config.vocab_size * hf.config.hidden_size
+    assert f["macs_per_token"] == macs
+    cost = r["verify_cost_ms"]
+    assert f["tokens"] == 8 and f["kernel_path"] == kernels.path()
+    assert f["floor_ms"] == pytest.approx(1000 * 8 * macs / f["int8_macs_per_s"])
+    assert f["floor_relative"] == pytest.approx(f["floor_ms"] / cost[0]["ms"])
+    assert f["measured_relative"] == cost[7]["relative"]
+    assert f["fraction_of_peak"] == pytest.approx(f["floor_ms"] / cost[7]["ms"])
+    md = (spec.report_dir / "bench.md").read_text()
+    assert verify_floor_lines(f)[0] in md and f"{f['floor_relative']:.2f} one-token steps" in md
+
+
+def test_bench_asks_llama_server_each_prompt_right_after_ours(bench):
+    """The GGUF peer (a stand-in here) decodes plainly between our prompts: its warm-up prompt, then each measured
+    prompt once, and the report's plain figures are those runs."""
+    from pipeline.sources import spec_prompts
+
+    spec, r = bench
+    texts = spec_prompts(spec, 3)
+    asked = LLAMA_REQUESTS
+    assert [q["prompt"] for q in asked] == texts and [q["max_tokens"] for q in asked] == [8] + [r["new_tokens"]] * 2
+    plain = r["peers"]["llama_cpp_server"]["plain"]
+    assert plain["interleaved"] is True and plain["per_prompt_decode_tokens_per_s"] == [100.0 + r["new_tokens"]] * 2

@@ -773,3 +773,27 @@ def test_the_pool_sees_another_runnable_process_and_takes_the_short_wait(threads
             kernels.linear(x, w)
             time.sleep(0.005)
         assert seen.value > before, "no probe saw the busy processes in 1 s of calls"
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_the_int8_peak_probe_counts_its_multiply_adds_and_names_the_instruction(isa):
+    """int8_peak runs the build's own dot-product instruction on the kernel threads: the C call returns exactly
+    rounds x threads x 12 accumulators x the instruction's multiply-adds (64 for vpdpbusd zmm, 32 for vpmaddubsw ymm),
+    and the rate is that count over a positive time, under the build's instruction name."""
+    if isa not in kernels.supported_isas():
+        pytest.skip(f"this CPU does not run the {isa} build")
+    prev_path, prev_threads = kernels.path(), kernels.threads()
+    kernels.set_path(isa)
+    try:
+        per = {"avx512": 64, "avx2": 32}[isa]
+        for n in (1, 3):
+            assert kernels._lib.int8_peak(1000, n) == 1000 * n * 12 * per
+        assert kernels._lib.int8_peak(-5, 2) == 0  # a negative count runs nothing
+        kernels.set_threads(2)
+        r = kernels.int8_peak(0.03)
+        assert r["threads"] == 2 and r["instruction"] == kernels.PEAK_INSTRUCTION[isa]
+        assert r["instruction"].startswith({"avx512": "vpdpbusd zmm", "avx2": "vpmaddubsw ymm"}[isa])
+        assert 1e8 < r["macs_per_s"] < 1e14  # 0.1 G to 100 T multiply-adds a second: a count over a real time
+    finally:
+        kernels.set_path(prev_path)
+        kernels.set_threads(prev_threads)

@@ -244,6 +244,44 @@ def test_a_server_that_dies_while_loading_is_reported_with_its_log(tmp_path):
     assert srv.proc.poll() == 3
 
 
+# ---- llama-server plain between our own requests (PlainPeer), on a stand-in server ----------------------------------
+
+def test_the_plain_peer_runs_each_prompt_when_asked_and_its_runs_are_the_plain_figures(tmp_path, stand_in_server):
+    s = specmod.load(write_spec(tmp_path))
+    with peers.PlainPeer(s, 16, log=lambda *a: None, warm="warm") as llama:
+        assert llama.active
+        got = [llama.ask(p)["decode_tokens_per_s"] for p in ("a", "b", "c")]
+    assert got == [116.0] * 3 and llama.server.proc.poll() is not None  # stopped with the block
+    assert [(r["prompt"], r["max_tokens"]) for r in stand_in_server()] == [("warm", 8), ("a", 16), ("b", 16),
+                                                                           ("c", 16)]
+    entry = peers.llama_server_peer(s, ["a", "b", "c"], 16, log=lambda *a: None, plain=llama)["llama_cpp_server"]
+    assert entry["plain"]["interleaved"] is True and entry["best"] == "plain"
+    assert entry["plain"]["per_prompt_decode_tokens_per_s"] == [116.0] * 3
+    assert len(stand_in_server()) == 4  # nothing ran again after ours
+
+
+def test_a_plain_peer_that_fails_stops_asking_and_plain_decoding_runs_after_ours(tmp_path, stand_in_server):
+    s = specmod.load(write_spec(tmp_path))
+    lines: list[str] = []
+    with peers.PlainPeer(s, 16, log=lines.append) as llama:
+        assert llama.ask("a") is not None
+        assert llama.ask("CRASH") is None and llama.failed and not llama.active
+        assert llama.ask("b") is None  # no request once failed
+    assert [r["prompt"] for r in stand_in_server()] == ["a", "CRASH"]
+    assert "runs after our prompts instead" in lines[-1]
+    entry = peers.llama_server_peer(s, ["a", "CRASH", "b"], 16, log=lambda *a: None, plain=llama)["llama_cpp_server"]
+    assert entry["plain"]["interleaved"] is False and entry["plain"]["interleaving_failed"] == llama.failed
+    assert len(entry["plain"]["per_prompt_tokens_per_s"]) == 3  # plain decoding on its own, every prompt
+    assert [r["prompt"] for r in stand_in_server()][2:] == ["a", "a", "CRASH", "b"]  # its warm-up, then the prompts
+
+
+def test_a_plain_peer_without_a_gguf_target_or_a_built_server_asks_nothing(tmp_path, monkeypatch):
+    s = specmod.load(write_spec(tmp_path))
+    monkeypatch.setattr(peers, "binary", lambda *a, **k: None)
+    with peers.PlainPeer(s, 16, log=lambda *a: None) as llama:
+        assert not llama.active and llama.ask("a") is None and llama.failed is None
+
+
 # ---- a real llama-server, where `make peers` built it -------------------------------------------------------------
 
 def _smollm2() -> Path | None:

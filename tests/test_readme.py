@@ -36,6 +36,9 @@ BENCH = {
     },
     "peers": {"hf_generate": {"tokens_per_s": 8.6}},
     "roofline": {"bandwidth_gbs": 30.0, "limit_tokens_per_s": 55.0, "fraction_of_limit": 0.391},
+    "verify_cost_ms": [{"tokens": 1, "ms": 36.0, "relative": 1.0}, {"tokens": 8, "ms": 52.92, "relative": 1.47}],
+    "verify_floor": {"tokens": 8, "int8_macs_per_s": 4.29e11, "floor_ms": 28.8, "floor_relative": 0.8,
+                     "instruction": "vpdpbusd zmm (AVX512_VNNI, 64 int8 multiply-adds)"},
     "precision": {"reference": "bfloat16", "new_tokens": 64,
                   "bfloat16": {"tokens_per_s": 12.04, "speedup_vs_reference": 1.0, "roofline_fraction": 0.7149,
                                "agreement_vs_reference": 1.0},
@@ -72,6 +75,8 @@ def test_block_carries_every_figure_with_its_date_and_spec(demo):
     assert "baseline 2.50x it" in block  # bench: 21.5 / 8.6
     assert "draft_target 4" in block.split("no faster than baseline:")[1]
     assert "39% of the memory-bandwidth limit" in block
+    assert ("Verifying 8 tokens costs 1.47 one-token steps (52.9 ms); their multiply-adds alone at this CPU's int8 "
+            "peak (429 G/s, vpdpbusd zmm) take 0.80 steps.") in block
     assert ("bfloat16 12.0 tokens/s (1.00x, 71% of its roofline, agreement 1.000); "
             "int4 40.1 tokens/s (3.57x, 56% of its roofline, agreement 0.941)") in block
     assert "4.4x" not in block

@@ -38,15 +38,25 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
 
 
 @pytest.mark.server
-def test_validate_writes_the_report_from_server_responses(tiny_all):
+def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_server):
+    from pipeline.sources import spec_prompts
     from pipeline.triton.repo import write_repo
     from pipeline.triton.server import running_pid
     from pipeline.validate import MIN_BUDGET_PROMPTS, run_validate
 
     s = tiny_all
     write_repo(s, log=lambda *a: None)
-    report = run_validate(s, log=lambda *a: None)
+    lines: list[str] = []
+    report = run_validate(s, log=lines.append)
     ran = MIN_BUDGET_PROMPTS
+    # llama-server (a stand-in: it cannot be built in the tests) decoded each prompt plainly right after ours: its
+    # warm-up, then prompt i between our prompt i and i + 1, and nothing after the pass
+    warm, *prompts = spec_prompts(s, s.validate.max_prompts + 1)
+    assert [r["prompt"] for r in stand_in_server()] == [warm, *prompts[:ran]]
+    passes = [ln for ln in lines if ln.lstrip().startswith("prompt ") and "tokens/s" in ln]
+    assert len(passes) == ran and all("llama-server plain" in ln for ln in passes), passes
+    plain = report["peers"]["llama_cpp_server"]["plain"]
+    assert plain["interleaved"] is True and len(plain["per_prompt_tokens_per_s"]) == ran
     assert report["prompts"] == ran and f"{ran} of 5 prompts ran" in " ".join(report["trimmed"])
     assert running_pid(s) is None, "validate must stop the server it started"
     on_disk = json.loads((s.report_dir / "validate.json").read_text())

@@ -32,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -144,6 +145,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.argmax_prob.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
+    lib.int8_peak.argtypes = [ctypes.c_int64, Int]
+    lib.int8_peak.restype = ctypes.c_int64
     lib.gguf_dequant.argtypes = [P, Int, P]
     lib.gguf_dequant.restype = None
     table = dict(item.split("=") for item in lib.skinny_weight_types().decode().split())
@@ -501,6 +504,33 @@ def stream_read(x: torch.Tensor) -> int:
     """Read every byte of a contiguous tensor once on the kernels' threads (the bench's bandwidth probe)."""
     _cpu("stream_read", "x", x, x.dtype)
     return _lib.stream_read(x.data_ptr(), x.numel() * x.element_size() // 64 * 64, _threads)
+
+
+PEAK_INSTRUCTION = {"avx512": "vpdpbusd zmm (AVX512_VNNI, 64 int8 multiply-adds)",
+                    "avx2": "vpmaddubsw ymm + vpaddw (AVX2, 32 int8 multiply-adds)"}
+
+
+def int8_peak(seconds: float = 0.2) -> dict:
+    """The int8 multiply-add rate of this build's dot-product instruction on the kernels' threads, best of 3 runs
+    of about `seconds` / 3: no kernel of the build multiplies faster, so S tokens' multiply-adds over it bound an
+    S-token forward from below (bench's `verify_floor`)."""
+    if _load() is None:
+        raise RuntimeError("int8_peak needs the skinny kernel (a C compiler and an AVX2 CPU); the torch path has no "
+                           "int8 dot product to measure")
+    iters, best = 1 << 12, 0.0
+    while True:  # grow the run until it lasts a tenth of the budget, then time three of a third each
+        t = time.perf_counter()
+        _lib.int8_peak(iters, _threads)
+        took = time.perf_counter() - t
+        if took > seconds / 10 or iters > 1 << 34:
+            break
+        iters *= 4
+    iters = max(1, int(iters * seconds / 3 / took))
+    for _ in range(3):
+        t = time.perf_counter()
+        macs = _lib.int8_peak(iters, _threads)
+        best = max(best, macs / (time.perf_counter() - t))
+    return {"macs_per_s": best, "instruction": PEAK_INSTRUCTION[path()], "threads": _threads}
 
 
 _epoch = 0

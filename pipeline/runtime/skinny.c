@@ -1249,6 +1249,52 @@ uint64_t stream_read(const void *p, int64_t n, int threads) {
     return x;
 }
 
+// The multiply-add probe: each thread runs `iters` rounds of 12 independent int8 dot-product accumulations, the
+// instruction this build's int8 tiles are made of (AVX-512: vpdpbusd zmm, 64 multiply-adds; AVX2: vpmaddubsw ymm and
+// its int16 add, 32), and the call returns their count, so that multiply-adds / seconds is the rate no kernel of this
+// build can beat: the floor bench.json puts under a many-token verification (`verify_floor`). The empty asm keeps
+// the operands opaque, so the compiler can neither hoist the products nor fold the loop.
+typedef struct {
+    int64_t iters;
+    int64_t *sink;
+} peak_job_t;
+#define PEAK_ACC(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+static void peak_share(void *ctx, int t) {
+    const peak_job_t *j = (const peak_job_t *)ctx;
+#if defined(__AVX512F__)
+    __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8((char)(t + 5));
+#define PEAK_DECL(i) __m512i a##i = _mm512_set1_epi32(i);
+#define PEAK_STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, x);
+#define PEAK_SUM(i) s += _mm512_reduce_add_epi32(a##i);
+#else
+    __m256i w = _mm256_setzero_si256(), x = _mm256_set1_epi8((char)(t + 5));
+#define PEAK_DECL(i) __m256i a##i = _mm256_set1_epi16(i);
+#define PEAK_STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(a##i, x));  // a's own bytes: no CSE
+#define PEAK_SUM(i) s += _mm256_extract_epi16(a##i, 0);
+#endif
+    PEAK_ACC(PEAK_DECL)
+    for (int64_t k = 0; k < j->iters; k++) {
+        __asm__ volatile("" : "+v"(w), "+v"(x));
+        PEAK_ACC(PEAK_STEP)
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
+        __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+    }
+    int64_t s = 0;
+    PEAK_ACC(PEAK_SUM)
+    j->sink[t] = s;
+#undef PEAK_DECL
+#undef PEAK_STEP
+#undef PEAK_SUM
+}
+// Multiply-adds done by `threads` threads running `iters` rounds each (the caller times the call).
+int64_t int8_peak(int64_t iters, int threads) {
+    threads = threads < 1 ? 1 : threads > 256 ? 256 : threads;
+    int64_t sink[256] = {0};
+    const peak_job_t job = {iters < 0 ? 0 : iters, sink};
+    pool_run(peak_share, (void *)&job, threads);
+    return (iters < 0 ? 0 : iters) * threads * 12 * (int64_t)(A8_LANES * 4);
+}
+
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
 
 // out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * g, row by row (the sum of squares in order, by fmaf).
