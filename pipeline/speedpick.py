@@ -37,26 +37,32 @@ def _time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: int = 5,
-                 tree: bool = False, between: Callable[[], None] | None = None) -> list[float]:
+                 tree: bool = False, between: Callable[[], None] | None = None,
+                 rounds: list[list[float]] | None = None) -> list[float]:
     """Seconds for one target forward plus its logits over n = 1..max_tokens new tokens after `context` tokens.
 
     The one timer behind pick-k, the Medusa tree growth and the benchmark's verify-cost curve. Sizes are timed
     in interleaved rounds after a warm-up round and the minimum kept, so load from other processes hits every
     size alike; the curve is then made non-decreasing (more tokens never cost less). `tree`: with an explicit
     attention mask, as Medusa's tree verification runs. `between` runs after each timed round (another
-    timer that must see the same load, such as the draft step's)."""
+    timer that must see the same load, such as the draft step's). `rounds`, when given, receives each timed round's
+    seconds per size (sizes timed within a fraction of a second of each other: bench's paired ratios)."""
     cache = model.new_cache(1, context + max_tokens + 2)
     model(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], cache)
     best = [float("inf")] * max_tokens
     for r in range(reps + 1):
+        this = []
         for n in range(1, max_tokens + 1):
             tok = torch.zeros(1, n, dtype=torch.long)
             kv = context + n
             mask = dict(mask=torch.ones(1, n, kv, dtype=torch.bool), kv_len=kv) if tree else {}
             t = time.perf_counter()
             model.logits(model(tok, context + torch.arange(n)[None], cache, **mask))
+            this.append(time.perf_counter() - t)
             if r:
-                best[n - 1] = min(best[n - 1], time.perf_counter() - t)
+                best[n - 1] = min(best[n - 1], this[-1])
+        if r and rounds is not None:
+            rounds.append(this)
         if r and between is not None:
             between()
     for i in range(1, len(best)):

@@ -24,6 +24,14 @@ def test_verify_costs_cover_every_size_and_never_fall(tree):
     assert costs == sorted(costs)
 
 
+def test_verify_costs_hand_over_each_timed_round_and_keep_the_best_of_them():
+    rounds: list[list[float]] = []
+    costs = verify_costs(tiny(seed=0), 5, context=32, reps=3, rounds=rounds)
+    assert len(rounds) == 3 and all(len(r) == 5 and min(r) > 0 for r in rounds)  # the warm-up round is not kept
+    best = [min(r[n] for r in rounds) for n in range(5)]
+    assert costs == [max(best[: n + 1]) for n in range(5)]
+
+
 def test_draft_steps_are_timed_between_the_verify_rounds():
     target, draft = tiny(seed=0), tiny(seed=1)
     calls = []
