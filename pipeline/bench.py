@@ -13,7 +13,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,7 @@ def _labelled_runs(b, methods: list[str]) -> list[tuple[str, str, dict]]:
 
 
 def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new: int, hf_peer, draft_hf, k: int,
-                 probe: Callable[[], float], log, llama: gguf.PlainPeer | None = None, texts: list[str] | None = None
+                 probe: Callable[[], float], log, llama: gguf.PlainPeer | None = None, texts: Sequence[str] = ()
                  ) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float]]:
     """Every run, the transformers peers and `llama` (llama-server plain, on `texts`, the raw prompts) on prompt i
     before prompt i + 1, so machine noise hits all alike: (runs per label, peers' tokens/s, bandwidth probes). The
@@ -149,7 +149,7 @@ def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new
         if draft_hf is not None:
             dt, _ = _hf_generate(hf_peer, [p], new, assistant=draft_hf, k=k)
             peers["hf_assisted"].append(new / dt)
-        theirs = llama.ask(texts[i]) if llama is not None and texts is not None else None
+        theirs = llama.ask(texts[i]) if llama is not None else None
         log(f"  prompt {i + 1}/{len(ids)}: " + ", ".join(
             f"{m} {rows[m][-1].tokens_per_s:.1f}" for m in rows)
             + f", hf_generate {peers['hf_generate'][-1]:.1f}"

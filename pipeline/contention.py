@@ -91,9 +91,8 @@ def served_section(spec, tokenizer, prompt: str, methods: list[str], new: int = 
     if exe is None:
         out["llama_cpp_server"] = {"note": peers.NOT_BUILT}
         return out
-    threads = spec.threads or os.cpu_count() or 1
     port = peers.free_port()
-    cmd = peers.server_command(exe, gguf, port, threads, 4096)
+    cmd = peers.server_command(exe, gguf, port, peers.server_threads(spec))
     try:
         with peers.LlamaServer(cmd, port, spec.report_dir / "llama-server" / "contention.log") as srv:
             srv.chat(prompt, 8)

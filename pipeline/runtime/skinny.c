@@ -1266,15 +1266,17 @@ static void peak_share(void *ctx, int t) {
 #define PEAK_DECL(i) __m512i a##i = _mm512_set1_epi32(i);
 #define PEAK_STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, x);
 #define PEAK_SUM(i) s += _mm512_reduce_add_epi32(a##i);
+#define PEAK_OPAQUE() __asm__ volatile("" : "+v"(w), "+v"(x))
 #else
-    __m256i w = _mm256_setzero_si256(), x = _mm256_set1_epi8((char)(t + 5));
+    __m256i x = _mm256_set1_epi8((char)(t + 5));
 #define PEAK_DECL(i) __m256i a##i = _mm256_set1_epi16(i);
 #define PEAK_STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(a##i, x));  // a's own bytes: no CSE
 #define PEAK_SUM(i) s += _mm256_extract_epi16(a##i, 0);
+#define PEAK_OPAQUE() __asm__ volatile("" : "+v"(x))
 #endif
     PEAK_ACC(PEAK_DECL)
     for (int64_t k = 0; k < j->iters; k++) {
-        __asm__ volatile("" : "+v"(w), "+v"(x));
+        PEAK_OPAQUE();
         PEAK_ACC(PEAK_STEP)
         __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5));
         __asm__ volatile("" : "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
@@ -1285,6 +1287,7 @@ static void peak_share(void *ctx, int t) {
 #undef PEAK_DECL
 #undef PEAK_STEP
 #undef PEAK_SUM
+#undef PEAK_OPAQUE
 }
 // Multiply-adds done by `threads` threads running `iters` rounds each (the caller times the call).
 int64_t int8_peak(int64_t iters, int threads) {
