@@ -4,6 +4,7 @@ pages across processes, never trust a stale file, and keep a process's in-place 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -125,3 +126,60 @@ def test_without_the_switch_nothing_is_written_or_mapped(engine, monkeypatch):
         f.unlink()
     _load(engine, False, monkeypatch)
     assert not _files(engine)
+
+
+_PAGEOUT = textwrap.dedent("""
+    import ctypes, os, sys
+    os.environ["PIPELINE_SHARED_WEIGHTS"] = "1"
+    from pathlib import Path
+    from pipeline.runtime import shared
+    from pipeline.runtime.engine_io import load_model_dir
+    engine = Path(sys.argv[1])
+    model = load_model_dir(engine, "cpu")[0]
+    sum(float(t.float().sum()) for t in model.state_dict().values())  # touch every page
+    (f,) = engine.glob(shared.PREFIX + "*.bin")
+    spans = [[int(a, 16) for a in line.split()[0].split("-")] for line in open("/proc/self/maps") if str(f) in line]
+    before = shared.shared_mappings()[str(f)]["Rss"]
+    libc = ctypes.CDLL(None, use_errno=True)
+    refused = [libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), 21) != 0 for a, b in spans]  # MADV_PAGEOUT
+    after = shared.shared_mappings()[str(f)]["Rss"]
+    print(before, after, shared.locked_bytes(), f.stat().st_size, any(refused), flush=True)
+""")
+
+
+def _pageout(engine: Path, env: dict, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([*(prefix or []), sys.executable, "-c", _PAGEOUT, str(engine)], cwd=ROOT, text=True,
+                          capture_output=True, env={**os.environ, **env}, timeout=300)
+
+
+def test_served_weights_are_locked_so_the_kernel_cannot_page_them_out(engine):
+    """Shared weights are file pages, which memory pressure can evict (a 64-token request after that took 15x as
+    long on the flagship). Locked as touched (mlock2 MLOCK_ONFAULT), the whole mapping counts as locked and a request
+    to page it out leaves every page resident; with PIPELINE_LOCK_WEIGHTS=0 the same request empties it. (That
+    locking copies no page is the two-process test above: it runs locked, and each process's Pss is half its Rss.)"""
+    locked = _pageout(engine, {"PIPELINE_LOCK_WEIGHTS": "1"})
+    assert locked.returncode == 0, locked.stderr
+    before, after, vmlck, size, _ = locked.stdout.split()
+    assert int(before) > 0 and int(after) == int(before)
+    assert int(vmlck) >= int(size)
+    free = _pageout(engine, {"PIPELINE_LOCK_WEIGHTS": "0"})
+    assert free.returncode == 0, free.stderr
+    before, after, vmlck, _, refused = free.stdout.split()
+    assert refused == "False" and int(vmlck) == 0
+    assert int(after) < int(before) / 2, free.stdout
+
+
+@pytest.mark.skipif(not shutil.which("setpriv") or not shutil.which("prlimit"), reason="needs util-linux setpriv")
+def test_a_refused_lock_is_said_on_stderr_and_the_model_still_serves(engine):
+    """Without CAP_IPC_LOCK and with `ulimit -l` below the file's size, mlock2 fails: the process says why, how big the
+    limit must be and how to silence it, and computes as before (unlocked)."""
+    r = _pageout(engine, {"PIPELINE_LOCK_WEIGHTS": "1"},
+                 ["prlimit", "--memlock=65536:65536", "setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock"])
+    if r.returncode != 0 and "setpriv" in r.stderr:
+        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    assert "weights not locked in memory" in r.stderr and "ulimit -l: 64 KB" in r.stderr, r.stderr
+    assert "PIPELINE_LOCK_WEIGHTS=0" in r.stderr
+    assert int(r.stdout.split()[2]) == 0
