@@ -649,6 +649,23 @@ def test_argmax_prob_is_torchs_argmax_and_softmax_maximum():
     assert prob[0] == pytest.approx(1 / 16) and prob[1].isnan()
 
 
+def test_greedy_picks_are_torchs_argmax_for_any_leading_shape():
+    """sampling.greedy (every greedy pick: next_token, the verification of drafts) returns torch's argmax over the
+    last dimension, ties to the first, a NaN winning as in torch, for one row, a [B, S, V] block and bf16 logits
+    (torch's own pass there)."""
+    from pipeline.runtime.sampling import SamplingParams, greedy, next_token
+
+    g = torch.Generator().manual_seed(3)
+    lg = torch.randn(2, 7, 151936, generator=g)
+    lg[0, 2, 10] = lg[0, 2, 90000] = lg[0, 2].max() + 1
+    lg[1, 4, 500] = float("nan")
+    assert torch.equal(greedy(lg), lg.argmax(-1)) and greedy(lg)[1, 4] == 500 and greedy(lg)[0, 2] == 10
+    assert torch.equal(greedy(lg[:, ::2]), lg[:, ::2].argmax(-1))  # not contiguous
+    assert torch.equal(greedy(lg.bfloat16()), lg.bfloat16().argmax(-1))
+    row = lg[0, 2]
+    assert greedy(row).shape == () and next_token(row, SamplingParams(), torch.Generator()) == 10
+
+
 def test_the_bandwidth_probe_reads_every_byte(threads):
     """stream_read (the bench's bandwidth probe) xors every word on every thread: flipping any byte changes it."""
     x = torch.zeros(3 * 64 * 1001, dtype=torch.uint8)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pipeline.runtime import kernels
+
 
 @dataclass
 class SamplingParams:
@@ -89,8 +91,17 @@ def sample(probs: Tensor, g: torch.Generator) -> Tensor:
     return out.reshape(probs.shape[:-1])
 
 
+def greedy(logits: Tensor) -> Tensor:
+    """torch's argmax over the last dimension of logits [..., V] (the first largest; a NaN wins), in one
+    single-threaded C pass on CPU (kernels.argmax_prob). torch's own argmax over a 151,936-token row is an OpenMP
+    region: its workers then wait beside the kernels' threads, and decoding in process with it ran 2.5% slower
+    (baseline and draft_target alike, paired median of 12, AMD EPYC Zen 4, 2026-12-03)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return kernels.argmax_prob(flat, with_prob=False)[0].view(logits.shape[:-1])
+
+
 def next_token(logits: Tensor, p: SamplingParams, g: torch.Generator) -> int:
     """Pick the next token from logits [V] for one request."""
     if p.greedy:
-        return int(logits.argmax())
+        return int(greedy(logits))
     return int(sample(warp(logits, p), g))

@@ -46,7 +46,7 @@ from pipeline.runtime.generate import (
 )
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.quant import QLinear
-from pipeline.runtime.sampling import SamplingParams, next_token, sample, warp
+from pipeline.runtime.sampling import SamplingParams, greedy, next_token, sample, warp
 from pipeline.runtime.specconfig import Drafter
 
 Residual = Callable[[Tensor, Tensor], Tensor]
@@ -353,7 +353,7 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
         p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache))
-        best = p_logits.argmax(-1)
+        best = greedy(p_logits)
         lim = torch.tensor(limit, device=dev)
         match = (drafts == best[:, :w]) & (torch.arange(w, device=dev) < lim[:, None])
         n_greedy = match.to(torch.int64).cumprod(1).sum(1)
