@@ -32,6 +32,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -168,13 +169,8 @@ def _lock(region: mmap.mmap, size: int, path: Path) -> bool:
     if libc.mlock2(ctypes.c_void_p(addr), ctypes.c_size_t(size), MLOCK_ONFAULT) == 0:
         return True
     err = ctypes.get_errno()
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 10} KB"
-    except (ImportError, OSError):  # pragma: no cover - not Linux
-        limit = "unknown"
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft >> 10} KB"
     print(f"[pipeline] weights not locked in memory: mlock2 of {path.name} ({size / 2**20:.0f} MB) failed: "
           f"{os.strerror(err)} (ulimit -l: {limit}). Under memory pressure the kernel may evict them and a request "
           f"will read them back from disk; raise `ulimit -l` to at least {size >> 10} KB (or grant CAP_IPC_LOCK), "
