@@ -196,7 +196,24 @@ def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: lis
         log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
             f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods)
             + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
+    if texts:
+        report["first_prompt"] = first_prompt_again(url, texts[0], new, runs, log)
     return runs, texts, prompts
+
+
+def first_prompt_again(url: str, text: str, new: int, runs: dict[str, list[dict]], log) -> dict:
+    """The pass's first prompt once more per method, after every prompt: its first run over this one is what the
+    first requests after ready still cost. Set against the median of the other prompts instead, a prompt whose
+    drafts the target accepts less often looks cold (validate's first prompt accepted least in every run so far)."""
+    out = {}
+    for m, rs in runs.items():
+        again = _request(url, text, new, m)["tokens_per_s"]
+        first = rs[0]["tokens_per_s"]
+        out[m] = {"first_tokens_per_s": first, "again_tokens_per_s": again, "again_over_first": again / first,
+                  "median_over_first": statistics.median(r["tokens_per_s"] for r in rs) / first}
+    log("  first prompt again: " + ", ".join(f"{m} {e['again_tokens_per_s']:.1f} (first {e['first_tokens_per_s']:.1f}:"
+                                            f" {e['again_over_first']:.2f}x)" for m, e in out.items()) + " tokens/s")
+    return out
 
 
 def _method_sections(report: dict, runs: dict[str, list[dict]], bundle, texts: list[str], near_tie: float) -> None:
@@ -600,6 +617,11 @@ def markdown(r: dict) -> str:
     if n:
         lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
                   "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
+    if r.get("first_prompt"):
+        lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "
+                  + "; ".join(f"{m} {e['first_tokens_per_s']:.1f} then {e['again_tokens_per_s']:.1f} tokens/s "
+                              f"({e['again_over_first']:.2f}x; the median prompt {e['median_over_first']:.2f}x)"
+                              for m, e in r["first_prompt"].items()) + "."]
     if r["suspicious"]:
         lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
     lines += ["", "## Concurrency curve (aggregate tokens/s)", ""]

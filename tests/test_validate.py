@@ -102,6 +102,17 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     for png in ("speed.png", "batch_curve.png", "acceptance.png"):
         assert (s.report_dir / png).stat().st_size > 1000
     assert "Advice" in (s.report_dir / "validate.md").read_text()
+    # the first prompt once more per method after the pass: the cold start set against the same prompt warm
+    again = [ln for ln in lines if ln.lstrip().startswith("first prompt again:")]
+    assert len(again) == 1 and lines.index(again[0]) > lines.index(passes[-1])
+    first = on_disk["first_prompt"]
+    assert first.keys() == methods.keys()
+    for name, e in first.items():
+        assert e["first_tokens_per_s"] == methods[name]["per_prompt_tokens_per_s"][0]
+        assert e["again_over_first"] == pytest.approx(e["again_tokens_per_s"] / e["first_tokens_per_s"])
+        assert e["median_over_first"] == pytest.approx(
+            statistics.median(methods[name]["per_prompt_tokens_per_s"]) / e["first_tokens_per_s"])
+    assert "First prompt run again after the pass" in (s.report_dir / "validate.md").read_text()
 
 
 def test_divergence_reports_position_tokens_and_margin(tiny_engine):
