@@ -87,14 +87,7 @@ def teacher_forced(model: Transformer, prompt: list[int], cont: list[int]) -> tu
 
 def mem_available() -> int:
     """Bytes Linux says can be allocated without swapping (/proc/meminfo's MemAvailable); 0 where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return quant.proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def group_plan(others: list[str], budget: int, cost: int) -> tuple[list[list[str]], int]:

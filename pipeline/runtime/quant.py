@@ -531,16 +531,21 @@ def hugepage_tensor(nbytes: int) -> Tensor:
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=at)
 
 
-def hugepage_bytes() -> int:
-    """Bytes of this process's anonymous memory on transparent huge pages (0 where Linux does not say)."""
+def proc_bytes(path: str, field: str) -> int:
+    """A `field: N kB` line of a /proc file, in bytes (0 where the file or the field is absent)."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("AnonHugePages:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def hugepage_bytes() -> int:
+    """Bytes of this process's anonymous memory on transparent huge pages (0 where Linux does not say)."""
+    return proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def thp_mode() -> str:

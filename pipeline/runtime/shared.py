@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pipeline.runtime import kernels
+from pipeline.runtime import kernels, quant
 
 PREFIX = ".shared-weights-"
 MIN_BYTES = 16 << 10  # smaller tensors stay private: a 4 KB page apiece would waste more than they weigh
@@ -180,14 +180,7 @@ def _lock(region: mmap.mmap, size: int, path: Path) -> bool:
 
 def locked_bytes(pid: int | str = "self") -> int:
     """Bytes of a process's address space under mlock (/proc/PID/status VmLck; 0 where absent)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmLck:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return quant.proc_bytes(f"/proc/{pid}/status", "VmLck")
 
 
 def _write(path: Path, size: int, tensors, layout) -> None:
