@@ -12,7 +12,7 @@ token after its last and declines it pays that step too. Greedy output is the sa
 step cost is the whole comparison. The rules:
 - `first_below(k, c)`: the spec's rule, stop after the first token whose probability is below c (k at most);
 - `product_below(k, c)`: stop after the token where the product of the round's probabilities falls below c;
-- `product_before(k, c)`: the same, but that token is not proposed (its step is paid).
+- `product_before(k, c)`: the same, but that token is not proposed (its step is paid), unless it is the first.
 """
 
 from __future__ import annotations
