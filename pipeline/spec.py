@@ -51,7 +51,7 @@ class TargetSpec:
     # weights with activations quantized to int8 per group at each matmul (W4A8; on tensorrt_llm W4A8_AWQ,
     # fp8 activations). int4_awq and fp8 go through TensorRT-LLM's quantization script (tensorrt_llm only).
     # gguf: a GGUF source's own Q4_K / Q6_K blocks in the CPU kernels, never re-rounded (torch backend, device cpu;
-    # activations int8 per 32 columns; docs/gguf_weights.md).
+    # activations int8 per 256 columns; docs/gguf_weights.md).
     quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8", "gguf"] = "none"
     group_size: int = 128
 

@@ -13,23 +13,28 @@
 //        columns): w = d sc_j (q - 32), always exact in fp32.
 // A layer is up to four parts (the fused q/k/v and gate/up of a GGUF mix Q4_K and Q6_K tensors): gg_desc_t.
 //
-// Activations: each token row is quantized per block of 32 columns to int8, x8 = rint(x * RN(127 / max|x|)), with
-// dx = RN(max|x| / 127) (max below 1e-30: all zero, dx = 0; a NaN or infinity in the block: dx = NaN), and per
-// block xs = RN(dx * sum x8) (Q4_K's min term) and per 16 columns o = -32 * sum x8 (Q6_K's offset).
+// Activations: each token row is quantized per super-block of 256 columns to int8 (llama.cpp's Q8_K grain),
+// x8 = rint(x * RN(127 / max|x|)), with dx = RN(max|x| / 127) (max below 1e-30: all zero, dx = 0; a NaN or infinity
+// in the super-block: x8 = 0, dx = NaN), and per 32 columns xs = float(sum x8) (Q4_K's min term, an exact integer)
+// and per 16 columns o = -32 * sum x8 (Q6_K's offset).
 //
 // Arithmetic per output element, in this order (the contract both builds keep and the tests pin, IEEE fp32 with
-// denormals, MXCSR FTZ / DAZ cleared for the call):
+// denormals, MXCSR FTZ / DAZ cleared for the call), for each super-block s in column order, from a = 0:
 //   Q4_K: for each sub-block j (32 columns) in column order: i_j = sum q x8 (exact integer),
-//         acc = fma(float(i_j), RN(D_j * dx_j), acc),  mac = fma(M_j, xs_j, mac),  D_j = d sc_j, M_j = dmin m_j
-//         (both exact); y = RN(acc - mac).
+//         a = fma(float(i_j), D_j, a),  a = fma(-M_j, xs_j, a),  D_j = d sc_j, M_j = dmin m_j (both exact);
 //   Q6_K: for each sub-block j (16 columns) in column order: i_j = o_j + sum q x8 = sum (q - 32) x8 (exact),
-//         acc = fma(float(i_j), RN(D_j * dx_{j / 2}), acc), D_j = d sc_j (exact); y = acc.
+//         a = fma(float(i_j), D_j, a), D_j = d sc_j (exact);
+//   then y = fma(a, dx_s, y) (y from 0).
 // So each weight enters as its exact value d sc q - dmin m. Q6_K's is always the GGUF's fp32 value; Q4_K's is too
 // whenever it is representable in fp32 (gguf_weights.q4k_exact checks every sub-block at build time; the GGUF
 // reference rounds it otherwise). Integer sums are exact: vpdpbusd in the AVX-512 build; vpmaddubsw in the AVX2 build,
 // whose pair sums (|q x8 + q' x8'| <= 2 * 63 * 127) never saturate and add in int16 only as far as they stay exact
 // (8 for Q4_K, 2 for Q6_K) before vpmaddwd widens them. The fp32 steps are the same instructions in both builds, so
 // the builds agree bit for bit, whatever the number of token rows, the thread count or which thread ran a panel.
+// One activation scale per super-block, not per 32 columns (as until 2026-12-03), takes the scale product
+// RN(D_j dx_j) out of every token row's sub-block (at 8 token rows, 8 multiplies beside the sub-block's 64 vpdpbusd
+// on the pipes they share): a 6-token forward of the 1.5B target took 39.2-41.2 against 44.8-47.3 ms
+// (docs/gguf_weights.md, with the greedy agreement and log-likelihood it keeps).
 //
 // No AMX: this CPU (AMD Zen 4) has none to test on; an AMX tile path (TDPBUSD on the same int8 blocks) would keep
 // these integers and this float order, and is left for a machine that has it.
@@ -44,7 +49,7 @@
 #define GG_PF 8192
 // Token rows per pass over a panel, in both builds: verifying up to 8 tokens decodes each panel once (at 4, 5-8 rows
 // decoded it twice: 2.5x a one-token step at 5 rows on the 1.5B). In the AVX-512 build 32 zmm hold 8 rows'
-// accumulators (acc, mac) and dot products beside the decoded weights; the AVX2 tiles keep each row's int16 sums in
+// super-block sums (a) and dot products beside the decoded weights; the AVX2 tiles keep each row's int16 sums in
 // registers and let the float accumulators spill (a load and a store a sub-block against 8 to 16 multiplies). Each
 // row's arithmetic is the same whatever the group, so the bits do not change.
 #define GG_MAXG 8
@@ -56,20 +61,28 @@ static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm512_mul_ps(a, b); }
-static inline vf_t gg_sub(vf_t a, vf_t b) { return _mm512_sub_ps(a, b); }
 static inline vf_t gg_set1(float f) { return _mm512_set1_ps(f); }
+static inline vf_t gg_fnma(vf_t a, vf_t b, vf_t c) { return _mm512_fnmadd_ps(a, b, c); }  // RN(c - a b)
 static inline vi_t gg_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi_t gg_or(vi_t a, vi_t b) { return _mm512_or_si512(a, b); }
 static inline vi_t gg_and30(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x30)); }
 static inline vi_t gg_sl(vi_t a, int n) { return _mm512_slli_epi16(a, n); }
 static inline vi_t gg_sr(vi_t a, int n) { return _mm512_srli_epi16(a, n); }
+// vi_dp with the 4 activation bytes as vpdpbusd's own embedded broadcast ({1to16}), which GCC 12 does not fold from
+// the intrinsics (it emits a vpbroadcastd before each vpdpbusd: 64 more instructions a sub-block at 8 token rows); a
+// chain's first product from the intrinsic onto zero (gg_dp0), so that no zeroed register is copied into the asm's.
+static inline vi_t gg_dp(vi_t acc, vi_t u, const int8_t *x4) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)x4));
+    return acc;
+}
+static inline vi_t gg_dp0(vi_t u, const int8_t *x4) { return vi_dp(_mm512_setzero_si512(), u, x4); }
 #else
 static inline vf_t gg_loadf(const float *p) { return _mm256_loadu_ps(p); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm256_mul_ps(a, b); }
-static inline vf_t gg_sub(vf_t a, vf_t b) { return _mm256_sub_ps(a, b); }
 static inline vf_t gg_set1(float f) { return _mm256_set1_ps(f); }
+static inline vf_t gg_fnma(vf_t a, vf_t b, vf_t c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vi_t gg_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi_t gg_or(vi_t a, vi_t b) { return _mm256_or_si256(a, b); }
 static inline vi_t gg_and30(vi_t a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x30)); }
@@ -91,7 +104,7 @@ typedef struct {
     const int8_t *q;    // [S, K]
     const int8_t *qi;   // AVX2 build: q again, each group of G rows from s0 (gg_panels' grouping) at qi + s0 K with
                         // its rows' 4-column pieces side by side ([K / 4][G][4]), so one pointer reaches every row
-    const float *dx;    // [S, K / 32]
+    const float *dx;    // [S, K / 256]
     const float *xs;    // [S, K / 32]
     const int32_t *o;   // [S, K / 16]
 } gx_t;
@@ -103,43 +116,44 @@ static inline int gg_record(int type) { return type == GG_Q4K ? GG_SB_Q4K : GG_S
 // scalar: quantizing a row ran alone while the other threads waited, 3.4 ns a column (30 us of a 16-row K = 8960 call).
 static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs, int32_t *o) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fmax = _mm256_set1_ps(3.4028235e38f);
-    for (int b = 0; b < K / 32; b++) {
-        const float *xb = x + 32 * b;
-        __m256 v[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int u = 0; u < 4; u++) {
-            v[u] = _mm256_loadu_ps(xb + 8 * u);
-            const __m256 a = _mm256_and_ps(v[u], absm);
+    for (int s = 0; s < K / 256; s++) {
+        const float *xb = x + 256 * s;
+        __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int u = 0; u < 32; u++) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + 8 * u), absm);
             m = _mm256_max_ps(m, a);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, fmax, _CMP_NLE_UQ));  // NaN or infinity
         }
         float t[8], mx = 0.f;
         _mm256_storeu_ps(t, m);
         for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
-        int8_t *qb = q + 32 * b;
+        int8_t *qb = q + 256 * s;
         const int isbad = _mm256_movemask_ps(bad) != 0;
         if (isbad || mx < 1e-30f) {
-            memset(qb, 0, 32);
-            dx[b] = isbad ? NAN : 0.f;
-            xs[b] = isbad ? NAN : 0.f;
-            o[2 * b] = o[2 * b + 1] = 0;
+            memset(qb, 0, 256);
+            dx[s] = isbad ? NAN : 0.f;
+            for (int b = 0; b < 8; b++) xs[8 * s + b] = 0.f, o[16 * s + 2 * b] = o[16 * s + 2 * b + 1] = 0;
             continue;
         }
         const __m256 inv = _mm256_set1_ps(127.0f / mx);
-        __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int u = 0; u < 4; u++) {
-            const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));  // MXCSR round to nearest even = rint
-            sum[u / 2] = _mm256_add_epi32(sum[u / 2], qi);
-            const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-            _mm_storel_epi64((__m128i *)(qb + 8 * u), _mm_packs_epi16(w16, w16));
+        for (int b = 0; b < 8; b++) {
+            __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int u = 0; u < 4; u++) {
+                const __m256 v = _mm256_loadu_ps(xb + 32 * b + 8 * u);
+                const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));  // MXCSR round to nearest even = rint
+                sum[u / 2] = _mm256_add_epi32(sum[u / 2], qi);
+                const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+                _mm_storel_epi64((__m128i *)(qb + 32 * b + 8 * u), _mm_packs_epi16(w16, w16));
+            }
+            int32_t lanes[2][8], tot[2] = {0, 0};
+            _mm256_storeu_si256((__m256i *)lanes[0], sum[0]);
+            _mm256_storeu_si256((__m256i *)lanes[1], sum[1]);
+            for (int i = 0; i < 8; i++) tot[0] += lanes[0][i], tot[1] += lanes[1][i];
+            xs[8 * s + b] = (float)(tot[0] + tot[1]);  // |sum| <= 32 * 127: exact
+            o[16 * s + 2 * b] = -32 * tot[0];
+            o[16 * s + 2 * b + 1] = -32 * tot[1];
         }
-        int32_t lanes[2][8], tot[2] = {0, 0};
-        _mm256_storeu_si256((__m256i *)lanes[0], sum[0]);
-        _mm256_storeu_si256((__m256i *)lanes[1], sum[1]);
-        for (int i = 0; i < 8; i++) tot[0] += lanes[0][i], tot[1] += lanes[1][i];
-        dx[b] = mx / 127.0f;
-        xs[b] = dx[b] * (float)(tot[0] + tot[1]);
-        o[2 * b] = -32 * tot[0];
-        o[2 * b + 1] = -32 * tot[1];
+        dx[s] = mx / 127.0f;
     }
 }
 
@@ -151,56 +165,62 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
     for (int h = 0; h < 16 / A8_LANES; h++) {
         const int left = left0 - A8_LANES * h;
         if (left <= 0) break;
-        vf_t acc[GG_MAXG], mac[GG_MAXG];
-        for (int i = 0; i < G; i++) acc[i] = mac[i] = gg_set1(0.f);
+        // y's partial sums wait in memory between super-blocks (touched once a super-block), so the 32 registers
+        // hold a super-block's a, the integer sums and the decoded weights of 8 token rows without spilling
+        float acc[GG_MAXG][A8_LANES] __attribute__((aligned(64)));
+        vf_t a[GG_MAXG];
+        for (int i = 0; i < G; i++) _mm512_store_ps(acc[i], gg_set1(0.f));
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
             if (h == 0)
                 for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h), dmin = gg_loadf((const float *)sc + 16 + A8_LANES * h);
+            for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
             for (int j = 0; j < 8; j++) {
                 const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + A8_LANES * h));
                 const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j + A8_LANES * h));
                 vi_t p[4][GG_MAXG];
-                for (int c = 0; c < NCH; c++)
-                    for (int i = 0; i < G; i++) p[c][i] = vi_set1(0);
                 for (int c = 0; c < 4; c++) {
                     vi_t lo, hi;
                     a8_nibbles(rec + 64 * (4 * j + c) + 4 * A8_LANES * h, &lo, &hi);
                     const int c0 = NCH == 4 ? 2 * (c & 1) : 0, c1 = NCH == 1 ? 0 : c0 + 1;
+                    const int first = NCH == 4 ? c < 2 : c == 0;  // the line that starts chains c0 and c1
                     for (int i = 0; i < G; i++) {
                         const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 32 * j + 8 * c;
-                        p[c0][i] = vi_dp(p[c0][i], lo, xr);
-                        p[c1][i] = vi_dp(p[c1][i], hi, xr + 4);
+                        p[c0][i] = first ? gg_dp0(lo, xr) : gg_dp(p[c0][i], lo, xr);
+                        p[c1][i] = first && NCH != 1 ? gg_dp0(hi, xr + 4) : gg_dp(p[c1][i], hi, xr + 4);
                     }
                 }
                 const int b = 8 * s + j;
                 for (int i = 0; i < G; i++) {  // one chain per token row from 3 rows: enough in flight
                     vi_t t = NCH == 1 ? p[0][i] : vi_add(p[0][i], p[1][i]);
                     if (NCH == 4) t = vi_add(t, vi_add(p[2][i], p[3][i]));
-                    const int64_t at = (int64_t)(s0 + i) * nb + b;
-                    acc[i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[at]), acc[i]);
-                    mac[i] = vf_fma(M, gg_set1(X->xs[at]), mac[i]);
+                    a[i] = vf_fma(vf_cvt(t), D, a[i]);
+                    a[i] = gg_fnma(M, gg_set1(X->xs[(int64_t)(s0 + i) * nb + b]), a[i]);
                 }
             }
+            for (int i = 0; i < G; i++)
+                _mm512_store_ps(acc[i], vf_fma(a[i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), _mm512_load_ps(acc[i])));
         }
-        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, gg_sub(acc[i], mac[i]), left);
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, _mm512_load_ps(acc[i]), left);
     }
 }
 
 static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
                                                               int K, int left0, int s0, const int G) {
-    const int nsb = K / 256, nb = K / 32, n16 = K / 16, NCH = G <= 2 ? 2 : 1;
+    const int nsb = K / 256, n16 = K / 16, NCH = G <= 2 ? 2 : 1;
     for (int h = 0; h < 16 / A8_LANES; h++) {
         const int left = left0 - A8_LANES * h;
         if (left <= 0) break;
-        vf_t acc[GG_MAXG];
-        for (int i = 0; i < G; i++) acc[i] = gg_set1(0.f);
+        float acc[GG_MAXG][A8_LANES] __attribute__((aligned(64)));  // as gg_tile_q4k
+        vf_t a[GG_MAXG];
+        for (int i = 0; i < G; i++) _mm512_store_ps(acc[i], gg_set1(0.f));
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
             if (h == 0)
                 for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h);
+            for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
             for (int j = 0; j < 16; j++) {
                 const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j + A8_LANES * h));
                 vi_t l0, h0, l1, h1;
@@ -216,25 +236,24 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
                     const int8_t *xr = X->q + (int64_t)(s0 + i) * K + 256 * s + 16 * j;
                     p[0][i] = vi_set1(X->o[(int64_t)(s0 + i) * n16 + 16 * s + j]);
                     if (NCH == 2) {
-                        p[1][i] = vi_set1(0);
-                        p[0][i] = vi_dp(p[0][i], l0, xr);
-                        p[1][i] = vi_dp(p[1][i], h0, xr + 4);
-                        p[0][i] = vi_dp(p[0][i], l1, xr + 8);
-                        p[1][i] = vi_dp(p[1][i], h1, xr + 12);
+                        p[0][i] = gg_dp(p[0][i], l0, xr);
+                        p[1][i] = gg_dp0(h0, xr + 4);
+                        p[0][i] = gg_dp(p[0][i], l1, xr + 8);
+                        p[1][i] = gg_dp(p[1][i], h1, xr + 12);
                         p[0][i] = vi_add(p[0][i], p[1][i]);
                     } else {
-                        p[0][i] = vi_dp(p[0][i], l0, xr);
-                        p[0][i] = vi_dp(p[0][i], h0, xr + 4);
-                        p[0][i] = vi_dp(p[0][i], l1, xr + 8);
-                        p[0][i] = vi_dp(p[0][i], h1, xr + 12);
+                        p[0][i] = gg_dp(p[0][i], l0, xr);
+                        p[0][i] = gg_dp(p[0][i], h0, xr + 4);
+                        p[0][i] = gg_dp(p[0][i], l1, xr + 8);
+                        p[0][i] = gg_dp(p[0][i], h1, xr + 12);
                     }
                 }
-                const int b = 16 * s + j;
-                for (int i = 0; i < G; i++)
-                    acc[i] = vf_fma(vf_cvt(p[0][i]), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[i]);
+                for (int i = 0; i < G; i++) a[i] = vf_fma(vf_cvt(p[0][i]), D, a[i]);
             }
+            for (int i = 0; i < G; i++)
+                _mm512_store_ps(acc[i], vf_fma(a[i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), _mm512_load_ps(acc[i])));
         }
-        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, acc[i], left);
+        for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + A8_LANES * h, _mm512_load_ps(acc[i]), left);
     }
 }
 
@@ -255,13 +274,15 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
                                                               const int H) {
     const int nsb = K / 256, nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    vf_t acc[2][GG_MAXG], mac[2][GG_MAXG];
+    vf_t acc[2][GG_MAXG], a[2][GG_MAXG];
     for (int hh = 0; hh < H; hh++)
-        for (int i = 0; i < G; i++) acc[hh][i] = mac[hh][i] = gg_set1(0.f);
+        for (int i = 0; i < G; i++) acc[hh][i] = gg_set1(0.f);
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
         if (h0 == 0)
             for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int hh = 0; hh < H; hh++)
+            for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 8; j++) {
             // line by line, each row's pair sums adding up in an int16 register: H G of them, the line's decoded
             // vectors and temporaries fit the 16 ymm with 8 rows at H = 1 (the float accumulators spill instead,
@@ -291,16 +312,18 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
                 const vf_t D = gg_mul(gg_loadf((const float *)sc + 8 * h), gg_u8(sc + 128 + 16 * j + 8 * h));
                 const vf_t M = gg_mul(gg_loadf((const float *)sc + 16 + 8 * h), gg_u8(sc + 256 + 16 * j + 8 * h));
                 for (int i = 0; i < G; i++) {
-                    const int64_t at = (int64_t)(s0 + i) * nb + b;
-                    acc[hh][i] = vf_fma(vf_cvt(_mm256_madd_epi16(t[hh][i], ones)), vf_scale(D, X->dx[at]), acc[hh][i]);
-                    mac[hh][i] = vf_fma(M, gg_set1(X->xs[at]), mac[hh][i]);
+                    a[hh][i] = vf_fma(vf_cvt(_mm256_madd_epi16(t[hh][i], ones)), D, a[hh][i]);
+                    a[hh][i] = gg_fnma(M, gg_set1(X->xs[(int64_t)(s0 + i) * nb + b]), a[hh][i]);
                 }
             }
         }
+        for (int hh = 0; hh < H; hh++)
+            for (int i = 0; i < G; i++)
+                acc[hh][i] = vf_fma(a[hh][i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), acc[hh][i]);
     }
     for (int hh = 0; hh < H; hh++)
         for (int i = 0; i < G; i++)
-            vf_store(y + (int64_t)(s0 + i) * ys + 8 * (h0 + hh), gg_sub(acc[hh][i], mac[hh][i]), left0 - 8 * (h0 + hh));
+            vf_store(y + (int64_t)(s0 + i) * ys + 8 * (h0 + hh), acc[hh][i], left0 - 8 * (h0 + hh));
 }
 
 static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
@@ -318,15 +341,17 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
 static inline __attribute__((always_inline)) void gg_pass_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
                                                               int K, int left0, int s0, const int G, int h0,
                                                               const int H) {
-    const int nsb = K / 256, nb = K / 32, n16 = K / 16;
+    const int nsb = K / 256, n16 = K / 16;
     const __m256i ones = _mm256_set1_epi16(1);
-    vf_t acc[2][GG_MAXG];
+    vf_t acc[2][GG_MAXG], a[2][GG_MAXG];
     for (int hh = 0; hh < H; hh++)
         for (int i = 0; i < G; i++) acc[hh][i] = gg_set1(0.f);
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
         if (h0 == 0)
             for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int hh = 0; hh < H; hh++)
+            for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 16; j++) {
             const int b = 16 * s + j;
             const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 4 * j) * 4 * G;
@@ -347,10 +372,13 @@ static inline __attribute__((always_inline)) void gg_pass_q6k(const gx_t *X, con
                     const __m256i tb = _mm256_add_epi16(gg_mb(l1, xr + 8 * G), gg_mb(h1, xr + 12 * G));
                     const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + b]),
                                           vi_add(_mm256_madd_epi16(ta, ones), _mm256_madd_epi16(tb, ones)));
-                    acc[hh][i] = vf_fma(vf_cvt(t), vf_scale(D, X->dx[(int64_t)(s0 + i) * nb + b / 2]), acc[hh][i]);
+                    a[hh][i] = vf_fma(vf_cvt(t), D, a[hh][i]);
                 }
             }
         }
+        for (int hh = 0; hh < H; hh++)
+            for (int i = 0; i < G; i++)
+                acc[hh][i] = vf_fma(a[hh][i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), acc[hh][i]);
     }
     for (int hh = 0; hh < H; hh++)
         for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys + 8 * (h0 + hh), acc[hh][i], left0 - 8 * (h0 + hh));
@@ -441,7 +469,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
     const int interleave = S > 1;  // one token's interleaved layout is q itself: a decode step copies nothing
 #endif
     int8_t *qi = interleave ? (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi) : q;
-    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 32), &odx);
+    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 256), &odx);
     float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)rows_max * (K / 32), &oxs);
     int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)rows_max * (K / 16), &oo);
     share_t *share = (share_t *)scratch(SC_SHARE, sizeof(share_t) * (size_t)threads, &osh);
@@ -455,7 +483,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         const int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
         for (int s = 0; s < cs; s++)
-            gg_quant_row(x + (int64_t)(c0 + s) * K, K, q + (int64_t)s * K, dx + (int64_t)s * (K / 32),
+            gg_quant_row(x + (int64_t)(c0 + s) * K, K, q + (int64_t)s * K, dx + (int64_t)s * (K / 256),
                          xs + (int64_t)s * (K / 32), o + (int64_t)s * (K / 16));
         if (interleave) gg_interleave(q, qi, cs, K);
         float *yc = y + (int64_t)c0 * N;

@@ -7,8 +7,8 @@ weight enters every matmul as its exact value d sc q - dmin m (Q4_K) or d sc (q 
 dequantized value (gguf.quants) whenever that is representable in fp32; always for Q6_K, and for Q4_K wherever
 `q4k_exact` says so (the engine build counts the sub-blocks where it is not and reports them).
 
-Activations are quantized per 32 columns to int8 at each matmul (gguf_kernels.c); `reference_matmul` is that
-arithmetic in torch, bit for bit (the torch fallback and the tests' reference).
+Activations are quantized per 256 columns (a super-block) to int8 at each matmul (gguf_kernels.c); `reference_matmul`
+is that arithmetic in torch, bit for bit (the torch fallback and the tests' reference).
 
 A layer is up to four parts of one input width (the runtime fuses q/k/v and gate/up, and a Q4_K_M GGUF mixes Q4_K and
 Q6_K among them): `GGUFLinear` holds every part's packed bytes in one buffer (`qweight`) and a table `parts` [n, 5]
@@ -170,9 +170,10 @@ def _fma32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 32], xs [R, K / 32], o [R, K / 16]) as gg_quant_row."""
+    """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 256], xs [R, K / 32], o [R, K / 16]) as gg_quant_row: one
+    scale per 256 columns; xs the sum of each 32 columns' x8 (an exact integer, as fp32), o -32 times each 16's."""
     R, K = x.shape
-    xb = x.float().reshape(R, K // 32, 32)
+    xb = x.float().reshape(R, K // 256, 256)
     bad = ~torch.isfinite(xb).all(-1)
     mx = torch.where(bad, torch.zeros(()), xb.abs().nan_to_num(0.0).amax(-1))
     zero = (mx < 1e-30) & ~bad
@@ -180,7 +181,7 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     inv = torch.tensor(127.0) / torch.where(skip, torch.ones(()), mx)
     q = torch.round(torch.where(skip[..., None], torch.zeros(()), xb.nan_to_num(0.0) * inv[..., None])).long()
     dx = torch.where(bad, torch.full_like(mx, float("nan")), torch.where(zero, torch.zeros(()), mx / 127.0))
-    xs = dx * q.sum(-1).float()
+    xs = q.reshape(R, K // 32, 32).sum(-1).float()
     o = -32 * q.reshape(R, K // 16, 16).sum(-1)
     return q.reshape(R, K), dx, xs, o
 
@@ -229,21 +230,24 @@ def reference_matmul(x: Tensor, parts: list[tuple[int, dict[str, Tensor], int]],
     for qtype, f, n0 in parts:
         q = f["q"]
         n = q.shape[0]
+        acc = torch.zeros(R, n)
         if qtype == Q4_K:
             ints = torch.einsum("rbk,nbk->rnb", q8.reshape(R, -1, 32).double(), q.reshape(n, -1, 32).double()).float()
-            acc = torch.zeros(R, n)
-            mac = torch.zeros(R, n)
-            for j in range(K // 32):
-                acc = _fma32(ints[..., j], f["D"][None, :, j] * dx[:, None, j], acc)
-                mac = _fma32(f["M"][None, :, j].expand(R, n), xs[:, None, j].expand(R, n), mac)
-            y[:, n0:n0 + n] = acc - mac
+            for s in range(K // 256):
+                a = torch.zeros(R, n)
+                for j in range(8 * s, 8 * s + 8):
+                    a = _fma32(ints[..., j], f["D"][None, :, j].expand(R, n), a)
+                    a = _fma32(-f["M"][None, :, j].expand(R, n), xs[:, None, j].expand(R, n), a)
+                acc = _fma32(a, dx[:, None, s].expand(R, n), acc)
         else:
             ints = torch.einsum("rbk,nbk->rnb", q8.reshape(R, -1, 16).double(), q.reshape(n, -1, 16).double())
             ints = (ints + o[:, None, :].double()).float()
-            acc = torch.zeros(R, n)
-            for j in range(K // 16):
-                acc = _fma32(ints[..., j], f["D"][None, :, j] * dx[:, None, j // 2], acc)
-            y[:, n0:n0 + n] = acc
+            for s in range(K // 256):
+                a = torch.zeros(R, n)
+                for j in range(16 * s, 16 * s + 16):
+                    a = _fma32(ints[..., j], f["D"][None, :, j].expand(R, n), a)
+                acc = _fma32(a, dx[:, None, s].expand(R, n), acc)
+        y[:, n0:n0 + n] = acc
     return y.reshape(*x.shape[:-1], N)
 
 
