@@ -1,0 +1,88 @@
+// The GGUF tiles alone: gguf_matmul (pipeline/runtime/gguf_kernels.c, through skinny.c as the library builds it) on
+// random Q4_K or Q6_K panels, S = 1..8 token rows, timed in C with no Python between calls, against the build's own
+// int8 peak (int8_peak: vpdpbusd in 12 independent chains). `copies` > 1 cycles through that many copies of the
+// weights, so with a total above the L3 they stream from memory as in a decode step; 1 keeps them in cache, which
+// leaves only the tile's own instruction cost.
+//   gcc -O3 -ffp-contract=off -pthread -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16
+//       -mavx512vnni experiments/gguf_tile.c -o /tmp/gguf_tile -lm     (one line)
+//   /tmp/gguf_tile q4k 1024 1536 1 1      # type, rows N, columns K, threads, copies [, seconds per S]
+//   /tmp/gguf_tile q4k 17920 1536 2 12    # gate/up of the 1.5B target, streamed (12 x 15.5 MB)
+// Drop the AVX-512 flags for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
+#include "../pipeline/runtime/skinny.c"
+
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t rnd(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)rng;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s q4k|q6k N K threads copies [seconds per S]\n", argv[0]);
+        return 2;
+    }
+    const int type = strcmp(argv[1], "q6k") == 0 ? GG_Q6K : GG_Q4K;
+    const int N = atoi(argv[2]), K = atoi(argv[3]), threads = atoi(argv[4]), copies = atoi(argv[5]);
+    const double secs = argc > 6 ? atof(argv[6]) : 1.0;
+    if (N < 1 || K < 256 || K % 256 || threads < 1 || copies < 1) {
+        fprintf(stderr, "N >= 1, K a multiple of 256, threads and copies >= 1\n");
+        return 2;
+    }
+    const int rec = gg_record(type), P = (N + 15) / 16, nsb = K / 256;
+    const size_t bytes = (size_t)P * nsb * rec, stride = (bytes + 4095) & ~(size_t)4095;
+    uint8_t *w = aligned_alloc(4096, stride * copies);
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)rnd();
+    for (size_t r = 0; r < (size_t)P * nsb; r++) {  // sane scales: fp32 d (and dmin), 6-bit Q4_K sub-block scales
+        uint8_t *b = w + r * rec;
+        float *d = (float *)(b + (type == GG_Q4K ? 2048 : 3072));
+        for (int l = 0; l < (type == GG_Q4K ? 32 : 16); l++) d[l] = 1e-3f * (float)(1 + rnd() % 100);
+        if (type == GG_Q4K)
+            for (int i = 0; i < 256; i++) b[2048 + 128 + i] &= 63;
+    }
+    for (int c = 1; c < copies; c++) memcpy(w + stride * c, w, bytes);
+    float *x = malloc(sizeof(float) * 8 * K), *y = malloc(sizeof(float) * 8 * N);
+    for (int i = 0; i < 8 * K; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    gg_desc_t d = {1, K, {{type, N, 0, 0, w}}};
+
+    double peak = 0;  // int8 multiply-adds per second, best of 3
+    for (int r = 0; r < 3; r++) {
+        const double t = now();
+        const double rate = (double)int8_peak(1 << 20, threads) / (now() - t);
+        peak = rate > peak ? rate : peak;
+    }
+    printf("%s N=%d K=%d, %d thread(s), %d cop%s of %.1f MB; int8 peak %.0f G multiply-adds/s\n", argv[1], N, K,
+           threads, copies, copies == 1 ? "y" : "ies", bytes / 1e6, peak / 1e9);
+    printf("  S   best us  median us   G MAC/s  of peak  weight GB/s\n");
+    for (int r = 0; r < 9; r++) {  // S = 1..8, then 1 again: a late first-touch or huge-page effect shows as a change
+        const int S = r < 8 ? r + 1 : 1;
+        gguf_matmul(x, &d, y, S, K, N, threads);
+        double times[4096];
+        int n = 0;
+        const double t0 = now();
+        while (now() - t0 < secs && n < 4096) {
+            const double t = now();
+            for (int c = 0; c < copies; c++) {
+                d.part[0].w = w + stride * c;
+                gguf_matmul(x, &d, y, S, K, N, threads);
+            }
+            times[n++] = (now() - t) / copies;
+        }
+        for (int i = 1; i < n; i++)  // insertion sort: n is small
+            for (int j = i; j > 0 && times[j] < times[j - 1]; j--) {
+                const double s = times[j];
+                times[j] = times[j - 1], times[j - 1] = s;
+            }
+        const double best = times[0], med = times[n / 2], macs = (double)S * N * K;
+        printf("  %d %9.1f %10.1f %9.1f %7.0f%% %12.1f\n", S, best * 1e6, med * 1e6, macs / best / 1e9,
+               100 * macs / best / peak, bytes / best / 1e9);
+    }
+    return 0;
+}
