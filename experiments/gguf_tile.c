@@ -5,7 +5,7 @@
 // leaves only the tile's own instruction cost.
 //   gcc -O3 -ffp-contract=off -pthread -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni experiments/gguf_tile.c -o /tmp/gguf_tile -lm
 //   /tmp/gguf_tile q4k 1024 1536 1 1      # type, rows N, columns K, threads, copies [, seconds per S]
-//   /tmp/gguf_tile q4k 17920 1536 2 12    # gate/up of the 1.5B target, streamed (12 x 15.5 MB)
+//   /tmp/gguf_tile q4k 17920 1536 2 12    # gate/up of the 1.5B target, streamed (12 x 16.3 MB)
 // Drop the AVX-512 flags for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
 #include "../pipeline/runtime/skinny.c"
 
