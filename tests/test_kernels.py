@@ -208,6 +208,30 @@ def test_attention_matches_sdpa_and_ignores_threads_padding_and_build(threads, s
     assert torch.equal(kernels.attention(q, kc, vc, None, kv, slots=slots), kernels.attention(q, kc, vc, causal, kv))
 
 
+@pytest.mark.parametrize("shape", [(6, 12, 2, 128, 206), (5, 14, 2, 64, 70), (3, 6, 3, 36, 41), (2, 4, 4, 20, 9)])
+def test_a_query_attends_alike_alone_and_grouped_with_the_heads_that_share_its_kv_head(threads, shape):
+    """Attention works in units of up to four (query, head) pairs that read one kv head (each K and V row loaded once
+    for all of them): a query's result is the bits it gets computed alone, for every unit size the shapes give (6
+    heads a kv head at 1 query: 3 + 3; 7: 4 + 3; 5 x 7: nine units), on 1 and 2 threads."""
+    S, Hq, Hkv, D, kv = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(1, S, Hq, D, generator=g) * 2
+    kc, vc = (torch.randn(1, Hkv, kv + 5, D, generator=g) for _ in range(2))
+    slots = (kv - S + torch.arange(S))[None].contiguous()
+    for n in (1, 2):
+        kernels.configure_threads(n)
+        together = kernels.attention(q, kc, vc, None, kv, slots=slots)
+        for s in range(S):
+            at = slots[:, s:s + 1].contiguous()
+            alone = kernels.attention(q[:, s:s + 1].contiguous(), kc, vc, None, kv, slots=at)
+            assert torch.equal(alone[0, 0], together[0, s]), (n, s)
+            for h in range(Hq):  # and one head alone (a unit of one pair), its kv head's K and V as the cache
+                kvh = h // (Hq // Hkv)
+                one = kernels.attention(q[:, s:s + 1, h:h + 1].contiguous(), kc[:, kvh:kvh + 1].contiguous(),
+                                        vc[:, kvh:kvh + 1].contiguous(), None, kv, slots=at)
+                assert torch.equal(one[0, 0, 0], together[0, s, h]), (n, s, h)
+
+
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):
