@@ -1593,6 +1593,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
             for (int j = 0; j < 8; j++) tail[i][j] = 0.f;
         }
         for (int l = 0; l < kv_len; l++) {
+            if (!nz[l]) continue;  // no pair sees the slot: its V row is not read
             const float *v = V + (int64_t)l * D + d0;
             if (full == 2 && nz[l] == all) {  // every pair sees the slot: no test per pair
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
