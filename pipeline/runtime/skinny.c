@@ -1670,6 +1670,7 @@ static void attention_share(void *ctx, int share) {
         case 3: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 3); break;
         default: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 4); break;
         }
+        memset(nz, 0, (size_t)kv_len);
         for (int i = 0; i < NI; i++) {  // softmax weights, pair by pair
             float *e = sc[i], mx = -INFINITY;
             int l;
@@ -1688,7 +1689,6 @@ static void attention_share(void *ctx, int share) {
             }
             const float sum = hsum256(sum8), inv = sum > 0 ? 1.0f / sum : 0.f;
             for (l = 0; l < kv_len; l++) pr[i][l] = e[l] * inv;
-            if (i == 0) memset(nz, 0, (size_t)(kv_len > 0 ? kv_len : 0));
             for (l = 0; l < kv_len; l++) nz[l] |= (uint8_t)((e[l] != 0.f) << i);
         }
         switch (NI) {
