@@ -6,6 +6,9 @@
 //   gcc -O3 -ffp-contract=off -pthread -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni experiments/gguf_tile.c -o /tmp/gguf_tile -lm
 //   /tmp/gguf_tile q4k 1024 1536 1 1      # type, rows N, columns K, threads, copies [, seconds per S]
 //   /tmp/gguf_tile q4k 17920 1536 2 12    # gate/up of the 1.5B target, streamed (12 x 16.3 MB)
+//   /tmp/gguf_tile q4k 1024 1536 1 1 1 amx   # the AMX tiles (Sapphire Rapids and later), checked bit for bit against
+//                                            # the AVX-512 tiles at every S first; `amx-model` runs the same code on
+//                                            # the software model of the tiles (its timings mean nothing)
 // Drop the AVX-512 flags for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
 #include "../pipeline/runtime/skinny.c"
 
@@ -25,7 +28,7 @@ static uint32_t rnd(void) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s q4k|q6k N K threads copies [seconds per S]\n", argv[0]);
+        fprintf(stderr, "usage: %s q4k|q6k N K threads copies [seconds per S [avx512|amx|amx-model]]\n", argv[0]);
         return 2;
     }
     const int type = strcmp(argv[1], "q6k") == 0 ? GG_Q6K : GG_Q4K;
@@ -50,6 +53,29 @@ int main(int argc, char **argv) {
     float *x = malloc(sizeof(float) * 8 * K), *y = malloc(sizeof(float) * 8 * N);
     for (int i = 0; i < 8 * K; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
     gg_desc_t d = {1, K, {{type, N, 0, 0, w}}};
+    const char *mode = argc > 7 ? argv[7] : "avx512";
+    if (strcmp(mode, "avx512") != 0) {
+        const int want = strcmp(mode, "amx") == 0 ? 1 : strcmp(mode, "amx-model") == 0 ? 2 : -1;
+        if (want < 0 || (want == 1 && gguf_amx_probe() != 1)) {
+            fprintf(stderr, want < 0 ? "mode: avx512, amx or amx-model\n" : "no AMX here (gguf_amx_probe %d)\n",
+                    gguf_amx_probe());
+            return 2;
+        }
+        float *ref = malloc(sizeof(float) * 8 * N);
+        for (int S = 1; S <= 8; S++) {  // the tiles' bits against the AVX-512 tiles' before any timing
+            gguf_amx(0);
+            gguf_matmul(x, &d, ref, S, K, N, threads);
+            gguf_amx(want);
+            gguf_matmul(x, &d, y, S, K, N, threads);
+            if (memcmp(ref, y, sizeof(float) * S * N) != 0 || gg_amx_faults) {
+                printf("%s differs from the AVX-512 tiles at S = %d (model faults %lld)\n", mode, S,
+                       (long long)gg_amx_faults);
+                return 1;
+            }
+        }
+        printf("%s: the same bits as the AVX-512 tiles at S = 1..8\n", mode);
+        free(ref);
+    }
 
     double peak = 0;  // int8 multiply-adds per second, best of 3
     for (int r = 0; r < 3; r++) {

@@ -319,7 +319,8 @@ def macs_per_token(cfg) -> int:
 def verify_floor(cfg, curve: list[dict], seconds: float, tokens: int = 8) -> dict:
     """How cheap verifying `tokens` tokens could be on this machine: their multiply-adds at the kernel build's
     measured int8 peak (kernels.int8_peak), against the measured one-token step. When that floor alone is near or
-    above 1.3 steps (issue 28's target), no tile order on these vector units reaches the target; AMX would."""
+    above 1.3 steps (issue 28's target), no tile order on these vector units reaches the target; AMX tiles (path
+    `avx512+amx`, whose TDPBSSD this peak does not time) are not bound by it."""
     if not kernels.available():
         return {"note": "the skinny kernel is off (torch path): no int8 dot product to measure"}
     peak = kernels.int8_peak(seconds)

@@ -8,6 +8,9 @@ number of token rows and threads; and a model on such layers decodes the same bi
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -194,8 +197,117 @@ def test_each_token_row_gets_the_same_bits_whatever_the_number_of_rows(build, pa
     assert torch.equal(kernels.linear(many, lin), torch.cat([solo] * 7))
 
 
-def test_the_kernel_path_is_named():
-    assert kernels.path() in ("avx512", "avx2", "torch")
+def test_the_kernel_path_is_named_with_amx_exactly_where_the_cpu_and_os_allow_it():
+    assert kernels.path() in ("avx512+amx", "avx512", "avx2", "torch")
+    flags = kernels._cpu_flags()
+    if kernels.path().startswith("avx512"):
+        can = kernels.amx_unavailable() is None
+        assert (kernels.path() == "avx512+amx") == (can and os.environ.get("PIPELINE_AMX") != "0")
+        if not {"amx_tile", "amx_int8"} <= flags:  # /proc/cpuinfo agrees with the library's CPUID probe
+            assert not can and "no AMX" in kernels.amx_unavailable()
+            with pytest.raises(ValueError, match="no AMX"):
+                kernels.set_path("avx512+amx")
+            with pytest.raises(ValueError, match="no AMX"):
+                kernels.set_amx("hardware")
+    with pytest.raises(ValueError, match=r"set_amx: mode is 'on'; it must be one of \['emulated', 'hardware', 'off'\]"):
+        kernels.set_amx("on")
+
+
+AMX = "avx512" in BUILDS  # the AMX code runs on the software model of the tiles wherever the AVX-512 build does
+
+
+@pytest.fixture(params=["emulated", "hardware"])
+def amx_tiles(request, path):
+    """The AVX-512 build with its GGUF tiles on AMX: on the software model of the tiles everywhere that build runs,
+    and on the tiles themselves where this CPU and OS have them; the previous mode back afterwards."""
+    if not AMX:
+        pytest.skip("the AMX code is part of the AVX-512 build, which this CPU cannot run")
+    path("avx512")
+    if request.param == "hardware" and kernels.amx_unavailable():
+        pytest.skip(f"AMX tiles: {kernels.amx_unavailable()}")
+    faults = kernels.amx_faults()
+    prev = kernels.set_amx(request.param)
+    yield request.param
+    kernels.set_amx(prev)
+    assert kernels.amx_faults() == faults  # no tile operation the hardware would have refused
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_amx_tiles_give_the_documented_bits(threads, amx_tiles):
+    """TDPBSSD on the decoded weights gives the same integers as vpdpbusd; the float steps are the same, so the AMX
+    path keeps the contract bit for bit: every token-row count of one pass (1-16), a second pass (17-32) and the
+    48-row chunk, outputs that end mid-panel, Q4_K and Q6_K parts, adversarial and all-zero blocks, NaN inputs."""
+    rng = np.random.default_rng(17)
+    K = 512
+    odd = np.concatenate([random_blocks(gw.Q4_K, 16, K, rng, scale=F16_MAX / 64),
+                          np.concatenate([adversarial_blocks(gw.Q4_K, rng)] * 2, 1)[:13]])
+    parts = [(gw.Q4_K, random_blocks(gw.Q4_K, 40, K, rng)), (gw.Q6_K, random_blocks(gw.Q6_K, 24, K, rng)),
+             (gw.Q6_K, np.concatenate([adversarial_blocks(gw.Q6_K, rng)] * 2, 1)), (gw.Q4_K, odd)]
+    lin = layer(parts, K)
+    x = _x(53, K, seed=4)
+    x[9, 300] = float("nan")
+    ref = gw.reference_matmul(x, lin.fields(), lin.out_features)
+    prev = kernels.threads()
+    kernels.set_threads(threads)
+    try:
+        assert kernels.amx() == amx_tiles
+        for S in (1, 2, 5, 8, 11, 16, 17, 30, 53):
+            got = kernels.linear(x[:S], lin)
+            assert ((got == ref[:S]) | (got.isnan() & ref[:S].isnan())).all(), S
+        assert torch.isnan(ref[9]).all() and torch.isfinite(ref[:9, :64]).all()  # the random parts stay finite
+    finally:
+        kernels.set_threads(prev)
+
+
+def test_the_amx_path_decodes_a_model_as_the_avx512_tiles_do(amx_tiles):
+    cfg = _tiny_cfg()
+    st = quant.cast_state(_tiny_state(cfg, np.random.default_rng(2)), torch.bfloat16)
+    model = build_model(cfg, st, torch.bfloat16, "cpu")
+    tokens = torch.tensor([[3, 9, 27, 17, 51, 25, 11, 33, 2, 6, 18, 54, 34, 38, 50, 22, 5, 15, 45, 7]])
+    with torch.inference_mode():
+        on_tiles = model(tokens, torch.arange(tokens.shape[1])[None], model.new_cache(1, 32))
+        kernels.set_amx("off")
+        on_avx512 = model(tokens, torch.arange(tokens.shape[1])[None], model.new_cache(1, 32))
+        kernels.set_amx(amx_tiles)
+    assert torch.equal(on_tiles, on_avx512)
+
+
+def _model_dp(a: np.ndarray, b: np.ndarray, b_rows: int | None = None) -> tuple[np.ndarray, int]:
+    """One TDPBSSD on the tile model: A [M, Kb] int8, B [Kb / 4, 4 N] int8 (VNNI layout) into a zeroed C [M, N]; the
+    faults it counted."""
+    lib = kernels._compile("avx512")
+    M, Kb = a.shape
+    N = b.shape[1] // 4
+    c = np.full((M, N), 7, np.int32)
+    before = ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value
+    rows = b.shape[0] if b_rows is None else b_rows
+    lib.gguf_amx_model_dp(a.ctypes.data, b.ctypes.data, c.ctypes.data, M, Kb, N, rows)
+    return c, ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value - before
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX code is part of the AVX-512 build, which this CPU cannot run")
+def test_the_tile_model_multiplies_as_the_instruction_reference_says_and_refuses_what_the_hardware_refuses():
+    """The model is worth its word only if its TDPBSSD is the reference's: C[m, n] = sum over k, i of A[m, 4k + i]
+    B[k, 4n + i] on signed bytes, here against numpy on the unpacked layout; and if it refuses (#UD) what the hardware
+    refuses: B's rows not A's columns / 4, or a tile used with no configuration loaded."""
+    rng = np.random.default_rng(23)
+    for M, Kb, N in ((16, 64, 16), (8, 32, 16), (3, 16, 16), (1, 4, 5)):
+        a = rng.integers(-128, 128, (M, Kb), dtype=np.int8)
+        b = rng.integers(-128, 128, (Kb // 4, 4 * N), dtype=np.int8)
+        want = a.astype(np.int64) @ b.reshape(Kb // 4, N, 4).transpose(0, 2, 1).reshape(Kb, N).astype(np.int64)
+        c, faults = _model_dp(a, b)
+        assert faults == 0 and np.array_equal(c, want.astype(np.int32)), (M, Kb, N)
+    extreme = np.full((16, 64), -128, np.int8)
+    c, _ = _model_dp(extreme, np.full((16, 64), -128, np.int8))
+    assert (c == 64 * 128 * 128).all()  # 2^20: no saturation anywhere
+    a, b = np.ascontiguousarray(extreme[:8, :32]), np.zeros((8, 64), np.int8)
+    assert _model_dp(a, b)[1] == 0
+    _, faults = _model_dp(a, b, b_rows=7)  # B has 7 rows where A's 32 columns need 8
+    assert faults == 1
+    lib = kernels._compile("avx512")
+    before = ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value
+    lib.gguf_amx_model_unconfigured()
+    assert ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value == before + 1
 
 
 def _tiny_cfg() -> ModelConfig:

@@ -36,8 +36,11 @@
 // on the pipes they share): a 6-token forward of the 1.5B target took 39.2-41.2 against 44.8-47.3 ms
 // (docs/gguf_weights.md, with the greedy agreement and log-likelihood it keeps).
 //
-// No AMX: this CPU (AMD Zen 4) has none to test on; an AMX tile path (TDPBUSD on the same int8 blocks) would keep
-// these integers and this float order, and is left for a machine that has it.
+// AMX (below, "AMX"): where the CPU and the OS allow it, the AVX-512 build takes the integers i_j from TDPBSSD tiles
+// instead of vpdpbusd, with the same float steps in the same order, so the bits do not change. No machine here has
+// AMX: the tests run that code on a software model of the tiles (written from the instruction reference, pinned to it
+// by its own test) and require the AVX-512 tiles' bits; experiments/gguf_tile.c checks the real tiles against the
+// AVX-512 ones before it times them.
 
 #define GG_Q4K 12  // ggml type ids
 #define GG_Q6K 14
@@ -402,6 +405,309 @@ static inline int gg_group(int S, int g, int *s0) {
     return base + (g < extra);
 }
 
+#if defined(__AVX512F__)
+// AMX (Sapphire Rapids and later): the same integers i_j from tiles. TDPBSSD multiplies a tile of G token rows' int8
+// activations (A: G rows of one sub-block's 32 / 16 columns, read straight from q with stride K) by the panel's decoded
+// weights (B: 8 / 4 rows of 64 bytes, row k holding 4 consecutive columns of each of the 16 panel rows, which is what
+// a8_nibbles makes of a record's line: its low nibbles are columns 8c..8c+3, its high ones 8c+4..8c+7) into C, G rows
+// of 16 int32 sums, one per panel row; q is 0..15 (Q4_K) or 0..63 (Q6_K), so signed x signed (TDPBSSD) is exact.
+// The float steps are then the AVX-512 tile's, in its order, so the bits are the AVX-512 build's: one pass covers up to
+// 16 token rows, each panel decoded once for them. At 8 rows the AVX-512 tile spends 64 vpdpbusd a sub-block on
+// what is one TDPBSSD here; the float steps (3 a row) remain.
+//
+// gg_amx_mode: 0 the AVX-512 tiles; 1 the AMX instructions (gguf_amx(1) turns it on only where CPUID reports AMX-TILE
+// and AMX-INT8, the OS enables their state in XCR0 and Linux grants this process XTILEDATA); 2 the same code on a
+// software model of the tiles, written from the instruction set reference's pseudocode (the tests run it: this CPU has
+// no AMX). The model counts in gg_amx_faults every operation the hardware would refuse (#UD: no configuration loaded,
+// shapes that do not chain), which the tests require to stay 0.
+int gg_amx_mode;
+_Atomic long long gg_amx_faults;
+#define GG_AMXG 16  // token rows per tile pass (a tile's 16 rows)
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} gg_tilecfg_t;
+_Static_assert(sizeof(gg_tilecfg_t) == 64, "LDTILECFG reads 64 bytes");
+
+static _Thread_local struct {
+    int on;
+    uint8_t rows[8];
+    uint16_t colsb[8];
+    uint8_t t[8][16][64];
+} amx_emu;
+static void emu_fault(void) { atomic_fetch_add(&gg_amx_faults, 1); }
+static void emu_cfg(const gg_tilecfg_t *c) {
+    memset(&amx_emu, 0, sizeof amx_emu);
+    if (c->palette != 1) {
+        emu_fault();
+        return;
+    }
+    for (int i = 0; i < 8; i++) {
+        if (c->rows[i] > 16 || c->colsb[i] > 64) {
+            emu_fault();
+            return;
+        }
+        amx_emu.rows[i] = c->rows[i], amx_emu.colsb[i] = c->colsb[i];
+    }
+    amx_emu.on = 1;
+}
+static int emu_ok(int t) {
+    if (!amx_emu.on || !amx_emu.rows[t] || !amx_emu.colsb[t]) return emu_fault(), 0;
+    return 1;
+}
+static void emu_load(int t, const void *base, long stride) {  // TILELOADD: the rest of each row, and rows past, zero
+    if (!emu_ok(t)) return;
+    memset(amx_emu.t[t], 0, sizeof amx_emu.t[t]);
+    for (int r = 0; r < amx_emu.rows[t]; r++) memcpy(amx_emu.t[t][r], (const char *)base + r * stride, amx_emu.colsb[t]);
+}
+static void emu_store(int t, void *base, long stride) {
+    if (!emu_ok(t)) return;
+    for (int r = 0; r < amx_emu.rows[t]; r++) memcpy((char *)base + r * stride, amx_emu.t[t][r], amx_emu.colsb[t]);
+}
+static void emu_zero(int t) {
+    if (emu_ok(t)) memset(amx_emu.t[t], 0, sizeof amx_emu.t[t]);
+}
+// TDPBSSD c, a, b: c.dword[m][n] += sum over k < a.colsb / 4, i < 4 of a.byte[m][4k + i] * b.byte[k][4n + i], signed
+// bytes, wrapping int32; #UD unless c.rows == a.rows, c.colsb == b.colsb, b.rows == a.colsb / 4 (all multiples of 4).
+static void emu_dpbssd(int c, int a, int b) {
+    if (!emu_ok(c) || !emu_ok(a) || !emu_ok(b)) return;
+    if (amx_emu.rows[c] != amx_emu.rows[a] || amx_emu.colsb[c] != amx_emu.colsb[b] || amx_emu.colsb[a] % 4 ||
+        amx_emu.colsb[c] % 4 || amx_emu.rows[b] != amx_emu.colsb[a] / 4) {
+        emu_fault();
+        return;
+    }
+    for (int m = 0; m < amx_emu.rows[c]; m++)
+        for (int n = 0; n < amx_emu.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, amx_emu.t[c][m] + 4 * n, 4);
+            uint32_t u = (uint32_t)acc;
+            for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++)
+                    u += (uint32_t)((int32_t)(int8_t)amx_emu.t[a][m][4 * k + i] * (int8_t)amx_emu.t[b][k][4 * n + i]);
+            acc = (int32_t)u;
+            memcpy(amx_emu.t[c][m] + 4 * n, &acc, 4);
+        }
+}
+
+// The instructions, each with a "memory" clobber: GCC's own AMX intrinsics (inline asm too) tell the compiler
+// nothing of the memory a tile load reads, so the stores of decoded weights just before it could be dropped.
+#define AMX_CFG(emu, p) do { if (emu) emu_cfg(p); else __asm__ volatile("ldtilecfg %0" :: "m"(*(p)) : "memory"); } while (0)
+#define AMX_RELEASE(emu) do { if (emu) memset(&amx_emu, 0, sizeof amx_emu); else __asm__ volatile("tilerelease" ::: "memory"); } while (0)
+#define AMX_LOAD(emu, t, base, stride) do { if (emu) emu_load(t, base, stride); else \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t :: "r"((const void *)(base)), "r"((long)(stride)) : "memory"); } while (0)
+#define AMX_STORE(emu, t, base, stride) do { if (emu) emu_store(t, base, stride); else \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"((void *)(base)), "r"((long)(stride)) : "memory"); } while (0)
+#define AMX_ZERO(emu, t) do { if (emu) emu_zero(t); else __asm__ volatile("tilezero %%tmm" #t ::); } while (0)
+#define AMX_DP(emu, c, a, b) do { if (emu) emu_dpbssd(c, a, b); else __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::); } while (0)
+
+// The configuration this thread loaded (model or hardware << 16 | type << 8 | token rows; 0: none). Tiles 0 / 1: C (G rows of 16 int32);
+// 2 / 3: A (G rows of a sub-block's 32 or 16 activation bytes); 4 / 5: B (its decoded weights, 8 or 4 rows of 64
+// bytes). Two of each, so that one sub-block's tile product can run while the float steps of the other read theirs.
+static _Thread_local int gg_amx_key;
+static inline void gg_amx_config(const int emu, int type, int G) {
+    const int key = (emu ? 2 : 1) << 16 | type << 8 | G;
+    if (gg_amx_key == key) return;
+    gg_tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int kb = type == GG_Q4K ? 32 : 16;
+    for (int i = 0; i < 2; i++) {
+        c.rows[i] = (uint8_t)G, c.colsb[i] = 64;
+        c.rows[2 + i] = (uint8_t)G, c.colsb[2 + i] = (uint16_t)kb;
+        c.rows[4 + i] = (uint8_t)(kb / 4), c.colsb[4 + i] = 64;
+    }
+    AMX_CFG(emu, &c);
+    gg_amx_key = key;
+}
+// Every call that configured tiles releases them before it returns (the next one, maybe on another thread's
+// library, finds the state as it was).
+static void gg_amx_release(void) {
+    if (!gg_amx_key) return;
+    if (gg_amx_key >> 16 == 2)
+        AMX_RELEASE(1);
+    else
+        AMX_RELEASE(0);
+    gg_amx_key = 0;
+}
+
+// One sub-block's tile product into ci (G rows of 16 int32), on tile set u (0 or 1).
+#define GG_AMX_DP(emu, u, xa, stride, w, ci) do { \
+    if (u) { AMX_ZERO(emu, 1); AMX_LOAD(emu, 3, xa, stride); AMX_LOAD(emu, 5, w, 64); AMX_DP(emu, 1, 3, 5); \
+             AMX_STORE(emu, 1, ci, 64); } \
+    else   { AMX_ZERO(emu, 0); AMX_LOAD(emu, 2, xa, stride); AMX_LOAD(emu, 4, w, 64); AMX_DP(emu, 0, 2, 4); \
+             AMX_STORE(emu, 0, ci, 64); } } while (0)
+
+static inline __attribute__((always_inline)) void gg_amx_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                             int K, int left, int s0, const int G, const int emu) {
+    const int nsb = K / 256, nb = K / 32;
+    uint8_t wq[8][8][64] __attribute__((aligned(64)));  // a super-block's weights: sub-block j, B row 2c / 2c + 1
+    int32_t ci[2][GG_AMXG][16] __attribute__((aligned(64)));
+    float acc[GG_AMXG][16] __attribute__((aligned(64)));
+    vf_t a[GG_AMXG];
+    gg_amx_config(emu, GG_Q4K, G);
+    for (int i = 0; i < G; i++) _mm512_store_ps(acc[i], gg_set1(0.f));
+    const int8_t *xq = X->q + (int64_t)s0 * K;
+    for (int s = 0; s < nsb; s++) {
+        const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
+        for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int line = 0; line < 32; line++) {
+            vi_t lo, hi;
+            a8_nibbles(rec + 64 * line, &lo, &hi);
+            _mm512_store_si512((void *)wq[line / 4][2 * (line % 4)], lo);
+            _mm512_store_si512((void *)wq[line / 4][2 * (line % 4) + 1], hi);
+        }
+        const vf_t d = gg_loadf((const float *)sc), dmin = gg_loadf((const float *)sc + 16);
+        for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
+        const int8_t *xa = xq + 256 * s;
+        GG_AMX_DP(emu, 0, xa, K, wq[0], ci[0]);
+        for (int j = 0; j < 8; j++) {
+            // the next sub-block's product before this one's float steps
+            if (j + 1 < 8) {
+                if ((j + 1) & 1)
+                    GG_AMX_DP(emu, 1, xa + 32 * (j + 1), K, wq[j + 1], ci[1]);
+                else
+                    GG_AMX_DP(emu, 0, xa + 32 * (j + 1), K, wq[j + 1], ci[0]);
+            }
+            const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j));
+            const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j));
+            const int b = 8 * s + j;
+            for (int i = 0; i < G; i++) {
+                a[i] = vf_fma(vf_cvt(_mm512_load_si512((const void *)ci[j & 1][i])), D, a[i]);
+                a[i] = gg_fnma(M, gg_set1(X->xs[(int64_t)(s0 + i) * nb + b]), a[i]);
+            }
+        }
+        for (int i = 0; i < G; i++)
+            _mm512_store_ps(acc[i], vf_fma(a[i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), _mm512_load_ps(acc[i])));
+    }
+    for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys, _mm512_load_ps(acc[i]), left);
+}
+
+static inline __attribute__((always_inline)) void gg_amx_q6k(const gx_t *X, const uint8_t *panel, float *y, int ys,
+                                                             int K, int left, int s0, const int G, const int emu) {
+    const int nsb = K / 256, n16 = K / 16;
+    uint8_t wq[16][4][64] __attribute__((aligned(64)));  // sub-block j's B rows: columns 0-3, 4-7, 8-11, 12-15
+    int32_t ci[2][GG_AMXG][16] __attribute__((aligned(64)));
+    float acc[GG_AMXG][16] __attribute__((aligned(64)));
+    vf_t a[GG_AMXG];
+    gg_amx_config(emu, GG_Q6K, G);
+    for (int i = 0; i < G; i++) _mm512_store_ps(acc[i], gg_set1(0.f));
+    const int8_t *xq = X->q + (int64_t)s0 * K;
+    for (int s = 0; s < nsb; s++) {
+        const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
+        for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
+        for (int j = 0; j < 16; j++) {
+            vi_t l0, h0, l1, h1;
+            a8_nibbles(rec + 64 * (2 * j), &l0, &h0);
+            a8_nibbles(rec + 64 * (2 * j + 1), &l1, &h1);
+            const vi_t hi = gg_load(hb + 64 * j);
+            _mm512_store_si512((void *)wq[j][0], gg_or(l0, gg_and30(gg_sl(hi, 4))));
+            _mm512_store_si512((void *)wq[j][1], gg_or(h0, gg_and30(gg_sl(hi, 2))));
+            _mm512_store_si512((void *)wq[j][2], gg_or(l1, gg_and30(hi)));
+            _mm512_store_si512((void *)wq[j][3], gg_or(h1, gg_and30(gg_sr(hi, 2))));
+        }
+        const vf_t d = gg_loadf((const float *)sc);
+        for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
+        const int8_t *xa = xq + 256 * s;
+        GG_AMX_DP(emu, 0, xa, K, wq[0], ci[0]);
+        for (int j = 0; j < 16; j++) {
+            if (j + 1 < 16) {
+                if ((j + 1) & 1)
+                    GG_AMX_DP(emu, 1, xa + 16 * (j + 1), K, wq[j + 1], ci[1]);
+                else
+                    GG_AMX_DP(emu, 0, xa + 16 * (j + 1), K, wq[j + 1], ci[0]);
+            }
+            const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j));
+            for (int i = 0; i < G; i++) {
+                const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + 16 * s + j]),
+                                      _mm512_load_si512((const void *)ci[j & 1][i]));
+                a[i] = vf_fma(vf_cvt(t), D, a[i]);
+            }
+        }
+        for (int i = 0; i < G; i++)
+            _mm512_store_ps(acc[i], vf_fma(a[i], gg_set1(X->dx[(int64_t)(s0 + i) * nsb + s]), _mm512_load_ps(acc[i])));
+    }
+    for (int i = 0; i < G; i++) vf_store(y + (int64_t)(s0 + i) * ys, _mm512_load_ps(acc[i]), left);
+}
+
+// Panels [p0, p1) of a part on the tiles (gg_amx_mode 1 or 2): token rows in passes of at most 16.
+static void gg_amx_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
+    const int emu = gg_amx_mode == 2, passes = (S + GG_AMXG - 1) / GG_AMXG;
+    const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
+    for (int p = p0; p < p1; p++) {
+        const uint8_t *panel = pt->w + p * pbytes;
+        float *yp = y + pt->n0 + 16 * p;
+        const int left = pt->N - 16 * p;
+        for (int g = 0; g < passes; g++) {
+            const int base = S / passes, extra = S % passes, s0 = g * base + (g < extra ? g : extra);
+            const int G = base + (g < extra);
+#define GG_AMX_CASE(n) case n: \
+            if (pt->type == GG_Q4K) { if (emu) gg_amx_q4k(X, panel, yp, N, K, left, s0, n, 1); \
+                                      else gg_amx_q4k(X, panel, yp, N, K, left, s0, n, 0); } \
+            else { if (emu) gg_amx_q6k(X, panel, yp, N, K, left, s0, n, 1); \
+                   else gg_amx_q6k(X, panel, yp, N, K, left, s0, n, 0); } break;
+            switch (G) {
+                GG_AMX_CASE(1) GG_AMX_CASE(2) GG_AMX_CASE(3) GG_AMX_CASE(4) GG_AMX_CASE(5) GG_AMX_CASE(6)
+                GG_AMX_CASE(7) GG_AMX_CASE(8) GG_AMX_CASE(9) GG_AMX_CASE(10) GG_AMX_CASE(11) GG_AMX_CASE(12)
+                GG_AMX_CASE(13) GG_AMX_CASE(14) GG_AMX_CASE(15) GG_AMX_CASE(16)
+            }
+#undef GG_AMX_CASE
+        }
+    }
+}
+
+// The model alone, for the tests that pin it to the instruction reference: one TDPBSSD of A [M, Kb] by B [b_rows,
+// 4 N] (VNNI layout) into a zeroed C [M, N], configured as tiles 0 (C), 2 (A), 4 (B); and a load with no
+// configuration, which the hardware refuses.
+void gguf_amx_model_dp(const int8_t *a, const int8_t *b, int32_t *c, int M, int Kb, int N, int b_rows) {
+    gg_tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = (uint8_t)M, cfg.colsb[0] = (uint16_t)(4 * N);
+    cfg.rows[2] = (uint8_t)M, cfg.colsb[2] = (uint16_t)Kb;
+    cfg.rows[4] = (uint8_t)b_rows, cfg.colsb[4] = (uint16_t)(4 * N);
+    emu_cfg(&cfg);
+    emu_zero(0);
+    emu_load(2, a, Kb);
+    emu_load(4, b, 4 * N);
+    emu_dpbssd(0, 2, 4);
+    emu_store(0, c, 4 * N);
+    memset(&amx_emu, 0, sizeof amx_emu);
+}
+void gguf_amx_model_unconfigured(void) {
+    static const int8_t z[64];
+    memset(&amx_emu, 0, sizeof amx_emu);
+    emu_load(2, z, 64);
+}
+
+// Whether this process may use the AMX instructions: 1 yes; 0 the CPU lacks AMX-TILE or AMX-INT8 (CPUID.7.0:EDX bits
+// 24, 25); -1 the OS has not enabled their state (XCR0 bits 17, 18); -2 Linux refused XTILEDATA
+// (arch_prctl(ARCH_REQ_XCOMP_PERM), kernels before 5.16 lack it).
+#include <cpuid.h>
+int gguf_amx_probe(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return -1;  // no OSXSAVE: xgetbv is not there
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3) != 3) return -1;
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -2;
+    return 1;
+}
+
+// Set the GGUF tiles: 0 the AVX-512 ones, 1 AMX where gguf_amx_probe allows it (else 0), 2 the AMX code on the
+// software model (tests); -1 only reads. Returns the mode now in force.
+int gguf_amx(int want) {
+    if (want == 0 || want == 2) gg_amx_mode = want;
+    if (want == 1) gg_amx_mode = gguf_amx_probe() == 1;
+    return gg_amx_mode;
+}
+#else
+int gguf_amx_probe(void) { return 0; }
+int gguf_amx(int want) { (void)want; return 0; }
+#endif
+
 // X->qi of the AVX2 tiles: each group's rows, 4 columns of each in turn.
 static void gg_interleave(const int8_t *q, int8_t *qi, int S, int K) {
     for (int g = 0, s0; g < (S + GG_MAXG - 1) / GG_MAXG; g++) {
@@ -412,8 +718,20 @@ static void gg_interleave(const int8_t *q, int8_t *qi, int S, int K) {
     }
 }
 
+#if defined(__AVX512F__)
+static void gg_amx_done(void) { gg_amx_release(); }
+#else
+static void gg_amx_done(void) {}
+#endif
+
 // Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
 static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
+#if defined(__AVX512F__)
+    if (gg_amx_mode) {
+        gg_amx_panels(X, pt, y, S, K, N, p0, p1);
+        return;
+    }
+#endif
     const int groups = (S + GG_MAXG - 1) / GG_MAXG;
     const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
     for (int p = p0; p < p1; p++) {
@@ -453,6 +771,7 @@ static void gg_share(void *ctx, int t) {
     _mm_setcsr(csr & ~0x8040u);
     int a, b;
     while (claim(j->share, j->threads, t, j->blk, &a, &b)) gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
+    gg_amx_done();
     _mm_setcsr(csr);
 }
 
@@ -495,6 +814,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
             const int chunk = (P + threads - 1) / threads;
             if (threads == 1 || P < 2) {
                 gg_panels(&X, pt, yc, cs, K, N, 0, P);
+                gg_amx_done();
                 continue;
             }
             for (int t = 0; t < threads; t++) {

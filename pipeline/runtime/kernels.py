@@ -149,6 +149,13 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.int8_peak.restype = ctypes.c_int64
     lib.gguf_dequant.argtypes = [P, Int, P]
     lib.gguf_dequant.restype = None
+    lib.gguf_amx.argtypes = [Int]
+    lib.gguf_amx.restype = Int
+    lib.gguf_amx_probe.restype = Int
+    if hasattr(lib, "gguf_amx_model_dp"):  # the AVX-512 build's tile model, for the tests
+        lib.gguf_amx_model_dp.argtypes = [P, P, P] + [Int] * 4
+        lib.gguf_amx_model_dp.restype = None
+        lib.gguf_amx_model_unconfigured.restype = None
     table = dict(item.split("=") for item in lib.skinny_weight_types().decode().split())
     lib.weight_types = {name: int(code) for name, code in table.items()}
     missing = [n for n in WEIGHT_TYPE_NAMES if n not in lib.weight_types]
@@ -212,8 +219,75 @@ def _choose() -> tuple[str, ctypes.CDLL | None]:
     for isa in isas:
         lib = _compile(isa)
         if lib is not None:
+            _amx_default(isa, lib)
             return isa, lib
     return "torch", None
+
+
+AMX_PROBE = {0: "this CPU has no AMX-TILE / AMX-INT8 (CPUID leaf 7)",
+             -1: "the OS has not enabled the AMX tile state (XCR0 bits 17-18)",
+             -2: "Linux refused this process the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM; kernel 5.16 or later "
+                 "grants it)"}
+
+
+def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
+    """Turn on the GGUF weights' AMX tiles in the AVX-512 build where this process may use them (gguf_kernels.c:
+    same integers, same float steps, same bits), unless PIPELINE_AMX=0."""
+    if isa != "avx512":
+        return
+    if os.environ.get("PIPELINE_AMX", "").strip() == "0":
+        lib.gguf_amx(0)
+        log.info("PIPELINE_AMX=0: the GGUF weights run on the AVX-512 tiles")
+        return
+    probe = lib.gguf_amx_probe()
+    if probe == 1:
+        lib.gguf_amx(1)
+        log.info("the GGUF weights run on AMX tiles (TDPBSSD)")
+    elif probe != 0:
+        log.info("AMX unused: %s", AMX_PROBE.get(probe, f"probe {probe}"))
+
+
+def amx() -> str:
+    """How the GGUF weights' int8 products run in the AVX-512 build: 'hardware' (AMX tiles), 'emulated' (the same AMX
+    code on gguf_kernels.c's software model of the tiles, for tests) or 'off' (the AVX-512 tiles)."""
+    lib = _load()
+    if lib is None or _path != "avx512":
+        return "off"
+    return {0: "off", 1: "hardware", 2: "emulated"}[lib.gguf_amx(-1)]
+
+
+def amx_unavailable() -> str | None:
+    """Why this process cannot use AMX tiles (None when it can)."""
+    lib = _load()
+    if lib is None or _path != "avx512":
+        return f"the {path()} kernel path has no AMX tiles (the AVX-512 build does)"
+    probe = lib.gguf_amx_probe()
+    return None if probe == 1 else AMX_PROBE.get(probe, f"probe {probe}")
+
+
+def set_amx(mode: str) -> str:
+    """Switch the GGUF tiles of the AVX-512 build: 'off', 'hardware' (refused, naming why, where this process cannot
+    use AMX) or 'emulated' (tests); returns the previous mode."""
+    modes = {"off": 0, "hardware": 1, "emulated": 2}
+    if mode not in modes:
+        raise ValueError(f"kernels.set_amx: mode is {mode!r}; it must be one of {sorted(modes)}")
+    prev = amx()
+    if _load() is None or _path != "avx512":
+        if mode == "off":
+            return prev
+        raise ValueError(f"kernels.set_amx({mode!r}): the {path()} kernel path has no AMX tiles; switch to the "
+                         "avx512 build first (kernels.set_path)")
+    why = amx_unavailable() if mode == "hardware" else None
+    if why:
+        raise ValueError(f"kernels.set_amx('hardware'): {why}")
+    _lib.gguf_amx(modes[mode])
+    return prev
+
+
+def amx_faults() -> int:
+    """Tile operations the software model saw that the hardware would refuse (#UD); 0 unless the AMX code is wrong."""
+    lib = _load()
+    return ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value if lib is not None and _path == "avx512" else 0
 
 
 def _load():
@@ -224,24 +298,34 @@ def _load():
 
 
 def path() -> str:
-    """Which matmul path runs: 'avx512', 'avx2' or 'torch' (for the reports' environment)."""
-    _load()
+    """Which matmul path runs: 'avx512+amx' (the AVX-512 build with the GGUF weights on AMX tiles), 'avx512', 'avx2' or
+    'torch' (for the reports' environment)."""
+    lib = _load()
+    if _path == "avx512" and lib is not None and lib.gguf_amx(-1) == 1:
+        return "avx512+amx"
     return _path or "torch"
 
 
 def set_path(name: str) -> str:
-    """Switch the kernel build ('avx512', 'avx2' or 'torch'); returns the previous one. For tests and A/B runs."""
+    """Switch the kernel build ('avx512+amx', 'avx512', 'avx2' or 'torch', as `path()` names them); returns the
+    previous one. For tests and A/B runs."""
     global _lib, _path
     prev = path()
     if name == "torch":
         _path, _lib = "torch", None
         return prev
-    if name not in supported_isas():
-        raise ValueError(f"kernel path {name!r} is not supported by this CPU (it has {supported_isas()})")
-    lib = _compile(name)
+    isa, _, extra = name.partition("+")
+    if isa not in supported_isas() or extra not in ("", "amx") or extra and isa != "avx512":
+        raise ValueError(f"kernel path {name!r} is not supported by this CPU (it has {supported_isas()}"
+                         + (", and avx512+amx where the AVX-512 build may use AMX tiles)" if extra else ")"))
+    lib = _compile(isa)
     if lib is None:
-        raise RuntimeError(f"the {name} skinny kernel did not compile (see the pipeline.kernels log)")
-    _path, _lib = name, lib
+        raise RuntimeError(f"the {isa} skinny kernel did not compile (see the pipeline.kernels log)")
+    if extra and lib.gguf_amx_probe() != 1:
+        raise ValueError(f"kernel path {name!r}: {AMX_PROBE.get(lib.gguf_amx_probe())}")
+    if isa == "avx512":
+        lib.gguf_amx(1 if extra else 0)
+    _path, _lib = isa, lib
     return prev
 
 
@@ -259,7 +343,7 @@ def tiles() -> bool:
     forced = os.environ.get("PIPELINE_TILES", "").strip()
     if forced in ("0", "1"):
         return forced == "1" and available()
-    return path() == "avx512"
+    return _path == "avx512" and available()
 
 
 def _quantized(w) -> bool:
@@ -507,6 +591,8 @@ def stream_read(x: torch.Tensor) -> int:
 
 
 PEAK_INSTRUCTION = {"avx512": "vpdpbusd zmm (AVX512_VNNI, 64 int8 multiply-adds)",
+                    "avx512+amx": "vpdpbusd zmm (AVX512_VNNI, 64 int8 multiply-adds; the GGUF tiles' TDPBSSD is not "
+                                  "timed)",
                     "avx2": "vpmaddubsw ymm + vpaddw (AVX2, 32 int8 multiply-adds)"}
 
 
