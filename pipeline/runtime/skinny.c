@@ -1300,15 +1300,30 @@ int64_t int8_peak(int64_t iters, int threads) {
 
 // The rest of a decoder layer for few-token steps, so a layer is five C calls instead of ~40 torch ops.
 
-// out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * g, row by row (the sum of squares in order, by fmaf).
+// out[s] = x[s] / sqrt(mean(x[s]^2) + eps) * g, row by row. The sum of squares in 32 lanes (lane j of accumulator a
+// takes columns 32 i + 8 a + j by FMA), added (a0 + a1) + (a2 + a3), then hsum256, then the K % 32 tail in order by
+// fmaf; each output (x * inv) * g. AVX2 in both builds, so they agree bit for bit. The single fmaf chain it replaced
+// waited on FMA latency at every column while the other threads waited on it: 7 rows of 1536 took 12 us (24 us of
+// each layer of a 7-token verification of the 1.5B), 7 rows of 8960 74 us (Zen 4, in cache).
 void rmsnorm(const float *x, const float *g, float eps, float *out, int S, int K) {
     for (int s = 0; s < S; s++) {
         float *o = out + (int64_t)s * K;
         const float *r = x + (int64_t)s * K;
-        float ss = 0.f;
-        for (int k = 0; k < K; k++) ss = fmaf(r[k], r[k], ss);
-        float inv = 1.0f / sqrtf(ss / K + eps);
-        for (int k = 0; k < K; k++) o[k] = (r[k] * inv) * g[k];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int k = 0;
+        for (; k + 32 <= K; k += 32) {
+            const __m256 v0 = _mm256_loadu_ps(r + k), v1 = _mm256_loadu_ps(r + k + 8);
+            const __m256 v2 = _mm256_loadu_ps(r + k + 16), v3 = _mm256_loadu_ps(r + k + 24);
+            a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
+            a2 = _mm256_fmadd_ps(v2, v2, a2), a3 = _mm256_fmadd_ps(v3, v3, a3);
+        }
+        float ss = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; k < K; k++) ss = fmaf(r[k], r[k], ss);
+        const float inv = 1.0f / sqrtf(ss / K + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (k = 0; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(r + k), vinv), _mm256_loadu_ps(g + k)));
+        for (; k < K; k++) o[k] = (r[k] * inv) * g[k];
     }
 }
 
