@@ -538,6 +538,9 @@ static void gg_amx_release(void) {
              AMX_STORE(emu, 1, ci, 64); } \
     else   { AMX_ZERO(emu, 0); AMX_LOAD(emu, 2, xa, stride); AMX_LOAD(emu, 4, w, 64); AMX_DP(emu, 0, 2, 4); \
              AMX_STORE(emu, 0, ci, 64); } } while (0)
+// Sub-block j's product on tile set j & 1 into ci[j & 1], for j < n (the pipeline's next one, past the last: none).
+#define GG_AMX_SUB(emu, j, n, xa, stride, w, ci) do { if ((j) < (n)) { \
+    if ((j) & 1) GG_AMX_DP(emu, 1, xa, stride, w, ci[1]); else GG_AMX_DP(emu, 0, xa, stride, w, ci[0]); } } while (0)
 
 static inline __attribute__((always_inline)) void gg_amx_q4k(const gx_t *X, const uint8_t *panel, float *y, int ys,
                                                              int K, int left, int s0, const int G, const int emu) {
@@ -561,15 +564,9 @@ static inline __attribute__((always_inline)) void gg_amx_q4k(const gx_t *X, cons
         const vf_t d = gg_loadf((const float *)sc), dmin = gg_loadf((const float *)sc + 16);
         for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
         const int8_t *xa = xq + 256 * s;
-        GG_AMX_DP(emu, 0, xa, K, wq[0], ci[0]);
+        GG_AMX_SUB(emu, 0, 8, xa, K, wq[0], ci);
         for (int j = 0; j < 8; j++) {
-            // the next sub-block's product before this one's float steps
-            if (j + 1 < 8) {
-                if ((j + 1) & 1)
-                    GG_AMX_DP(emu, 1, xa + 32 * (j + 1), K, wq[j + 1], ci[1]);
-                else
-                    GG_AMX_DP(emu, 0, xa + 32 * (j + 1), K, wq[j + 1], ci[0]);
-            }
+            GG_AMX_SUB(emu, j + 1, 8, xa + 32 * (j + 1), K, wq[j + 1], ci);  // the next one before these float steps
             const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j));
             const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j));
             const int b = 8 * s + j;
@@ -610,14 +607,9 @@ static inline __attribute__((always_inline)) void gg_amx_q6k(const gx_t *X, cons
         const vf_t d = gg_loadf((const float *)sc);
         for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
         const int8_t *xa = xq + 256 * s;
-        GG_AMX_DP(emu, 0, xa, K, wq[0], ci[0]);
+        GG_AMX_SUB(emu, 0, 16, xa, K, wq[0], ci);
         for (int j = 0; j < 16; j++) {
-            if (j + 1 < 16) {
-                if ((j + 1) & 1)
-                    GG_AMX_DP(emu, 1, xa + 16 * (j + 1), K, wq[j + 1], ci[1]);
-                else
-                    GG_AMX_DP(emu, 0, xa + 16 * (j + 1), K, wq[j + 1], ci[0]);
-            }
+            GG_AMX_SUB(emu, j + 1, 16, xa + 16 * (j + 1), K, wq[j + 1], ci);
             const vf_t D = gg_mul(d, gg_i8(sc + 64 + 16 * j));
             for (int i = 0; i < G; i++) {
                 const vi_t t = vi_add(vi_set1(X->o[(int64_t)(s0 + i) * n16 + 16 * s + j]),
