@@ -525,6 +525,24 @@ def test_a_failed_compile_is_logged_and_reported_as_the_torch_path(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="needs a CPU that runs the AVX-512 build")
+def test_an_assembler_without_amx_still_gets_the_avx512_build(tmp_path):
+    """A compiler whose assembler refuses the AMX instructions (binutils before 2.36) gets the AVX-512 build without
+    them, logged, instead of falling back to torch."""
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\ncase "$*" in *SKINNY_NO_AMX*) exec gcc "$@";; *mavx512f*) echo "Error: no such '
+                  'instruction: tileloadd" >&2; exit 1;; *) exec gcc "$@";; esac\n')
+    cc.chmod(0o755)
+    code = ("from pipeline.runtime import kernels; print('PATH=' + kernels.path()); "
+            "print('WHY=' + str(kernels.amx_unavailable()))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CC": str(cc), "PIPELINE_CACHE": str(tmp_path / "cache")})
+    assert "PATH=avx512" in res.stdout, res.stderr
+    assert "WHY=this avx512 library was compiled without the AMX instructions" in res.stdout
+    assert "compiled only without its AMX instructions" in res.stderr
+
+
+@pytest.mark.slow
 def test_forced_path_is_reported():
     avx2, torch_path = _kernel_paths_in_subprocesses({"PIPELINE_KERNEL": "avx2"}, {"PIPELINE_KERNEL": "torch"})
     assert "PATH=avx2" in avx2.stdout, avx2.stderr

@@ -491,16 +491,23 @@ static void emu_dpbssd(int c, int a, int b) {
         }
 }
 
+// An assembler that predates AMX (binutils before 2.36) cannot build the instructions: kernels.py then compiles with
+// SKINNY_NO_AMX, which keeps the tile model and leaves the hardware path out (gguf_amx_probe says -3).
+#if defined(SKINNY_NO_AMX)
+#define AMX_HW(...) __builtin_trap()
+#else
+#define AMX_HW(...) __VA_ARGS__
+#endif
 // The instructions, each with a "memory" clobber: GCC's own AMX intrinsics (inline asm too) tell the compiler
 // nothing of the memory a tile load reads, so the stores of decoded weights just before it could be dropped.
-#define AMX_CFG(emu, p) do { if (emu) emu_cfg(p); else __asm__ volatile("ldtilecfg %0" :: "m"(*(p)) : "memory"); } while (0)
-#define AMX_RELEASE(emu) do { if (emu) memset(&amx_emu, 0, sizeof amx_emu); else __asm__ volatile("tilerelease" ::: "memory"); } while (0)
+#define AMX_CFG(emu, p) do { if (emu) emu_cfg(p); else AMX_HW(__asm__ volatile("ldtilecfg %0" :: "m"(*(p)) : "memory")); } while (0)
+#define AMX_RELEASE(emu) do { if (emu) memset(&amx_emu, 0, sizeof amx_emu); else AMX_HW(__asm__ volatile("tilerelease" ::: "memory")); } while (0)
 #define AMX_LOAD(emu, t, base, stride) do { if (emu) emu_load(t, base, stride); else \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t :: "r"((const void *)(base)), "r"((long)(stride)) : "memory"); } while (0)
+    AMX_HW(__asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t :: "r"((const void *)(base)), "r"((long)(stride)) : "memory")); } while (0)
 #define AMX_STORE(emu, t, base, stride) do { if (emu) emu_store(t, base, stride); else \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"((void *)(base)), "r"((long)(stride)) : "memory"); } while (0)
-#define AMX_ZERO(emu, t) do { if (emu) emu_zero(t); else __asm__ volatile("tilezero %%tmm" #t ::); } while (0)
-#define AMX_DP(emu, c, a, b) do { if (emu) emu_dpbssd(c, a, b); else __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::); } while (0)
+    AMX_HW(__asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"((void *)(base)), "r"((long)(stride)) : "memory")); } while (0)
+#define AMX_ZERO(emu, t) do { if (emu) emu_zero(t); else AMX_HW(__asm__ volatile("tilezero %%tmm" #t ::)); } while (0)
+#define AMX_DP(emu, c, a, b) do { if (emu) emu_dpbssd(c, a, b); else AMX_HW(__asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)); } while (0)
 
 // The configuration this thread loaded (model or hardware << 16 | type << 8 | token rows; 0: none). Tiles 0 / 1: C (G rows of 16 int32);
 // 2 / 3: A (G rows of a sub-block's 32 or 16 activation bytes); 4 / 5: B (its decoded weights, 8 or 4 rows of 64
@@ -675,9 +682,12 @@ void gguf_amx_model_unconfigured(void) {
 
 // Whether this process may use the AMX instructions: 1 yes; 0 the CPU lacks AMX-TILE or AMX-INT8 (CPUID.7.0:EDX bits
 // 24, 25); -1 the OS has not enabled their state (XCR0 bits 17, 18); -2 Linux refused XTILEDATA
-// (arch_prctl(ARCH_REQ_XCOMP_PERM), kernels before 5.16 lack it).
+// (arch_prctl(ARCH_REQ_XCOMP_PERM), kernels before 5.16 lack it); -3 this library was built without the instructions.
 #include <cpuid.h>
 int gguf_amx_probe(void) {
+#if defined(SKINNY_NO_AMX)
+    return -3;
+#endif
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return -1;  // no OSXSAVE: xgetbv is not there

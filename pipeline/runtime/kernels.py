@@ -112,6 +112,14 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         os.close(fd)
         cmd = [cc, *CFLAGS, *flags, str(SRC), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0 and isa == "avx512":
+            # an assembler that predates AMX (binutils < 2.36) refuses the tile instructions: build without them
+            # (the GGUF weights then run on the AVX-512 tiles; kernels.amx_unavailable() says so)
+            retry = [cc, *CFLAGS, *flags, "-DSKINNY_NO_AMX", str(SRC), "-o", tmp]
+            if subprocess.run(retry, capture_output=True, text=True).returncode == 0:
+                log.warning("the avx512 skinny kernel compiled only without its AMX instructions (%s): %s",
+                            " ".join(cmd), res.stderr.strip()[-500:])
+                res, cmd = subprocess.CompletedProcess(retry, 0, "", ""), retry
         if res.returncode != 0:
             os.unlink(tmp)
             log.warning("compiling the %s skinny kernel failed (%s): %s", isa, " ".join(cmd),
@@ -227,7 +235,9 @@ def _choose() -> tuple[str, ctypes.CDLL | None]:
 AMX_PROBE = {0: "this CPU has no AMX-TILE / AMX-INT8 (CPUID leaf 7)",
              -1: "the OS has not enabled the AMX tile state (XCR0 bits 17-18)",
              -2: "Linux refused this process the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM; kernel 5.16 or later "
-                 "grants it)"}
+                 "grants it)",
+             -3: "this avx512 library was compiled without the AMX instructions (the assembler refused them; see the "
+                 "pipeline.kernels log)"}
 
 
 def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
