@@ -398,9 +398,10 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
 }
 #endif
 
-// A chunk's S token rows in groups of at most GG_MAXG, as even as can be: group g has G rows from s0.
-static inline int gg_group(int S, int g, int *s0) {
-    const int groups = (S + GG_MAXG - 1) / GG_MAXG, base = S / groups, extra = S % groups;
+// A chunk's S token rows in groups of at most maxg (GG_MAXG; the AMX tiles' GG_AMXG), as even as can be: group g has G
+// rows from s0.
+static inline int gg_group(int S, int g, int maxg, int *s0) {
+    const int groups = (S + maxg - 1) / maxg, base = S / groups, extra = S % groups;
     *s0 = g * base + (g < extra ? g : extra);
     return base + (g < extra);
 }
@@ -638,9 +639,8 @@ static void gg_amx_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, i
         const uint8_t *panel = pt->w + p * pbytes;
         float *yp = y + pt->n0 + 16 * p;
         const int left = pt->N - 16 * p;
-        for (int g = 0; g < passes; g++) {
-            const int base = S / passes, extra = S % passes, s0 = g * base + (g < extra ? g : extra);
-            const int G = base + (g < extra);
+        for (int g = 0, s0; g < passes; g++) {
+            const int G = gg_group(S, g, GG_AMXG, &s0);
 #define GG_AMX_CASE(n) case n: \
             if (pt->type == GG_Q4K) { if (emu) gg_amx_q4k(X, panel, yp, N, K, left, s0, n, 1); \
                                       else gg_amx_q4k(X, panel, yp, N, K, left, s0, n, 0); } \
@@ -687,7 +687,7 @@ void gguf_amx_model_unconfigured(void) {
 int gguf_amx_probe(void) {
 #if defined(SKINNY_NO_AMX)
     return -3;
-#endif
+#else
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return -1;  // no OSXSAVE: xgetbv is not there
@@ -696,6 +696,7 @@ int gguf_amx_probe(void) {
     if ((lo >> 17 & 3) != 3) return -1;
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -2;
     return 1;
+#endif
 }
 
 // Set the GGUF tiles: 0 the AVX-512 ones, 1 AMX where gguf_amx_probe allows it (else 0), 2 the AMX code on the
@@ -706,6 +707,7 @@ int gguf_amx(int want) {
     return gg_amx_mode;
 }
 #else
+static void gg_amx_release(void) {}
 int gguf_amx_probe(void) { return 0; }
 int gguf_amx(int want) { (void)want; return 0; }
 #endif
@@ -713,18 +715,12 @@ int gguf_amx(int want) { (void)want; return 0; }
 // X->qi of the AVX2 tiles: each group's rows, 4 columns of each in turn.
 static void gg_interleave(const int8_t *q, int8_t *qi, int S, int K) {
     for (int g = 0, s0; g < (S + GG_MAXG - 1) / GG_MAXG; g++) {
-        const int G = gg_group(S, g, &s0);
+        const int G = gg_group(S, g, GG_MAXG, &s0);
         int8_t *out = qi + (int64_t)s0 * K;
         for (int k = 0; k < K; k += 4)
             for (int i = 0; i < G; i++) memcpy(out + ((int64_t)(k / 4) * G + i) * 4, q + (int64_t)(s0 + i) * K + k, 4);
     }
 }
-
-#if defined(__AVX512F__)
-static void gg_amx_done(void) { gg_amx_release(); }
-#else
-static void gg_amx_done(void) {}
-#endif
 
 // Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
 static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
@@ -741,7 +737,7 @@ static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K
         float *yp = y + pt->n0 + 16 * p;
         const int left = pt->N - 16 * p;
         for (int g = 0, s0; g < groups; g++) {
-            const int G = gg_group(S, g, &s0);
+            const int G = gg_group(S, g, GG_MAXG, &s0);
 #define GG_CASE(T, n) case n: gg_tile_##T(X, panel, yp, N, K, left, s0, n); break;
             if (pt->type == GG_Q4K) {
                 switch (G) { GG_CASE(q4k, 1) GG_CASE(q4k, 2)
@@ -773,7 +769,7 @@ static void gg_share(void *ctx, int t) {
     _mm_setcsr(csr & ~0x8040u);
     int a, b;
     while (claim(j->share, j->threads, t, j->blk, &a, &b)) gg_panels(j->X, j->pt, j->y, j->S, j->K, j->N, a, b);
-    gg_amx_done();
+    gg_amx_release();
     _mm_setcsr(csr);
 }
 
@@ -837,7 +833,7 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
             const int chunk = (P + threads - 1) / threads;
             if (threads == 1 || P < 2) {
                 gg_panels(&X, pt, yc, cs, K, N, 0, P);
-                gg_amx_done();
+                gg_amx_release();
                 continue;
             }
             for (int t = 0; t < threads; t++) {

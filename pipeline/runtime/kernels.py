@@ -240,6 +240,12 @@ AMX_PROBE = {0: "this CPU has no AMX-TILE / AMX-INT8 (CPUID leaf 7)",
                  "pipeline.kernels log)"}
 
 
+def _amx_why(lib: ctypes.CDLL) -> str | None:
+    """Why the AVX-512 library `lib` cannot use AMX tiles in this process (its gguf_amx_probe), None when it can."""
+    probe = lib.gguf_amx_probe()
+    return None if probe == 1 else AMX_PROBE.get(probe, f"probe {probe}")
+
+
 def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
     """Turn on the GGUF weights' AMX tiles in the AVX-512 build where this process may use them (gguf_kernels.c:
     same integers, same float steps, same bits), unless PIPELINE_AMX=0."""
@@ -249,12 +255,12 @@ def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
         lib.gguf_amx(0)
         log.info("PIPELINE_AMX=0: the GGUF weights run on the AVX-512 tiles")
         return
-    probe = lib.gguf_amx_probe()
-    if probe == 1:
+    why = _amx_why(lib)
+    if why is None:
         lib.gguf_amx(1)
         log.info("the GGUF weights run on AMX tiles (TDPBSSD)")
-    elif probe != 0:
-        log.info("AMX unused: %s", AMX_PROBE.get(probe, f"probe {probe}"))
+    elif lib.gguf_amx_probe() != 0:  # a CPU without AMX is the common case, not worth a line
+        log.info("AMX unused: %s", why)
 
 
 def amx() -> str:
@@ -271,8 +277,7 @@ def amx_unavailable() -> str | None:
     lib = _load()
     if lib is None or _path != "avx512":
         return f"the {path()} kernel path has no AMX tiles (the AVX-512 build does)"
-    probe = lib.gguf_amx_probe()
-    return None if probe == 1 else AMX_PROBE.get(probe, f"probe {probe}")
+    return _amx_why(lib)
 
 
 def set_amx(mode: str) -> str:
@@ -331,8 +336,8 @@ def set_path(name: str) -> str:
     lib = _compile(isa)
     if lib is None:
         raise RuntimeError(f"the {isa} skinny kernel did not compile (see the pipeline.kernels log)")
-    if extra and lib.gguf_amx_probe() != 1:
-        raise ValueError(f"kernel path {name!r}: {AMX_PROBE.get(lib.gguf_amx_probe())}")
+    if extra and _amx_why(lib):
+        raise ValueError(f"kernel path {name!r}: {_amx_why(lib)}")
     if isa == "avx512":
         lib.gguf_amx(1 if extra else 0)
     _path, _lib = isa, lib
