@@ -36,6 +36,10 @@ from pipeline.sources import spec_prompts
 from pipeline.spec import Spec, to_dict
 from pipeline.speedpick import verify_costs
 
+# Prompts the precision table's agreement and log-probability count (its speed uses bench's 4): 16 x 64 tokens are
+# 1,024 positions, enough to tell an agreement of 0.99 from 0.995 (256 are not: +-0.7% at 95%).
+AGREEMENT_PROMPTS = 16
+
 
 def measure_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
     """Sustained read bandwidth: read a buffer much larger than the caches, on huge pages as the weights are, by
@@ -199,11 +203,15 @@ def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float) -
 
 
 def _precision(spec: Spec, b, ids: list[list[int]], quick: bool, probe: Callable[[], float], log) -> dict:
-    """Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4."""
+    """Speed and quality per weight precision of the target (issue 16): float32 / bfloat16 / int8 / int4; agreement
+    and log-probability on AGREEMENT_PROMPTS prompts (the speed prompts and the next ones of validate.prompts)."""
 
     mcfg, fstate, ref = engine_float_state(spec.engine_dir / "target", spec)
+    more = [] if quick else [chat_ids(b.tokenizer, p)
+                             for p in spec_prompts(spec, 1 + AGREEMENT_PROMPTS)[1 + len(ids):]]
     return precision_table(mcfg, fstate, ids[:1] if quick else ids, 16 if quick else 64, probe,
-                           spec.target.group_size, ref, end_ids=b.end_ids, log=log, gguf_path=gguf_source(spec))
+                           spec.target.group_size, ref, end_ids=b.end_ids, log=log, gguf_path=gguf_source(spec),
+                           agreement_ids=more)
 
 
 def _sampled(b, methods: list[str], ids: list[list[int]], new: int) -> dict:
@@ -431,8 +439,12 @@ def precision_lines(t: dict) -> list[str]:
     rows = [(p, t[p]) for p in ("float32", "bfloat16", "int8", "int4", "int4_a8", "gguf") if p in t]
     if not rows:
         return []
+    first = rows[0][1]
+    n = first.get("agreement_prompts", 0)
+    agreed_on = (f"; agreement and log-prob over {n} prompt{'s' if n != 1 else ''}, {first['agreement_positions']} "
+                 "positions" if n else "")
     lines = ["", f"## Target per weight precision ({t['prompts']} prompts x {t['new_tokens']} tokens, decode steps "
-             f"only; vs {t['reference']}; kernels {t['kernel_path']})", "",
+             f"only; vs {t['reference']}; kernels {t['kernel_path']}{agreed_on})", "",
              "| precision | tokens/s | vs reference | MB read per token | roofline | agreement | mean log-prob |",
              "|---|---|---|---|---|---|---|"]
     for p, e in rows:

@@ -13,7 +13,9 @@ when the engine itself is quantized), so the table compares precisions and nothi
   `roofline_fraction_at_median_bandwidth` puts the median speed against the median of all the readings;
 - `agreement_vs_reference`: fraction of positions where this precision's argmax equals the reference's
   greedy token, teacher-forced on the reference continuation (the reference is the engine's own float
-  dtype, float32 when it is float32);
+  dtype, float32 when it is float32), on the decoded prompts and `agreement_ids`' more (`agreement_prompts`,
+  `agreement_positions`): 4 prompts x 64 tokens are 256 positions, too few to tell 0.99 from 0.995 (the gguf row
+  read 0.988 on bench's 4 and 0.995 on 16, every miss a near-tie of the reference, 2026-12-03);
 - `mean_logprob`: this precision's mean log-probability of that reference continuation.
 
 `int4_a8` is the int4 weights with activations quantized to int8 per group at each matmul (W4A8): the same bytes as
@@ -124,7 +126,8 @@ def _decode_group(models: dict[str, Transformer], ids: list[list[int]], new_toke
 def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[list[int]], new_tokens: int,
                     bandwidth_gbs: float | Callable[[], float], group_size: int = 128, reference: str = "float32",
                     precisions: tuple[str, ...] = PRECISIONS, end_ids: tuple[int, ...] = (),
-                    log: Callable[[str], None] = print, gguf_path=None, memory_bytes: int | None = None) -> dict:
+                    log: Callable[[str], None] = print, gguf_path=None, memory_bytes: int | None = None,
+                    agreement_ids: list[list[int]] = ()) -> dict:
     """`precision.<name>.{tokens_per_s, bytes_per_token, roofline_fraction, agreement_vs_reference,
     mean_logprob}` for each precision, plus the reference's name and the kernel path that ran; with `gguf_path` (a
     GGUF of Q4_K / Q6_K tensors, whose dequantized weights `state` holds) a `gguf` row too.
@@ -133,6 +136,9 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     roofline uses the mean of the readings on either side of it (`bandwidth_probes_gbs` lists them all,
     `bandwidth_gbs` is their median). One reading taken at another moment had put the bf16 target at 128% of its
     roofline (29.6 GB/s read while it decoded at 38); readings a prompt apart in one bench went 57, 60, 21, 57, 51.
+
+    `agreement_ids`: more prompts for agreement and log-probability only (the reference decodes each once; every
+    precision is teacher-forced on it, one forward a prompt).
 
     `memory_bytes` is what the table may allocate (default: MemAvailable less MEMORY_RESERVE). The precisions are
     built in groups that fit it beside the reference, each group decoded round-robin with the reference
@@ -179,6 +185,10 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
     probe = bandwidth_gbs if callable(bandwidth_gbs) else None
     ref_runs: list[list[tuple]] = []  # the reference's runs, one list per group
     rows: dict = {}
+    extra = []  # (prompt, the reference's greedy continuation) for agreement only
+    for p in agreement_ids:
+        (res,) = generate(ref_model, [Request(p, new_tokens, end_ids=end_ids)])
+        extra.append((p, res.tokens))
     for group in out["groups"]:
         models = {reference: ref_model}
         huge = {reference: ref_huge}
@@ -190,7 +200,7 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
         ref_cont = [r[2] for r in ref_runs[0]]  # greedy: the same tokens in every group
         for prec in group if len(ref_runs) == 1 else group[1:]:  # the reference's row from its first group
             rows[prec] = _row(prec, models[prec], runs[prec], runs[reference], ids, ref_cont, huge[prec],
-                              gs4, gguf_path)
+                              gs4, gguf_path, extra)
             _log_row(log, prec, rows[prec])
         for prec in group[1:]:
             del models[prec]
@@ -210,11 +220,12 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
 
 
 def _row(prec: str, model: Transformer, runs: list[tuple], ref_runs: list[tuple], ids: list[list[int]],
-         ref_cont: list[list[int]], huge: int, gs4, gguf_path) -> dict:
-    """One precision's row from its runs and the reference's runs in the same group."""
+         ref_cont: list[list[int]], huge: int, gs4, gguf_path, extra: list[tuple] = ()) -> dict:
+    """One precision's row from its runs and the reference's runs in the same group (`extra`: more (prompt,
+    reference continuation) pairs for agreement and log-probability)."""
     agree = total = 0
     logp = 0.0
-    for p, c in zip(ids, ref_cont):
+    for p, c in [*zip(ids, ref_cont), *extra]:
         if not c:
             continue
         a, lp = teacher_forced(model, p, c)
@@ -228,7 +239,8 @@ def _row(prec: str, model: Transformer, runs: list[tuple], ref_runs: list[tuple]
            "bytes_per_token": b, "hugepage_bytes": huge,
            **({"group_size": gs4} if prec.startswith("int4") else {}),
            "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps, around)),
-           "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1)}
+           "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1),
+           "agreement_prompts": len(ids) + len(extra), "agreement_positions": total}
     if prec == "gguf":
         tensors, embd = gguf_bytes(gguf_path)
         row.update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd), kernel_path=kernels.path())

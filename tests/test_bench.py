@@ -171,6 +171,9 @@ def test_bench_md_has_the_precision_table_and_the_groups_it_ran_in(bench):
     for p in ("bfloat16", "int8", "int4"):
         e = t[p]
         assert f"| {p} | {e['tokens_per_s']:.1f} | {e['speedup_vs_reference']:.2f}x | " in md
+    first = t[t["reference"]]  # quick mode decodes one prompt and adds none for agreement
+    assert first["agreement_prompts"] == 1 and first["agreement_positions"] > 0
+    assert f"agreement and log-prob over 1 prompt, {first['agreement_positions']} positions)" in md
     grouped = precision_lines({**t, "groups": [[t["reference"], "int8"], [t["reference"], "int4"]],
                                "skipped": "['gguf']: not one fits"})
     assert "each beside the reference: " + t["reference"] + ", int8; " in "\n".join(grouped)

@@ -98,6 +98,32 @@ def test_teacher_forced_scores_match_a_direct_computation():
     assert agree == hits and math.isclose(logp, tot, rel_tol=1e-9, abs_tol=1e-9)
 
 
+def test_agreement_prompts_count_toward_agreement_and_log_prob_but_not_speed():
+    """`agreement_ids` add positions to agreement and log-probability (the reference's own greedy continuation of
+    each, teacher-forced) and leave the speed figures to the decoded prompts: bench's 4 x 64 tokens were too few
+    positions to tell 0.99 from 0.995."""
+    from pipeline.runtime.generate import Request, generate
+
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 9)]
+    more = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 4)]
+    t = precision_table(CFG, _state(), ids, 12, bandwidth_gbs=10.0, group_size=32, log=lambda *a: None,
+                        precisions=("float32", "int8"), agreement_ids=more)
+    ref, q = variant(CFG, _state(), "float32", 32), variant(CFG, _state(), "int8", 32)
+    hits = positions = 0
+    logp = 0.0
+    for p in ids + more:
+        (res,) = generate(ref, [Request(p, 12)])
+        a, lp = teacher_forced(q, p, res.tokens)
+        hits, positions, logp = hits + a, positions + len(res.tokens), logp + lp
+    e = t["int8"]
+    assert (e["agreement_prompts"], e["agreement_positions"]) == (4, positions) and positions == 48
+    assert e["agreement_vs_reference"] == hits / positions
+    assert e["mean_logprob"] == pytest.approx(logp / positions, rel=1e-9)
+    assert len(e["per_prompt_tokens_per_s"]) == 2 and t["prompts"] == 2
+    assert t["float32"]["agreement_vs_reference"] == 1.0 and t["float32"]["agreement_positions"] == 48
+
+
 def test_int4_falls_back_to_a_group_size_that_divides_the_widths():
     cfg = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=192, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=24, tie_embeddings=True, max_position_embeddings=64)
