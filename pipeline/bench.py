@@ -409,6 +409,7 @@ def environment(spec: Spec) -> dict:
     return {"date": datetime.now(UTC).isoformat(timespec="seconds"), "python": platform.python_version(),
             "packages": pk, "cpu": cpu, "cpu_count": __import__("os").cpu_count(),
             "torch_threads": torch.get_num_threads(), "kernel_path": kernels.path(),
+            "amx_unavailable": kernels.amx_unavailable() if kernels.path().startswith("avx512") else None,
             "kernel_threads": kernels.threads(), "transparent_hugepages": quant.thp_mode(),
             "hugepage_mb": quant.hugepage_bytes() >> 20,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "spec": to_dict(spec)}

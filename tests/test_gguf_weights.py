@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -308,6 +310,70 @@ def test_the_tile_model_multiplies_as_the_instruction_reference_says_and_refuses
     before = ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value
     lib.gguf_amx_model_unconfigured()
     assert ctypes.c_longlong.in_dll(lib, "gg_amx_faults").value == before + 1
+
+
+@pytest.mark.skipif(not AMX, reason="the AMX code is part of the AVX-512 build, which this CPU cannot run")
+def test_the_amx_self_test_passes_on_the_tile_model_and_fails_on_a_wrong_sum():
+    """The self-test a machine with AMX runs before using the tiles (gguf_amx_selftest, in a child process): on the
+    software model it finds the AVX-512 tiles' bits; with the model's first sum off by one it names where."""
+    lib = kernels._compile("avx512")
+    assert kernels.amx_self_test(lib.so_path, mode=2) is None
+    assert lib.gguf_amx_selftest(2) == 0
+    flip = ctypes.c_int.in_dll(lib, "gg_amx_model_flip")
+    flip.value = 1
+    try:
+        assert lib.gguf_amx_selftest(2) == 1000  # one token row, one thread, output column 0
+    finally:
+        flip.value = 0
+    if kernels.amx_unavailable() and "no AMX" in kernels.amx_unavailable():
+        assert lib.gguf_amx_selftest(1) == -1  # the instructions are not there: refused, not run
+
+
+def _fake_library(tmp_path, body: str):
+    """A shared library on a CPU that has AMX (gguf_amx_probe 1) whose gguf_amx_selftest does `body`: what a broken
+    tile path looks like from the parent."""
+    src = tmp_path / "fake.c"
+    src.write_text("static int mode;\n"
+                   "int gguf_amx_probe(void) { return 1; }\n"
+                   "int gguf_amx(int want) { if (want >= 0) mode = want; return mode; }\n"
+                   f"int gguf_amx_selftest(int want) {{ (void)want; {body} }}\n")
+    so = tmp_path / "skinny-fake.so"
+    subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    return so
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+@pytest.mark.parametrize("body, why", [("__builtin_trap();", "killed by SIGILL"),
+                                       ("return 17000 + 100 + 42;", "at 17 token rows, 2 thread(s), output column 42"),
+                                       ("return -1;", "could not run")])
+def test_a_failed_amx_self_test_is_named_and_kept_beside_the_library(tmp_path, body, why):
+    """A tile fault kills the child, not the caller; a verdict other than 0 is a reason, which amx_unavailable() then
+    gives; the hardware verdict is written once beside the library and read back, not rerun."""
+    so = _fake_library(tmp_path, body)
+    got = kernels.amx_self_test(so)
+    assert got is not None and why in got
+    mark = so.with_name(so.name + ".amx")
+    assert mark.read_text().strip() == got
+    mark.write_text("ok\n")  # a later process reads the verdict, it does not run the child again
+    assert kernels.amx_self_test(so) is None
+    assert kernels.amx_self_test(so, mode=2) is not None  # the model's run is never cached
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+def test_a_cpu_with_amx_takes_the_tiles_only_after_their_self_test_passes(tmp_path, caplog):
+    """Where the probe allows AMX, the library's self-test decides: a tile that traps leaves the AVX-512 tiles on,
+    with a warning naming why; a passing one turns the AMX tiles on."""
+    for body, on in (("__builtin_trap();", 0), ("return 0;", 1)):
+        (tmp_path / body[:6]).mkdir()
+        lib = ctypes.CDLL(str(_fake_library(tmp_path / body[:6], body)))
+        lib.so_path = tmp_path / body[:6] / "skinny-fake.so"
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pipeline.kernels"):
+            kernels._amx_default("avx512", lib)
+        assert lib.gguf_amx(-1) == on
+        if not on:
+            assert "AMX unused: the AMX self-test was killed by SIGILL" in caplog.text
+            assert kernels._amx_why(lib) == "the AMX self-test was killed by SIGILL"
 
 
 def _tiny_cfg() -> ModelConfig:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pipeline import spec as specmod
+from pipeline.runtime import kernels
 from tests.conftest import make_model_dir, write_spec
 
 
@@ -96,6 +97,9 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2) for m in methods}
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
+    env = on_disk["environment"]  # the kernel build, and why the AVX-512 one does not use AMX tiles where it does not
+    assert env["kernel_path"] == kernels.path()
+    assert env["amx_unavailable"] == (kernels.amx_unavailable() if env["kernel_path"].startswith("avx512") else None)
     assert on_disk["advice"]["recommended_method"] in methods
     for m, d in on_disk["distribution"].items():
         assert d["samples"] == 16 and 0 <= d["same_seed_identical"] <= 1, m

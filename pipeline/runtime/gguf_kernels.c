@@ -423,6 +423,7 @@ static inline int gg_group(int S, int g, int maxg, int *s0) {
 // shapes that do not chain), which the tests require to stay 0.
 int gg_amx_mode;
 _Atomic long long gg_amx_faults;
+int gg_amx_model_flip;  // tests: the model adds this to its first sum, so gguf_amx_selftest's failure path is exercised
 #define GG_AMXG 16  // token rows per tile pass (a tile's 16 rows)
 
 typedef struct {
@@ -487,7 +488,7 @@ static void emu_dpbssd(int c, int a, int b) {
             for (int k = 0; k < amx_emu.colsb[a] / 4; k++)
                 for (int i = 0; i < 4; i++)
                     u += (uint32_t)((int32_t)(int8_t)amx_emu.t[a][m][4 * k + i] * (int8_t)amx_emu.t[b][k][4 * n + i]);
-            acc = (int32_t)u;
+            acc = (int32_t)(u + (m == 0 && n == 0 ? (uint32_t)gg_amx_model_flip : 0));
             memcpy(amx_emu.t[c][m] + 4 * n, &acc, 4);
         }
 }
@@ -855,6 +856,75 @@ done:
     scratch_done(o, oo);
     return rc;
 }
+
+// The AMX tiles against the AVX-512 tiles, bit for bit, before kernels.py lets a process use them: the AMX code has
+// run only on the software model here, so on a machine with the instructions it first proves itself (in a child
+// process, so that a tile fault cannot take the caller down). want: 1 the instructions, 2 the model (tests). Three
+// parts as a fused layer has them (Q4_K with a partial panel, Q6_K, Q4_K; K = 512), S = 1..20 token rows (past one
+// 16-row tile pass), one and two threads, weights with random bits and extreme fp16 scales (0, the smallest
+// subnormal, 65504, negative), activation rows of every size: all zero, below the quantizer's 1e-30, one huge value.
+// Returns 0 when every output's bits agree; 1000 S + 100 (threads - 1) + the first differing column (mod 100) when
+// one does not; -1 where `want` cannot run (no AMX, or mode 1 refused by gguf_amx_probe); -2 out of memory.
+#if defined(__AVX512F__)
+int gguf_amx_selftest(int want) {
+    if (want != 1 && want != 2) return -1;
+    if (want == 1 && gguf_amx_probe() != 1) return -1;
+    enum { K = 512, NSB = K / 256, SMAX = 20 };
+    const int types[3] = {GG_Q4K, GG_Q6K, GG_Q4K}, rows[3] = {40, 24, 16};
+    uint64_t r = 0x9E3779B97F4A7C15ull;
+    gg_desc_t desc = {3, K, {{0}}};
+    uint8_t *w[3] = {0};
+    int N = 0, rc = 0;
+    for (int i = 0; i < 3; i++) {
+        const int rec = gg_record(types[i]), P = (rows[i] + 15) / 16;
+        w[i] = aligned_alloc(64, (size_t)P * NSB * rec);
+        if (!w[i]) { rc = -2; goto out; }
+        for (size_t b = 0; b < (size_t)P * NSB * rec; b++) r ^= r << 13, r ^= r >> 7, r ^= r << 17, w[i][b] = (uint8_t)r;
+        static const float fp16[] = {0.f, 5.9604645e-8f, 65504.f, -65504.f, -0.5f, 1e-3f, 3.0517578e-5f, 2.0f};
+        for (int rb = 0; rb < P * NSB; rb++) {
+            uint8_t *rec0 = w[i] + (size_t)rb * rec + 2048 + (types[i] == GG_Q6K ? 1024 : 0);
+            float *d = (float *)rec0;
+            for (int l = 0; l < (types[i] == GG_Q4K ? 32 : 16); l++) {  // d (and Q4_K's dmin): fp16 values
+                r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+                d[l] = rb == 0 ? fp16[l % 8] : ldexpf((float)(1024 + r % 1024), -24 - (int)(r >> 32) % 12);
+            }
+            if (types[i] == GG_Q4K)
+                for (int b = 0; b < 256; b++) rec0[128 + b] &= 63;  // 6-bit sub-block scales and mins
+        }
+        desc.part[i] = (gg_part_t){types[i], rows[i], N, 0, w[i]};
+        N += rows[i];
+    }
+    float *x = aligned_alloc(64, sizeof(float) * SMAX * K), *ref = aligned_alloc(64, sizeof(float) * SMAX * N),
+          *y = aligned_alloc(64, sizeof(float) * SMAX * N);
+    if (!x || !ref || !y) { rc = -2; goto done; }
+    for (int s = 0; s < SMAX; s++)
+        for (int k = 0; k < K; k++) {
+            r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+            const float v = (float)((int)(r % 20001) - 10000) * 1e-4f;
+            x[s * K + k] = s == 3 ? 0.f : s == 5 ? v * 1e-32f : s == 7 ? (k == 300 ? 1e30f : v) : ldexpf(v, s % 9 - 4);
+        }
+    const int saved = gg_amx_mode;
+    for (int threads = 1; threads <= 2 && !rc; threads++)
+        for (int S = 1; S <= SMAX && !rc; S++) {
+            gg_amx_mode = 0;
+            int e = gguf_matmul(x, &desc, ref, S, K, N, threads);
+            gg_amx_mode = want;
+            e = e ? e : gguf_matmul(x, &desc, y, S, K, N, threads);
+            gg_amx_release();
+            if (e) { rc = -2; break; }
+            for (int n = 0; n < S * N; n++)
+                if (memcmp(ref + n, y + n, 4) != 0) { rc = 1000 * S + 100 * (threads - 1) + (n % N) % 100; break; }
+        }
+    gg_amx_mode = saved;
+done:
+    free(x), free(ref), free(y);
+out:
+    for (int i = 0; i < 3; i++) free(w[i]);
+    return rc;
+}
+#else
+int gguf_amx_selftest(int want) { (void)want; return -1; }
+#endif
 
 // The weights a part stands for, out [N, K] fp32, as gguf.quants computes them: Q4_K RN(RN(D q) - M) with D = d sc,
 // M = dmin m; Q6_K RN(D (q - 32)). Read from the packed panels, for the tests that pin them to the GGUF reference.

@@ -30,7 +30,9 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -133,6 +135,7 @@ def _compile(isa: str) -> ctypes.CDLL | None:
 def bind(so: Path) -> ctypes.CDLL:
     """Load a compiled skinny.c and declare its functions' signatures."""
     lib = ctypes.CDLL(str(so))
+    lib.so_path = Path(so)  # amx_self_test runs this library again in a child process
     P, Int, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.skinny_matmul.argtypes = [P, P, P, P] + [Int] * 6
     lib.fused_linear.argtypes = [P, P, F32, P, P, P] + [Int] * 8
@@ -160,6 +163,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.gguf_amx.argtypes = [Int]
     lib.gguf_amx.restype = Int
     lib.gguf_amx_probe.restype = Int
+    lib.gguf_amx_selftest.argtypes = [Int]
+    lib.gguf_amx_selftest.restype = Int
     if hasattr(lib, "gguf_amx_model_dp"):  # the AVX-512 build's tile model, for the tests
         lib.gguf_amx_model_dp.argtypes = [P, P, P] + [Int] * 4
         lib.gguf_amx_model_dp.restype = None
@@ -241,9 +246,53 @@ AMX_PROBE = {0: "this CPU has no AMX-TILE / AMX-INT8 (CPUID leaf 7)",
 
 
 def _amx_why(lib: ctypes.CDLL) -> str | None:
-    """Why the AVX-512 library `lib` cannot use AMX tiles in this process (its gguf_amx_probe), None when it can."""
+    """Why the AVX-512 library `lib` cannot use AMX tiles in this process (its gguf_amx_probe, then its self-test),
+    None when it can."""
     probe = lib.gguf_amx_probe()
-    return None if probe == 1 else AMX_PROBE.get(probe, f"probe {probe}")
+    if probe != 1:
+        return AMX_PROBE.get(probe, f"probe {probe}")
+    return amx_self_test(lib.so_path)
+
+
+# The child that runs gguf_amx_selftest: ctypes alone (no torch), its result on stdout.
+AMX_SELF_TEST_CHILD = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).gguf_amx_selftest(int(sys.argv[2])))"
+
+
+def amx_self_test(so: Path, mode: int = 1, timeout: float = 120.0) -> str | None:
+    """Run library `so`'s gguf_amx_selftest(mode) (1 the AMX instructions, 2 the software model of the tiles) in a child
+    process; None when the tiles gave the AVX-512 tiles' bits, else why not.
+
+    The AMX code has only run on the software model where it was written (no machine there has AMX), so on a machine
+    with the instructions it proves itself before any model uses it, and a tile fault (SIGILL, SIGSEGV) or a hang
+    kills the child, not the server. The hardware verdict is kept beside the library (`<so>.amx`): the library's name
+    hashes its source, flags and host, so it is checked once per build and machine."""
+    mark = so.with_name(so.name + ".amx")
+    if mode == 1 and mark.is_file():
+        verdict = mark.read_text().strip()
+        return None if verdict == "ok" else verdict
+    python = sys.executable or shutil.which("python3") or "python3"
+    try:
+        res = subprocess.run([python, "-c", AMX_SELF_TEST_CHILD, str(so), str(mode)], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        why = f"the AMX self-test did not finish in {timeout:.0f} s"
+    else:
+        out = res.stdout.strip()
+        if res.returncode < 0:
+            why = f"the AMX self-test was killed by {signal.Signals(-res.returncode).name}"
+        elif res.returncode != 0 or not out.lstrip("-").isdigit():
+            why = f"the AMX self-test failed (exit {res.returncode}): {(res.stderr or out).strip()[-300:]}"
+        else:
+            code = int(out)
+            why = (None if code == 0 else
+                   f"the AMX self-test could not run (gguf_amx_selftest({mode}) = {code})" if code < 0 else
+                   f"the AMX tiles differ from the AVX-512 tiles (at {code // 1000} token rows, {code // 100 % 10 + 1} "
+                   f"thread(s), output column {code % 100} mod 100)")
+    if mode == 1:
+        tmp = mark.with_name(mark.name + f".{os.getpid()}")
+        tmp.write_text((why or "ok") + "\n")
+        os.replace(tmp, mark)
+    return why
 
 
 def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
@@ -259,6 +308,8 @@ def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
     if why is None:
         lib.gguf_amx(1)
         log.info("the GGUF weights run on AMX tiles (TDPBSSD)")
+    elif lib.gguf_amx_probe() == 1:  # the CPU and OS allow AMX, but the tiles failed their self-test
+        log.warning("AMX unused: %s; the GGUF weights run on the AVX-512 tiles (PIPELINE_AMX=0 skips the test)", why)
     elif lib.gguf_amx_probe() != 0:  # a CPU without AMX is the common case, not worth a line
         log.info("AMX unused: %s", why)
 
