@@ -294,6 +294,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     # Verify cost: one target forward over S new tokens, relative to S = 1.
     report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
     report["verify_floor"] = verify_floor(b.target.cfg, report["verify_cost_ms"], 0.05 if quick else 0.3)
+    report["verify_cost_amx"] = verify_cost_amx(b.target, 8, 3 if quick else 9)
     report["temperature_0.7"] = _sampled(b, methods, ids, new)
     # bf16 weights with transformers alongside.
     report["bf16"] = bf16_compare(spec, b, ids[:2], 16 if quick else 64, log)
@@ -313,6 +314,52 @@ def verify_cost_curve(model, max_s: int, reps: int = 9) -> list[dict]:
     costs = verify_costs(model, max_s, reps=reps, rounds=rounds)
     return [{"tokens": s, "ms": 1000 * c, "relative": median([r[s - 1] / r[0] for r in rounds]),
              "rounds_ms": [1000 * r[s - 1] for r in rounds]} for s, c in enumerate(costs, start=1)]
+
+
+@torch.inference_mode()
+def verify_cost_amx(model, max_s: int = 8, reps: int = 9, mode: str | None = None) -> dict | None:
+    """Where the GGUF weights run on AMX tiles (`kernels.amx()` 'hardware'; 'emulated' in the tests), the verify curve
+    on the AMX tiles and on the AVX-512 tiles side by side, the two alternating round by round so both see the same
+    minutes: per S, each one's best ms and one-token steps (bench's paired median) and the median of the rounds'
+    AMX / AVX-512 time; and whether an S-token forward gave the same bits on both. What AMX does for verification
+    (issue 28) in one run on the machine that has it. None where the AVX-512 tiles are all there is."""
+    mode = mode or kernels.amx()
+    if mode == "off":
+        return None
+    tiles = {mode: "amx", "off": "avx512"}
+    rounds: dict[str, list[list[float]]] = {"amx": [], "avx512": []}
+    cache = model.new_cache(1, 3 * max_s)
+    tok, pos = torch.arange(1, max_s + 1)[None] % model.cfg.vocab_size, torch.arange(max_s)[None]
+    hidden = {}
+    prev = kernels.set_amx(mode)
+    try:
+        for m in (mode, "off"):
+            kernels.set_amx(m)
+            hidden[tiles[m]] = model(tok, pos, cache)
+        for _ in range(reps):
+            for m in (mode, "off"):
+                kernels.set_amx(m)
+                verify_costs(model, max_s, reps=1, rounds=rounds[tiles[m]])
+    finally:
+        kernels.set_amx(prev)
+    curves = {}
+    for name, rr in rounds.items():
+        curves[name] = [{"tokens": s, "ms": 1000 * min(r[s - 1] for r in rr),
+                         "relative": median([r[s - 1] / r[0] for r in rr])} for s in range(1, max_s + 1)]
+    return {"mode": mode, "rounds": reps, "same_bits": bool(torch.equal(hidden["amx"], hidden["avx512"])),
+            "amx": curves["amx"], "avx512": curves["avx512"],
+            "amx_over_avx512": [median([a[s] / b[s] for a, b in zip(rounds["amx"], rounds["avx512"])])
+                                for s in range(max_s)]}
+
+
+def verify_cost_amx_lines(v: dict | None) -> list[str]:
+    """bench.md's sentence on the AMX tiles against the AVX-512 tiles (nothing where AMX was not used)."""
+    if not v:
+        return []
+    a, b, r = v["amx"][-1], v["avx512"][-1], v["amx_over_avx512"][-1]
+    return [f"AMX tiles against the AVX-512 tiles ({v['rounds']} alternating rounds, {v['mode']}; same bits: "
+            f"{'yes' if v['same_bits'] else 'NO'}): {a['tokens']} tokens {a['ms']:.1f} against {b['ms']:.1f} ms "
+            f"({r:.2f}x the time), {a['relative']:.2f} against {b['relative']:.2f} one-token steps.", ""]
 
 
 def macs_per_token(cfg) -> int:
@@ -499,6 +546,7 @@ def bench_markdown(r: dict) -> str:
               "Verify cost (one forward over S new tokens over one token's, the median of rounds that time both): "
               + ", ".join(f"{c['tokens']}: {c['relative']:.2f}" for c in r["verify_cost_ms"]), "",
               *verify_floor_lines(r.get("verify_floor") or {}),
+              *verify_cost_amx_lines(r.get("verify_cost_amx")),
               "## Temperature 0.7", "", "| method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|"]
     for m, e in r["temperature_0.7"].items():
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "

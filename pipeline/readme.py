@@ -130,6 +130,10 @@ def _verify(bench: dict) -> list[str]:
     if "floor_ms" in f:
         line += (f"; their multiply-adds alone at this CPU's int8 peak ({f['int8_macs_per_s'] / 1e9:.0f} G/s, "
                  f"{f['instruction'].split(' (')[0]}) take {f['floor_relative']:.2f} steps")
+    amx = bench.get("verify_cost_amx")
+    if amx and amx.get("mode") == "hardware":  # the run used AMX tiles: the AVX-512 tiles' figure beside it
+        line += (f"; on the AVX-512 tiles in alternating rounds {amx['avx512'][7]['relative']:.2f} steps "
+                 f"({amx['avx512'][7]['ms']:.1f} ms), AMX {amx['amx'][7]['relative']:.2f}")
     return [line + "."]
 
 

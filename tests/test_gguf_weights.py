@@ -274,6 +274,31 @@ def test_the_amx_path_decodes_a_model_as_the_avx512_tiles_do(amx_tiles):
     assert torch.equal(on_tiles, on_avx512)
 
 
+def test_bench_times_verification_on_the_amx_and_the_avx512_tiles_side_by_side(amx_tiles):
+    """Where the GGUF weights run on AMX tiles, bench's verify_cost_amx times both tiles in alternating rounds and
+    checks an 8-token forward gives the same bits on both; it leaves the tiles as it found them, and is None where the
+    AVX-512 tiles are all there is. (On the tile model here the times mean nothing; on an AMX machine they are issue
+    28's figure.)"""
+    from pipeline import bench
+
+    cfg = _tiny_cfg()
+    st = quant.cast_state(_tiny_state(cfg, np.random.default_rng(2)), torch.bfloat16)
+    model = build_model(cfg, st, torch.bfloat16, "cpu")
+    v = bench.verify_cost_amx(model, max_s=4, reps=2)
+    assert kernels.amx() == amx_tiles and v["mode"] == amx_tiles and v["same_bits"] is True and v["rounds"] == 2
+    for tiles in ("amx", "avx512"):
+        assert [c["tokens"] for c in v[tiles]] == [1, 2, 3, 4] and v[tiles][0]["relative"] == 1.0
+        assert all(c["ms"] > 0 for c in v[tiles])
+    assert len(v["amx_over_avx512"]) == 4 and all(r > 0 for r in v["amx_over_avx512"])
+    line = " ".join(bench.verify_cost_amx_lines(v))
+    assert f"same bits: yes): 4 tokens {v['amx'][-1]['ms']:.1f} against {v['avx512'][-1]['ms']:.1f} ms" in line
+    kernels.set_amx("off")
+    try:
+        assert bench.verify_cost_amx(model) is None and bench.verify_cost_amx_lines(None) == []
+    finally:
+        kernels.set_amx(amx_tiles)
+
+
 def _model_dp(a: np.ndarray, b: np.ndarray, b_rows: int | None = None) -> tuple[np.ndarray, int]:
     """One TDPBSSD on the tile model: A [M, Kb] int8, B [Kb / 4, 4 N] int8 (VNNI layout) into a zeroed C [M, N]; the
     faults it counted."""

@@ -82,6 +82,20 @@ def test_block_carries_every_figure_with_its_date_and_spec(demo):
     assert "4.4x" not in block
 
 
+def test_a_bench_on_amx_tiles_gives_the_avx512_tiles_verify_figure_beside_it(demo):
+    s, path, _ = demo
+    curve = lambda ms8, rel8: [{"tokens": t, "ms": 30.0, "relative": 1.0} for t in range(1, 8)] + [  # noqa: E731
+        {"tokens": 8, "ms": ms8, "relative": rel8}]
+    bench = dict(BENCH, verify_cost_amx={"mode": "hardware", "rounds": 9, "same_bits": True,
+                                         "amx": curve(33.0, 1.1), "avx512": curve(66.0, 1.85)})
+    (s.report_dir / "bench.json").write_text(json.dumps(bench))
+    assert ("take 0.80 steps; on the AVX-512 tiles in alternating rounds 1.85 steps (66.0 ms), AMX 1.10."
+            in readme.render([(s, str(path))]))
+    bench["verify_cost_amx"]["mode"] = "emulated"  # the tile model's times mean nothing: not in the README
+    (s.report_dir / "bench.json").write_text(json.dumps(bench))
+    assert "AVX-512 tiles" not in readme.render([(s, str(path))])
+
+
 def test_update_rewrites_only_the_marked_block_and_is_idempotent(demo):
     s, path, md = demo
     block = readme.render([(s, str(path))])
