@@ -29,6 +29,7 @@ from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import apply_spec, decode, load_bundle
 from pipeline.runtime.engine_io import load_model_dir
 from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.gguf_weights import GGUFLinear
 from pipeline.runtime.model import float_state, runtime_to_hf
 from pipeline.runtime.quant import hugepage_tensor
 from pipeline.runtime.sampling import SamplingParams
@@ -322,10 +323,11 @@ def verify_cost_amx(model, max_s: int = 8, reps: int = 9, mode: str | None = Non
     on the AMX tiles and on the AVX-512 tiles side by side, the two alternating round by round so both see the same
     minutes: per S, each one's best ms and one-token steps (bench's paired median) and the median of the rounds'
     AMX / AVX-512 time; and whether an S-token forward gave the same bits on both. What AMX does for verification
-    (issue 28) in one run on the machine that has it. None where the AVX-512 tiles are all there is."""
+    (issue 28) in one run on the machine that has it. None where the AVX-512 tiles are all there is, or the model has
+    no GGUF weights."""
     mode = mode or kernels.amx()
-    if mode == "off":
-        return None
+    if mode == "off" or not any(isinstance(m, GGUFLinear) for m in model.modules()):
+        return None  # the tiles only ever run GGUF weights
     tiles = {mode: "amx", "off": "avx512"}
     rounds: dict[str, list[list[float]]] = {"amx": [], "avx512": []}
     cache = model.new_cache(1, 3 * max_s)

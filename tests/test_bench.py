@@ -141,6 +141,7 @@ def test_bench_ratios_are_recomputed_from_its_per_prompt_figures(bench):
         assert e["speedup"] == pytest.approx(e["tokens_per_s"] / hot["baseline"]["tokens_per_s"])
     cost = r["verify_cost_ms"]
     assert [c["tokens"] for c in cost] == list(range(1, 9))
+    assert "verify_cost_amx" in r and r["verify_cost_amx"] is None  # no GGUF weights here: no AMX tiles to time
     rounds = len(cost[0]["rounds_ms"])
     assert rounds == 9 and all(len(c["rounds_ms"]) == rounds for c in cost)
     for i, c in enumerate(cost):  # each round's S-token time over the same round's one-token time, the median
