@@ -312,9 +312,18 @@ def verify_cost_curve(model, max_s: int, reps: int = 9) -> list[dict]:
     1.49-2.80)."""
 
     rounds: list[list[float]] = []
-    costs = verify_costs(model, max_s, reps=reps, rounds=rounds)
+    verify_costs(model, max_s, reps=reps, rounds=rounds)
+    return _curve(rounds)
+
+
+def _curve(rounds: list[list[float]]) -> list[dict]:
+    """The verify curve from timed rounds (seconds per S = 1..n in each): `ms` the best round, made non-decreasing
+    as verify_costs makes it; `relative` the median of each round's S-token time over its own one-token time."""
+    best = [min(r[i] for r in rounds) for i in range(len(rounds[0]))]
+    for i in range(1, len(best)):
+        best[i] = max(best[i], best[i - 1])
     return [{"tokens": s, "ms": 1000 * c, "relative": median([r[s - 1] / r[0] for r in rounds]),
-             "rounds_ms": [1000 * r[s - 1] for r in rounds]} for s, c in enumerate(costs, start=1)]
+             "rounds_ms": [1000 * r[s - 1] for r in rounds]} for s, c in enumerate(best, start=1)]
 
 
 @torch.inference_mode()
@@ -344,12 +353,8 @@ def verify_cost_amx(model, max_s: int = 8, reps: int = 9, mode: str | None = Non
                 verify_costs(model, max_s, reps=1, rounds=rounds[tiles[m]])
     finally:
         kernels.set_amx(prev)
-    curves = {}
-    for name, rr in rounds.items():
-        curves[name] = [{"tokens": s, "ms": 1000 * min(r[s - 1] for r in rr),
-                         "relative": median([r[s - 1] / r[0] for r in rr])} for s in range(1, max_s + 1)]
     return {"mode": mode, "rounds": reps, "same_bits": bool(torch.equal(hidden["amx"], hidden["avx512"])),
-            "amx": curves["amx"], "avx512": curves["avx512"],
+            "amx": _curve(rounds["amx"]), "avx512": _curve(rounds["avx512"]),
             "amx_over_avx512": [median([a[s] / b[s] for a, b in zip(rounds["amx"], rounds["avx512"])])
                                 for s in range(max_s)]}
 

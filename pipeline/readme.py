@@ -132,8 +132,9 @@ def _verify(bench: dict) -> list[str]:
                  f"{f['instruction'].split(' (')[0]}) take {f['floor_relative']:.2f} steps")
     amx = bench.get("verify_cost_amx")
     if amx and amx.get("mode") == "hardware":  # the run used AMX tiles: the AVX-512 tiles' figure beside it
-        line += (f"; on the AVX-512 tiles in alternating rounds {amx['avx512'][7]['relative']:.2f} steps "
-                 f"({amx['avx512'][7]['ms']:.1f} ms), AMX {amx['amx'][7]['relative']:.2f}")
+        a, b = (next(c for c in amx[t] if c["tokens"] == 8) for t in ("amx", "avx512"))
+        line += (f"; on the AVX-512 tiles in alternating rounds {b['relative']:.2f} steps ({b['ms']:.1f} ms), "
+                 f"AMX {a['relative']:.2f}")
     return [line + "."]
 
 

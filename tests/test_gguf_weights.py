@@ -385,6 +385,14 @@ def test_a_failed_amx_self_test_is_named_and_kept_beside_the_library(tmp_path, b
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+def test_an_amx_self_test_that_hangs_is_refused_but_not_kept(tmp_path):
+    """A self-test past its time limit may only have met a busy minute: refused now, tried again by the next process."""
+    so = _fake_library(tmp_path, "for (;;) {}")
+    assert kernels.amx_self_test(so, timeout=1) == "the AMX self-test did not finish in 1 s"
+    assert not so.with_name(so.name + ".amx").exists()
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
 def test_a_cpu_with_amx_takes_the_tiles_only_after_their_self_test_passes(tmp_path, caplog):
     """Where the probe allows AMX, the library's self-test decides: a tile that traps leaves the AVX-512 tiles on,
     with a warning naming why; a passing one turns the AMX tiles on."""

@@ -274,20 +274,19 @@ def amx_self_test(so: Path, mode: int = 1, timeout: float = 120.0) -> str | None
     try:
         res = subprocess.run([python, "-c", AMX_SELF_TEST_CHILD, str(so), str(mode)], capture_output=True, text=True,
                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        why = f"the AMX self-test did not finish in {timeout:.0f} s"
+    except subprocess.TimeoutExpired:  # perhaps only a busy minute: not kept, the next process tries again
+        return f"the AMX self-test did not finish in {timeout:.0f} s"
+    out = res.stdout.strip()
+    if res.returncode < 0:
+        why = f"the AMX self-test was killed by {signal.Signals(-res.returncode).name}"
+    elif res.returncode != 0 or not out.lstrip("-").isdigit():
+        why = f"the AMX self-test failed (exit {res.returncode}): {(res.stderr or out).strip()[-300:]}"
     else:
-        out = res.stdout.strip()
-        if res.returncode < 0:
-            why = f"the AMX self-test was killed by {signal.Signals(-res.returncode).name}"
-        elif res.returncode != 0 or not out.lstrip("-").isdigit():
-            why = f"the AMX self-test failed (exit {res.returncode}): {(res.stderr or out).strip()[-300:]}"
-        else:
-            code = int(out)
-            why = (None if code == 0 else
-                   f"the AMX self-test could not run (gguf_amx_selftest({mode}) = {code})" if code < 0 else
-                   f"the AMX tiles differ from the AVX-512 tiles (at {code // 1000} token rows, {code // 100 % 10 + 1} "
-                   f"thread(s), output column {code % 100} mod 100)")
+        code = int(out)
+        why = (None if code == 0 else
+               f"the AMX self-test could not run (gguf_amx_selftest({mode}) = {code})" if code < 0 else
+               f"the AMX tiles differ from the AVX-512 tiles (at {code // 1000} token rows, {code // 100 % 10 + 1} "
+               f"thread(s), output column {code % 100} mod 100)")
     if mode == 1:
         tmp = mark.with_name(mark.name + f".{os.getpid()}")
         tmp.write_text((why or "ok") + "\n")
@@ -304,13 +303,13 @@ def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
         lib.gguf_amx(0)
         log.info("PIPELINE_AMX=0: the GGUF weights run on the AVX-512 tiles")
         return
-    why = _amx_why(lib)
+    why, probe = _amx_why(lib), lib.gguf_amx_probe()
     if why is None:
         lib.gguf_amx(1)
         log.info("the GGUF weights run on AMX tiles (TDPBSSD)")
-    elif lib.gguf_amx_probe() == 1:  # the CPU and OS allow AMX, but the tiles failed their self-test
+    elif probe == 1:  # the CPU and OS allow AMX, but the tiles failed their self-test
         log.warning("AMX unused: %s; the GGUF weights run on the AVX-512 tiles (PIPELINE_AMX=0 skips the test)", why)
-    elif lib.gguf_amx_probe() != 0:  # a CPU without AMX is the common case, not worth a line
+    elif probe != 0:  # a CPU without AMX is the common case, not worth a line
         log.info("AMX unused: %s", why)
 
 
