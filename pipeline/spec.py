@@ -150,6 +150,15 @@ class OpenAISpec:
 
 
 @dataclass
+class PromptCacheSpec:
+    """The prompt cache of the torch backend (pipeline/runtime/prompt_cache.py): K/V of prompt prefixes of the
+    target and the draft, reused by later requests that start with them, in host memory under a byte budget."""
+
+    bytes: int = 0  # budget for both models' cached K/V, per served model (each is its own process); 0 = off
+    block_tokens: int = 64  # tokens per cached block: a hit reuses whole blocks
+
+
+@dataclass
 class TensorRTLLMSpec:
     """Settings only the tensorrt_llm backend reads."""
 
@@ -221,6 +230,7 @@ class Spec:
     speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
     triton: TritonSpec = field(default_factory=TritonSpec)
     openai: OpenAISpec = field(default_factory=OpenAISpec)
+    prompt_cache: PromptCacheSpec = field(default_factory=PromptCacheSpec)
     tensorrt_llm: TensorRTLLMSpec = field(default_factory=TensorRTLLMSpec)
     validate: ValidateSpec = field(default_factory=ValidateSpec)
     # Directory the relative paths in this spec are resolved against (the repo root).
@@ -448,6 +458,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_medusa(spec)
     _validate_speculation(spec)
     _validate_serving(spec)
+    _validate_prompt_cache(spec.prompt_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
     return spec
@@ -467,6 +478,12 @@ def _validate_limits(lim: LimitsSpec) -> None:
     _check(lim.max_draft_len >= 0, "limits.max_draft_len", lim.max_draft_len, "must be 0 or more")
     _check(lim.max_input_len < lim.max_seq_len, "limits.max_input_len", lim.max_input_len,
            f"must be below limits.max_seq_len ({lim.max_seq_len}) to leave room for output")
+
+
+def _validate_prompt_cache(pc: PromptCacheSpec) -> None:
+    """prompt_cache: a byte budget (0 = off) and whole blocks of at least one token."""
+    _check(pc.bytes >= 0, "prompt_cache.bytes", pc.bytes, "must be 0 (off) or a byte budget such as 2147483648 (2 GiB)")
+    _check(pc.block_tokens >= 1, "prompt_cache.block_tokens", pc.block_tokens, "must be 1 or more (64 is the default)")
 
 
 def _validate_backend(spec: Spec) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish, prefill
+from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached
 from pipeline.runtime.sampling import next_token
 
 RowEmit = Callable[[Any, list[int]], None]
@@ -48,13 +49,15 @@ class _Row:
     stats: dict | None = None  # a row adopted from a speculative loop: its statistics so far
     base: int = 0  # tokens it had when adopted
     draft: tuple | None = None  # the draft model's cache state, kept for resuming (Handoff.draft)
+    exact_kv: bool = True  # its K/V may enter the prompt cache when it finishes (Handoff.exact_kv)
 
 
 class ContinuousBatch:
     """Plain decoding of up to `max_rows` requests, admitted and retired between steps."""
 
-    def __init__(self, model: Transformer, max_rows: int, length: int = 256):
+    def __init__(self, model: Transformer, max_rows: int, length: int = 256, prompt_cache: PromptCache | None = None):
         self.model, self.max_rows = model, max_rows
+        self.prompt_cache = prompt_cache  # prompts start from their cached prefix; finished rows are kept
         with torch.inference_mode():
             self.cache = model.new_cache(max_rows, length)
         self.rows: list[_Row] = []
@@ -95,10 +98,27 @@ class ContinuousBatch:
         stats["steps"] = stats.get("steps", 0) + len(r.seq.tokens) - r.base
         return stats
 
-    def _retire(self, done: list[int], failed: dict[int, BaseException] | None = None) -> list[tuple[Any, Any]]:
-        """Take out the finished rows (their Results) and the failed ones (a RowFailure each)."""
+    def _keep(self, r: _Row, i: int) -> None:
+        """A row that finished normally: its prompt + answer (the K/V it holds) into the prompt cache."""
+        pc = self.prompt_cache
+        if pc is None or not pc.budget or not r.seq.req.cache_prompt or not r.exact_kv:
+            return
+        full = r.seq.req.prompt + r.seq.tokens
+        keep_rows(pc, "target", [full], self.cache.rows(i, i + 1), held=[r.cur])
+        if r.draft is not None:
+            cache, row, fed = r.draft
+            keep_rows(pc, "draft", [full], cache.rows(row, row + 1), held=[min(fed, r.cur)])
+
+    def _retire(self, done: list[int], failed: dict[int, BaseException] | None = None,
+                keep: bool = False) -> list[tuple[Any, Any]]:
+        """Take out the finished rows (their Results; `keep`: they finished normally and enter the prompt cache) and
+        the failed ones (a RowFailure each)."""
         failed = failed or {}
         out = []
+        if keep:
+            for i in done:
+                if i not in failed:
+                    self._keep(self.rows[i], i)
         for i in sorted(set(done) | set(failed), reverse=True):
             r = self._drop(i)
             out.append((r.tag, RowFailure(failed[i]) if i in failed else finish([r.seq], r.start, [self._stats(r)])[0]))
@@ -120,7 +140,7 @@ class ContinuousBatch:
                 on_emit(r.tag, emitted)
             if r.seq.done:
                 done.append(i)
-        return self._retire(done, failed)
+        return self._retire(done, failed, keep=True)
 
     @torch.inference_mode()
     def admit(self, reqs: list[Request], tags: list, on_emit: RowEmit | None = None,
@@ -142,12 +162,15 @@ class ContinuousBatch:
             seq.tokens = list(pre)
             self.rows.append(_Row(tag, seq, req.params.generator(), len(req.prompt) + len(pre), 0, now, base=len(pre)))
         try:
-            h = prefill(self.model, self.cache.rows(n, n + len(reqs)), [r.prompt + list(p) for r, p in
-                                                                          zip(reqs, prefixes)])
+            h, reused = prefill_cached(self.model, self.cache.rows(n, n + len(reqs)),
+                                       [r.prompt + list(p) for r, p in zip(reqs, prefixes)], self.prompt_cache,
+                                       "target", [r.cache_prompt for r in reqs])
             logits = self.model.logits(h)
         except BaseException:
             del self.rows[n:]
             raise
+        for r, m in zip(self.rows[n:], reused):
+            r.seq.cached = m
         return self._take(logits, list(range(n, n + len(reqs))), on_emit)
 
     @torch.inference_mode()
@@ -160,7 +183,8 @@ class ContinuousBatch:
         self._ensure(max(len(h.seq.req.prompt) + h.seq.req.max_new_tokens for h in handoffs) + 2)
         for h, tag in zip(handoffs, tags, strict=True):
             self.cache.copy_row(len(self.rows), h.cache, h.row, h.cur)
-            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft))
+            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft,
+                                  h.exact_kv))
 
     @torch.inference_mode()
     def release(self, take: Callable[[Any], bool]) -> list[tuple[Any, Handoff]]:
@@ -174,7 +198,8 @@ class ContinuousBatch:
         for j, i in enumerate(picked):
             r = self.rows[i]
             cache.copy_row(j, self.cache, i, r.cur)
-            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start, r.draft)))
+            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start, r.draft,
+                                       r.exact_kv)))
         for i in sorted(picked, reverse=True):
             self._drop(i)
         return out

@@ -15,6 +15,7 @@ from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Emit, Request, Result, generate
 from pipeline.runtime.medusa import MEDUSA, load_medusa_engine
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.prompt_cache import PromptCache
 from pipeline.runtime.specconfig import Method, SpecDecodeConfig
 from pipeline.runtime.speculative import DRAFT_TARGET, PROMPT_LOOKUP, load_draft
 
@@ -28,7 +29,7 @@ class _Baseline:
         return True
 
     def run(self, b: Bundle, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result]:
-        return generate(b.target, reqs, on_emit)
+        return generate(b.target, reqs, on_emit, prompt_cache=opts.get("prompt_cache"))
 
 
 # Every decoding method, in the order deployments list them; a new method is its module plus one entry here.
@@ -48,6 +49,7 @@ class Bundle:
     medusa: Any = None
     draft_config: dict | None = None  # the draft engine's config.json (its measured k, when `auto` stored one)
     spec: SpecDecodeConfig | None = None
+    prompt_cache: PromptCache | None = None  # prefix K/V of target and draft, shared by every method (prompt_cache.py)
 
     def __post_init__(self) -> None:
         self.use(self.spec or SpecDecodeConfig(max_draft_len=self.max_draft_len, num_draft_tokens=self.measured_k))
@@ -117,6 +119,8 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     """
     if method not in b.methods():
         raise ValueError(f"method {method!r} is not available here; this deployment serves {b.methods()}")
+    if b.prompt_cache is not None:
+        opts.setdefault("prompt_cache", b.prompt_cache)
     m = method_named(method)
     off = b.spec.off_at(method, len(reqs), disable_at_batch)
     if opts.get("resume") and (not m.resumable or off):
@@ -125,7 +129,7 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     if method == "baseline":
         return m.run(b, reqs, 0, on_emit, **opts)
     if off:
-        results = generate(b.target, reqs, on_emit)
+        results = generate(b.target, reqs, on_emit, prompt_cache=opts.get("prompt_cache"))
         for r in results:
             r.speculation_off = True
         return results

@@ -26,6 +26,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: list[list[int]] = field(default_factory=list)
     end_ids: tuple[int, ...] = ()
+    cache_prompt: bool = True  # reuse (and keep) prompt K/V in the prompt cache (pipeline/runtime/prompt_cache.py)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Result:
     first_token_s: float = 0.0
     elapsed_s: float = 0.0
     speculation_off: bool = False  # the batch was at or above speculation.disable_at_batch
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prompt cache (not computed)
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,6 +69,7 @@ class Sequence:
         self.done = False
         self.finish_reason = ""
         self.first_token_at = 0.0
+        self.cached = 0  # prompt tokens reused from the prompt cache
 
     def extend(self, new: list[int]) -> list[int]:
         """Append tokens up to the first stop condition; return the ones actually emitted."""
@@ -107,6 +110,7 @@ class Handoff:
     stats: dict
     start: float
     draft: tuple[KVCache, int, int] | None = None
+    exact_kv: bool = True  # its K/V are what a prefill would write (not Medusa's tree-mask verification): cacheable
 
 
 def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: list[dict],
@@ -158,18 +162,36 @@ def cache_length(reqs: list[Request], extra: int) -> int:
     return (n + 63) // 64 * 64
 
 
+PREFILL_CHUNK = 512  # tokens per row in one prefill forward: bounds the kernels' per-layer scratch on long prompts
+
+
 @torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]]) -> Tensor:
-    """Run the prompts (right-padded, left-aligned at slot 0); return each row's last hidden state [B, H]."""
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], starts: list[int] | None = None,
+            chunk: int = PREFILL_CHUNK) -> Tensor:
+    """Run the prompts (row b from token `starts[b]`, its slots before that already filled, e.g. by the prompt
+    cache) in forwards of at most `chunk` tokens per row; return each row's last hidden state [B, H].
+
+    Shorter rows are padded at the slots after their end (never read before a real token overwrites them); the
+    kernels give every token the same bits whatever the chunking and padding, so this equals one whole forward."""
     dev = model.embed.weight.device
-    B, S = len(prompts), max(len(p) for p in prompts)
+    starts = starts or [0] * len(prompts)
+    B = len(prompts)
+    S = max(len(p) - s for p, s in zip(prompts, starts, strict=True))
     tokens = torch.zeros(B, S, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p)
-    pos = torch.arange(S).expand(B, S)
-    hidden = model(tokens.to(dev), pos.to(dev), cache)
-    last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
-    return hidden[torch.arange(B, device=dev), last]
+    for b, (p, s) in enumerate(zip(prompts, starts)):
+        tokens[b, : len(p) - s] = torch.tensor(p[s:], dtype=torch.long)
+    pos = (torch.tensor(starts)[:, None] + torch.arange(S)[None]).clamp_max(cache.length - 1)
+    last = [len(p) - s - 1 for p, s in zip(prompts, starts)]
+    out = None
+    chunk = max(1, chunk)
+    for c in range(0, S, chunk):
+        hidden = model(tokens[:, c:c + chunk].to(dev), pos[:, c:c + chunk].to(dev), cache)
+        if out is None:
+            out = torch.empty(B, hidden.shape[-1], dtype=hidden.dtype, device=dev)
+        for b, i in enumerate(last):
+            if c <= i < c + chunk:
+                out[b] = hidden[b, i - c]
+    return out
 
 
 def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] | None = None) -> list[Result]:
@@ -180,7 +202,8 @@ def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] |
     for i, s in enumerate(seqs):
         t0 = starts[i]
         r = Result(tokens=s.tokens, finish_reason=s.finish_reason or "length", num_input_tokens=len(s.req.prompt),
-                   first_token_s=(s.first_token_at - t0) if s.first_token_at else 0.0, elapsed_s=end - t0)
+                   first_token_s=(s.first_token_at - t0) if s.first_token_at else 0.0, elapsed_s=end - t0,
+                   cached_tokens=s.cached)
         if stats:
             for k, v in stats[i].items():
                 setattr(r, k, v)
@@ -193,19 +216,25 @@ Step = Callable[[int, Tensor, Tensor, int], None]
 
 @torch.inference_mode()
 def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = None,
-             on_step: Step | None = None) -> list[Result]:
+             on_step: Step | None = None, prompt_cache=None) -> list[Result]:
     """Baseline decoding: one target forward per token, all rows of the batch in step.
 
     `on_step(row, hidden, logits, token)` sees every token a live row picks (an end token too, before the
     stopping rules drop it) with the final normed hidden state and the logits it was picked from: the
     training data builders (draft distillation, Medusa self-distillation) record what they need through it
-    instead of running decode loops of their own."""
+    instead of running decode loops of their own. `prompt_cache` (pipeline/runtime/prompt_cache.py): prompts
+    start from their cached prefix, and prompt + answer are kept when the batch ends."""
+    from pipeline.runtime.prompt_cache import keep_rows, prefill_cached
+
     start = time.perf_counter()
     dev = model.embed.weight.device
     seqs = [Sequence(r) for r in reqs]
     gens = [r.params.generator() for r in reqs]
     cache = model.new_cache(len(reqs), cache_length(reqs, 0))
-    hidden = prefill(model, cache, [r.prompt for r in reqs])
+    use = [r.cache_prompt for r in reqs]
+    hidden, reused = prefill_cached(model, cache, [r.prompt for r in reqs], prompt_cache, "target", use)
+    for s, n in zip(seqs, reused):
+        s.cached = n
     logits = model.logits(hidden)
     cur = [len(r.prompt) for r in reqs]
     while True:
@@ -229,4 +258,5 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
         logits = model.logits(hidden)
         for b in active:
             cur[b] += 1
+    keep_rows(prompt_cache, "target", [r.prompt + s.tokens for r, s in zip(reqs, seqs)], cache, use, cur)
     return finish(seqs, start, [{"steps": len(s.tokens)} for s in seqs])

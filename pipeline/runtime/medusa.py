@@ -51,7 +51,6 @@ from pipeline.runtime.generate import (
     cache_length,
     finish,
     finish_or_hand_off,
-    prefill,
     report_finished,
     resume_cache,
     row_stats,
@@ -342,7 +341,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
                     acceptance: str | None = None, posterior_threshold: float | None = None,
                     posterior_alpha: float | None = None, timings: dict | None = None,
                     yield_to: YieldTo | None = None, on_finish: OnFinish | None = None,
-                    resume: list[Handoff] | None = None, **_unused) -> list[Result | Handoff]:
+                    resume: list[Handoff] | None = None, prompt_cache=None, **_unused) -> list[Result | Handoff]:
     """Decode a batch with Medusa tree verification; see the module docstring for the acceptance rules.
 
     `acceptance`: None (greedy rows greedy, sampled rows exact), "exact", "greedy" or "typical"
@@ -350,8 +349,11 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     given, accumulates seconds spent in heads / forward / logits / accept / compact (where the time goes).
     When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding;
     `resume` (Handoffs, with `reqs` their requests) continues such rows with Medusa, and `on_finish(b, result)`
-    hears of each row as it finishes.
+    hears of each row as it finishes. `prompt_cache`: prompts start from their cached prefix and are kept; answers
+    are not (tree verification's K/V are not the bits a prefill writes: pipeline/runtime/prompt_cache.py).
     """
+    from pipeline.runtime.prompt_cache import prefill_cached
+
     clock = _Clock(timings)
     start: float | list[float] = time.perf_counter()
     rules = _check_acceptance(reqs, acceptance)
@@ -376,7 +378,10 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         seqs = [Sequence(r) for r in reqs]
         gens = [r.params.generator() for r in reqs]
         cache = target.new_cache(B, cache_length(reqs, tree.size))
-        hidden = prefill(target, cache, [r.prompt for r in reqs])
+        hidden, reused = prefill_cached(target, cache, [r.prompt for r in reqs], prompt_cache, "target",
+                                        [r.cache_prompt for r in reqs])
+        for s, n in zip(seqs, reused):
+            s.cached = n
         logits = target.logits(hidden)
         probs = _warp_rows(logits, reqs, rules, [True] * B)
         roots = torch.zeros(B, dtype=torch.long)
@@ -390,7 +395,11 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
-            return finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
+            out = finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
+            for h in out:
+                if isinstance(h, Handoff):
+                    h.exact_kv = False  # tree verification's K/V: never into the prompt cache
+            return out
         clock("other")
         cand = heads.topk(hidden, target, K)
         clock("heads")

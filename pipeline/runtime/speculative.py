@@ -45,6 +45,7 @@ from pipeline.runtime.generate import (
     row_stats,
 )
 from pipeline.runtime.model import Transformer
+from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached, rows_to_run
 from pipeline.runtime.quant import QLinear
 from pipeline.runtime.sampling import SamplingParams, greedy, next_token, sample, warp
 from pipeline.runtime.specconfig import Drafter
@@ -157,8 +158,11 @@ class _ModelDrafter:  # a Drafter
     """
 
     def __init__(self, draft: Transformer, reqs: list[Request], k: int, vocab: int,
-                 lookup: _LookupDrafter | None = None, confidence: float = 0.0, keep_q: bool = True):
+                 lookup: _LookupDrafter | None = None, confidence: float = 0.0, keep_q: bool = True,
+                 prompt_cache: PromptCache | None = None):
         self.model, self.k, self.vocab, self.lookup, self.confidence = draft, k, vocab, lookup, confidence
+        self.prompt_cache = prompt_cache  # the draft's K/V is cached next to the target's (kind "draft")
+        self.use = [r.cache_prompt for r in reqs]
         self.keep_q = keep_q  # False: sampled rows are accepted by matching, so q is not needed
         self.width = max(k, lookup.k if lookup else 0)
         self.cache = draft.new_cache(len(reqs), cache_length(reqs, self.width + 2))
@@ -170,9 +174,13 @@ class _ModelDrafter:  # a Drafter
         self.sent: list[list[int]] = [[] for _ in reqs]
 
     def prefill(self, prompts: list[list[int]]) -> None:
-        prefill(self.model, self.cache, prompts)
+        prefill_cached(self.model, self.cache, prompts, self.prompt_cache, "draft", self.use)
         self.fed = [len(p) for p in prompts]
         self.sent = [[] for _ in prompts]
+
+    def keep(self, ctx: list[list[int]], done: list[bool]) -> None:
+        """Finished rows' context (prompt + answer, as far as this cache holds it) into the prompt cache."""
+        keep_rows(self.prompt_cache, "draft", ctx, self.cache, [u and d for u, d in zip(self.use, done)], self.fed)
 
     def resume(self, handoffs: list[Handoff]) -> None:
         """Take back the draft K/V rows handed off with the target's; prefill rows that bring none (requests
@@ -186,7 +194,8 @@ class _ModelDrafter:  # a Drafter
                 self.cache.copy_row(b, cache, row, fed)
                 self.fed[b] = fed
             elif h.cur > 0:
-                prefill(self.model, self.cache.rows(b, b + 1), [(h.seq.req.prompt + h.seq.tokens)[:h.cur]])
+                ctx, row = [(h.seq.req.prompt + h.seq.tokens)[:h.cur]], self.cache.rows(b, b + 1)
+                prefill(self.model, row, ctx, rows_to_run(self.prompt_cache, "draft", ctx, row, [self.use[b]]))
                 self.fed[b] = h.cur
 
     def hand_off(self) -> list[tuple]:
@@ -287,6 +296,9 @@ class _LookupDrafter:  # a Drafter
     def resume(self, handoffs: list[Handoff]) -> None:
         pass
 
+    def keep(self, ctx: list[list[int]], done: list[bool]) -> None:
+        pass
+
     def hand_off(self) -> None:
         return None
 
@@ -307,12 +319,15 @@ class _LookupDrafter:  # a Drafter
 
 def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter: Drafter,
               residual_fn: Residual = residual, yield_to: YieldTo | None = None,
-              resume: list[Handoff] | None = None, on_finish: OnFinish | None = None) -> list[Result | Handoff]:
+              resume: list[Handoff] | None = None, on_finish: OnFinish | None = None,
+              prompt_cache: PromptCache | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
     Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
     `resume` (Handoffs, with `reqs` their requests) continues such rows speculatively from their K/V.
-    `on_finish(b, result)` hears of each row as it finishes (the returned list has its Result too)."""
+    `on_finish(b, result)` hears of each row as it finishes (the returned list has its Result too).
+    `prompt_cache`: prompts start from their cached prefix (target and draft), and finished rows' prompt + answer
+    are kept when the loop ends (rows handed off are kept by the continuous batch that finishes them)."""
     dev = target.embed.weight.device
     B = len(reqs)
     all_greedy = all(r.params.greedy for r in reqs)
@@ -332,7 +347,10 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         stats = [_Stats(k) for _ in reqs]
         prompts = [r.prompt for r in reqs]
         cache = target.new_cache(B, length)
-        logits = target.logits(prefill(target, cache, prompts))
+        hidden, reused = prefill_cached(target, cache, prompts, prompt_cache, "target", [r.cache_prompt for r in reqs])
+        logits = target.logits(hidden)
+        for s, n in zip(seqs, reused):
+            s.cached = n
         drafter.prefill(prompts)
         ctx = [list(p) for p in prompts]
         for b, s in enumerate(seqs):
@@ -384,6 +402,11 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
             adv.append(n + 1)
         pos = pos + torch.tensor(adv, device=dev)
         report_finished(seqs, reported, start, lambda b: stats[b].as_dict(), on_finish)
+    if prompt_cache is not None:
+        use = [s.req.cache_prompt for s in seqs]
+        keep_rows(prompt_cache, "target", ctx, cache, use, pos.tolist())
+        if isinstance(drafter, _ModelDrafter):
+            drafter.keep(ctx, [True] * B)
     return finish(seqs, start, [st.as_dict() for st in stats])
 
 
@@ -392,7 +415,8 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                  residual_fn: Residual = residual, use_draft_logits: bool = True, lookup_min_ngram: int = 0,
                  lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
                  yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
-                 on_finish: OnFinish | None = None, **opts) -> list[Result | Handoff]:
+                 on_finish: OnFinish | None = None, prompt_cache: PromptCache | None = None,
+                 **opts) -> list[Result | Handoff]:
     """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
 
     `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
@@ -411,19 +435,21 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
             raise ValueError(f"draft_target lookup: max_ngram {lookup_max_ngram} must be >= min_ngram "
                              f"{lookup_min_ngram} and num_tokens {lookup_num_tokens} >= 1")
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
-    drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits)
-    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish)
+    drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits,
+                            prompt_cache)
+    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish, prompt_cache)
 
 
 @torch.inference_mode()
 def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
                   yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
-                  on_finish: OnFinish | None = None, **opts) -> list[Result | Handoff]:
+                  on_finish: OnFinish | None = None, prompt_cache: PromptCache | None = None,
+                  **opts) -> list[Result | Handoff]:
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
     return speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
-                      yield_to=yield_to, resume=resume, on_finish=on_finish)
+                      yield_to=yield_to, resume=resume, on_finish=on_finish, prompt_cache=prompt_cache)
 
 
 class DraftTarget:

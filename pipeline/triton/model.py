@@ -95,6 +95,7 @@ class TritonPythonModel:
         # Imported here, not at the top: the stub reaches the project and its venv only after _add_paths.
         from pipeline.runtime import kernels
         from pipeline.runtime.decode import load_bundle
+        from pipeline.runtime.prompt_cache import PromptCache
         from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
@@ -119,6 +120,10 @@ class TritonPythonModel:
                 prompt, new = warmup_request(bundle, warm)
                 took = sched.warm_up(prompt, new, bundle.methods())
                 threads.append("warm-up " + ", ".join(f"{m} {s:.1f} s" for m, s in took.items()))
+            budget = int(_param(cfg, "prompt_cache_bytes", "0") or 0)  # after the warm-up: it leaves no entry
+            if budget > 0:
+                sched.use_prompt_cache(PromptCache(budget, int(_param(cfg, "prompt_cache_block_tokens", "64"))))
+                threads.append(f"prompt cache {budget / 2**30:.2f} GiB")
             return sched
 
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1

@@ -136,6 +136,8 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
         "add_special_tokens": "true",
         "step_lock": "true",
         "shared_weights": "true",  # both served models map one copy of the weights (pipeline/runtime/shared.py)
+        "prompt_cache_bytes": str(spec.prompt_cache.bytes),  # each served model's own prompt cache
+        "prompt_cache_block_tokens": str(spec.prompt_cache.block_tokens),
         "python_path": ":".join(python_path()),
     }
     for key, value in params.items():

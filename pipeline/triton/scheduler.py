@@ -156,7 +156,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.log = log
         self.replies = Replies(bundle.tokenizer, count or (lambda what, method, value: None), log)
-        self.pool = ContinuousBatch(bundle.target, max_batch_size)
+        self.pool = ContinuousBatch(bundle.target, max_batch_size, prompt_cache=bundle.prompt_cache)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []  # submitted jobs the worker has not started (worker thread only)
         self.stopping = False
@@ -190,6 +190,11 @@ class Scheduler:
         counting nothing, before the model reports ready (what the first request would otherwise pay: _warm_up).
         Returns seconds per method."""
         return _warm_up(self, prompt, new, methods)
+
+    def use_prompt_cache(self, cache) -> None:
+        """Serve with this prompt cache (pipeline/runtime/prompt_cache.py; None: none) from the next request on: every
+        method's prefill and the continuous batch share it."""
+        self.bundle.prompt_cache = self.pool.prompt_cache = cache
 
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True
@@ -278,7 +283,7 @@ class Scheduler:
     def _abort_pool(self, msg: str) -> None:
         """A continuous-batch step failed: its rows' cache can no longer be trusted; answer them with `msg`."""
         jobs = {id(t.job): t.job for t in self.pool.clear()}
-        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size)
+        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size, prompt_cache=self.bundle.prompt_cache)
         for job in jobs.values():
             if not job.done:
                 self.replies.fail(job, msg)
