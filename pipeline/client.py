@@ -20,7 +20,8 @@ import numpy as np
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
-                "num_output_tokens")
+                "num_output_tokens", "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks",
+                "kv_cache_alloc_total_blocks")
 
 
 class RequestError(RuntimeError):
@@ -50,7 +51,8 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
                 seed: int | None = None, end_id: int | None = None, stop_words: list[str] | None = None,
                 num_draft_tokens: int | None = None, use_draft_logits: bool | None = None,
                 return_perf_metrics: bool = True, exclude_input_in_output: bool | None = None,
-                disable_at_batch: int | None = None) -> list:
+                disable_at_batch: int | None = None, cache_prompt: bool | None = None,
+                return_kv_cache_reuse_stats: bool | None = None) -> list:
     """InferInputs for one request (batch 1), with only the optional inputs that were given."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     ins = [_tensor("text_input", [[text]], object), _tensor("max_tokens", [[max_tokens]], np.int32),
@@ -58,7 +60,8 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
     opt = {"temperature": (temperature, np.float32), "top_k": (top_k, np.int32), "top_p": (top_p, np.float32),
            "seed": (seed, np.uint64), "end_id": (end_id, np.int32), "num_draft_tokens": (num_draft_tokens, np.int32),
            "use_draft_logits": (use_draft_logits, bool), "exclude_input_in_output": (exclude_input_in_output, bool),
-           "disable_at_batch": (disable_at_batch, np.int32)}
+           "disable_at_batch": (disable_at_batch, np.int32), "cache_prompt": (cache_prompt, bool),
+           "return_kv_cache_reuse_stats": (return_kv_cache_reuse_stats, bool)}
     for name, (value, dt) in opt.items():
         if value is not None:
             ins.append(_tensor(name, [[value]], dt))

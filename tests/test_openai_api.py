@@ -35,6 +35,7 @@ def served_deployment(tiny_root, tiny_engine):
                       medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
                               "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
                       triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       # room for a stream long enough to be abandoned mid-way
                       limits={"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8},
                       validate={"max_prompts": 2, "max_new_tokens": 8, "concurrency": [1, 3]})
@@ -375,3 +376,36 @@ def test_openai_port_is_checked_in_the_spec(tiny_root):
     with pytest.raises(specmod.SpecError, match="openai.portt: unknown key"):
         specmod.load(write_spec(tiny_root, name="typo", openai={"portt": 1}))
     assert specmod.load(write_spec(tiny_root, name="off", openai={"port": 8001, "enabled": False}))
+
+
+def test_a_resent_prompt_reports_cached_tokens_and_answers_the_same(served_deployment, client):
+    """The prompt cache through the endpoint: a repeated chat reuses its prompt's whole blocks (usage's
+    prompt_tokens_details.cached_tokens), a conversation's next turn reuses the first turn, the answers are those of
+    a request with cache_prompt: false (which reuses nothing), and Prometheus counts the reused blocks."""
+    s = served_deployment
+    first = [{"role": "user", "content": "Summarise the cache test: " + PROMPT * 2}]
+    ask = lambda msgs, **extra: client.chat.completions.create(  # noqa: E731
+        model="oai", messages=msgs, max_tokens=10, temperature=0, extra_body={"method": "draft_target", **extra})
+    off = ask(first, cache_prompt=False)
+    a, b = ask(first), ask(first)
+    n = a.usage.prompt_tokens
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert a.choices[0].message.content == b.choices[0].message.content == off.choices[0].message.content
+    turn2 = first + [{"role": "assistant", "content": a.choices[0].message.content},
+                     {"role": "user", "content": "And in one word?"}]
+    t2, t2_off = ask(turn2), ask(turn2, cache_prompt=False)
+    assert t2.usage.prompt_tokens_details.cached_tokens >= (n - 1) // 16 * 16
+    assert t2.choices[0].message.content == t2_off.choices[0].message.content
+    g = generate(srvmod.grpc_url(s), "ensemble", "Tell me about caches. " * 4, 4, return_kv_cache_reuse_stats=True)
+    again = generate(srvmod.grpc_url(s), "ensemble", "Tell me about caches. " * 4, 4)
+    assert g["kv_cache_alloc_total_blocks"] == -(-(g["num_input_tokens"] + g["num_output_tokens"]) // 16)
+    assert again["kv_cache_reused_blocks"] == (again["num_input_tokens"] - 1) // 16 > 0
+    assert again["kv_cache_alloc_new_blocks"] == again["kv_cache_alloc_total_blocks"] - again["kv_cache_reused_blocks"]
+    assert again["text"] == g["text"]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{s.triton.metrics_port}/metrics", timeout=10).read().decode()
+    reused = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("spec_decode_kv_cache_reused_blocks_total{") and 'model="ensemble"' in line]
+    assert sum(reused) > 0
+    assert any(line.startswith("spec_decode_kv_cache_bytes{") and float(line.rsplit(" ", 1)[1]) > 0
+               for line in metrics.splitlines())

@@ -406,3 +406,33 @@ def test_a_ragged_speculative_batch_reports_per_row_and_total_acceptance_it_can_
     assert counts[("proposed", "prompt_lookup")] == sum(r.draft_proposed for r in batch)
     assert counts[("accepted", "prompt_lookup")] == sum(r.draft_accepted for r in batch)
     assert 0 < counts[("accepted", "prompt_lookup")] <= counts[("proposed", "prompt_lookup")]
+
+
+@pytest.mark.parametrize("method", ["baseline", "prompt_lookup"])
+def test_a_repeated_prompt_reuses_the_prompt_cache_answers_the_same_and_is_counted(bundle, parser, method):
+    from pipeline.runtime.prompt_cache import PromptCache
+
+    prompt = " ".join(PROMPTS[:3])  # long enough for several 8-token blocks
+    solo = _solo(bundle, parser, prompt, 10, method=method, return_perf_metrics=True)
+    counts: dict = {}
+
+    def count(what: str, m: str, v: float) -> None:  # gauges (kv_cache_*) are set, counters added to
+        counts[(what, m)] = v if what.startswith("kv_cache_") else counts.get((what, m), 0) + v
+
+    sched = Scheduler(bundle, 4, count=count)
+    sched.use_prompt_cache(PromptCache(1 << 26, 8))
+    try:
+        fakes = [Fake(), Fake(), Fake()]
+        for f, opts in zip(fakes, [{}, {}, {"cache_prompt": False}]):
+            sched.submit(_parse(parser, prompt, 10, method=method, return_kv_cache_reuse_stats=True, **opts), f)
+            _drain(sched, [f])
+        assert [f.final[0] for f in fakes] == [solo] * 3
+        first, again, off = (f.results[0] for f in fakes)
+        n = first.num_input_tokens
+        assert first.cached_tokens == 0 and off.cached_tokens == 0
+        assert again.cached_tokens == (n - 1) // 8 * 8 > 0
+        assert counts[("kv_reused_blocks", method)] == again.cached_tokens // 8
+        assert counts[("prompt_computed", method)] == 3 * n - again.cached_tokens
+        assert counts[("kv_cache_bytes", "")] == sched.bundle.prompt_cache.bytes > 0
+    finally:
+        sched.use_prompt_cache(None)

@@ -82,7 +82,7 @@ def test_ensemble_io_matches_the_written_config_and_the_client_contract(written)
     ins, outs = repomod.INPUTS, repomod.OUTPUTS
     contract_in, contract_out = repomod.ensemble_io()
     assert set(n for n, _, _ in contract_in) < set(n for n, _, _ in ins), "the contract is served, and more"
-    assert outs == contract_out
+    assert outs == contract_out + repomod.KV_CACHE_OUTPUTS, "the contract's outputs, and the KV-reuse ones"
     got_in = [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in c.input]
     got_out = [(o.name, mc.DataType.Name(o.data_type), list(o.dims)) for o in c.output]
     batch = lambda table: [(n, t, [-1, *d]) for n, t, d in table]  # noqa: E731 - the explicit batch dimension

@@ -41,6 +41,19 @@ METRICS = {
               "speculation.disable_at_batch"),
     "resumed": ("spec_decode_speculation_resumed_total",
                 "Times a request switched to plain decoding went back to speculating as the load dropped"),
+    # The prompt cache (pipeline/runtime/prompt_cache.py), named like TensorRT-LLM's trtllm_kv_cache_* metrics.
+    "kv_reused_blocks": ("spec_decode_kv_cache_reused_blocks_total",
+                         "Prompt blocks (prompt_cache.block_tokens) whose K/V came from the prompt cache"),
+    "kv_missed_blocks": ("spec_decode_kv_cache_missed_blocks_total",
+                         "Whole prompt blocks the prompt cache did not hold (computed)"),
+    "prompt_reused": ("spec_decode_prompt_tokens_reused_total", "Prompt tokens whose K/V came from the prompt cache"),
+    "prompt_computed": ("spec_decode_prompt_tokens_computed_total", "Prompt tokens prefilled (computed)"),
+}
+# Gauges of the prompt cache, labelled by model only (both models' K/V, target and draft, in one budget).
+GAUGES = {
+    "kv_cache_bytes": ("spec_decode_kv_cache_bytes", "Bytes of K/V the prompt cache holds (target and draft)"),
+    "kv_cache_hit_rate": ("spec_decode_kv_cache_hit_rate",
+                          "Reused / looked-up whole prompt blocks since the model started (target and draft)"),
 }
 
 
@@ -58,11 +71,19 @@ def _add_paths(paths: list[str]) -> None:
     sys.path[:] = [p for p in paths if p] + [p for p in added if p not in paths] + [p for p in before if p not in paths]
 
 
+def kv_blocks(result, block_tokens: int) -> tuple[int, int, int]:
+    """(reused, newly computed, total) blocks of `block_tokens` of a request's prompt and answer, as TensorRT-LLM
+    reports them: the reused ones came from the prompt cache."""
+    total = -(-(result.num_input_tokens + len(result.tokens)) // block_tokens)
+    reused = result.cached_tokens // block_tokens
+    return reused, total - reused, total
+
+
 class TritonResponder:
     """The scheduler's Responder over one request's response sender."""
 
-    def __init__(self, sender):
-        self.sender = sender
+    def __init__(self, sender, block_tokens: int = 64):
+        self.sender, self.block_tokens = sender, block_tokens
 
     def send(self, texts: list[str], results: list | None, final: bool) -> None:
         out = []
@@ -77,6 +98,9 @@ class TritonResponder:
                 pb_utils.Tensor("num_input_tokens", col([r.num_input_tokens for r in results], np.int32)),
                 pb_utils.Tensor("num_output_tokens", col([len(r.tokens) for r in results], np.int32)),
             ]
+            blocks = [kv_blocks(r, self.block_tokens) for r in results]  # tensorrtllm_backend's KV-reuse outputs
+            out += [pb_utils.Tensor(name, col([b[i] for b in blocks], np.int32)) for i, name in enumerate(
+                ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks"))]
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL if final else 0)
 
     def error(self, message: str, cancelled: bool = False) -> None:
@@ -122,10 +146,11 @@ class TritonPythonModel:
                 threads.append("warm-up " + ", ".join(f"{m} {s:.1f} s" for m, s in took.items()))
             budget = int(_param(cfg, "prompt_cache_bytes", "0") or 0)  # after the warm-up: it leaves no entry
             if budget > 0:
-                sched.use_prompt_cache(PromptCache(budget, int(_param(cfg, "prompt_cache_block_tokens", "64"))))
+                sched.use_prompt_cache(PromptCache(budget, self.block_tokens))
                 threads.append(f"prompt cache {budget / 2**30:.2f} GiB")
             return sched
 
+        self.block_tokens = int(_param(cfg, "prompt_cache_block_tokens", "64") or 64)
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         # Both served models map one copy of the laid-out weights (pipeline/runtime/shared.py), not one copy each.
         os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
@@ -160,24 +185,32 @@ class TritonPythonModel:
     def _metrics(self) -> None:
         kind = pb_utils.MetricFamily.COUNTER
         self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=kind) for k, (n, d) in METRICS.items()}
+        self.families.update({k: pb_utils.MetricFamily(name=n, description=d, kind=pb_utils.MetricFamily.GAUGE)
+                              for k, (n, d) in GAUGES.items()})
         self.counters: dict = {}
         for what in ("requests", "proposed", "accepted", "output", "steps", "plain", "resumed", "errors",
-                     "cancelled", "cancelled_tokens"):
+                     "cancelled", "cancelled_tokens", "kv_reused_blocks", "kv_missed_blocks", "prompt_reused",
+                     "prompt_computed"):
             for method in self.methods:
                 self._count(what, method, 0)
+        for what in GAUGES:
+            self._count(what, "", 0)
 
     def _count(self, what: str, method: str, value: float) -> None:
         key = (what, method)
         if key not in self.counters:
-            self.counters[key] = self.families[what].Metric(labels={"model": self.model_name, "method": method})
-        if value > 0:
+            labels = {"model": self.model_name} if what in GAUGES else {"model": self.model_name, "method": method}
+            self.counters[key] = self.families[what].Metric(labels=labels)
+        if what in GAUGES:
+            self.counters[key].set(float(value))
+        elif value > 0:
             self.counters[key].increment(float(value))
 
     def execute(self, requests):
         from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
 
         for request in requests:
-            out = TritonResponder(request.get_response_sender())
+            out = TritonResponder(request.get_response_sender(), self.block_tokens)
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:

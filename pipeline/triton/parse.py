@@ -82,7 +82,6 @@ NVIDIA_INPUTS: dict[str, tuple[object, str]] = {
     "return_log_probs": (False, "log probabilities are not returned by the torch backend; send false"),
     "return_context_logits": (False, "logits are not returned by the torch backend; send false"),
     "return_generation_logits": (False, "logits are not returned by the torch backend; send false"),
-    "return_kv_cache_reuse_stats": (False, "there is no KV cache reuse in the torch backend; send false"),
 }
 # Inputs that only mean something to features this backend lacks: any non-empty value is refused.
 UNSUPPORTED_INPUTS: dict[str, str] = {
@@ -251,7 +250,7 @@ class RequestParser:
         job.stream = flag("stream", False)
         job.exclude_input = flag("exclude_input_in_output", lim.default_exclude)
         job.perf = flag("return_perf_metrics", False) or flag("return_num_input_tokens", False) or flag(
-            "return_num_output_tokens", False)
+            "return_num_output_tokens", False) or flag("return_kv_cache_reuse_stats", False)
         job.use_draft_logits = flag("use_draft_logits", lim.spec.use_draft_logits)
         if job.stream and not lim.decoupled:
             raise BadRequest("stream: true, but this deployment is not decoupled (spec triton.decoupled: false): it "
@@ -268,7 +267,8 @@ class RequestParser:
                     raise BadRequest(f"random_seed: got {int(v)} next to seed {int(seeds[i])}; they are the same "
                                      "input (TensorRT-LLM renamed random_seed to seed): send one of them")
                 seeds[i] = v
-        cols = {n: self._rows(get(n), n, batch) for n in ("max_tokens", "temperature", "top_k", "top_p", "end_id")}
+        cols = {n: self._rows(get(n), n, batch) for n in ("max_tokens", "temperature", "top_k", "top_p", "end_id",
+                                                          "cache_prompt")}
         stops, bads = get("stop_words"), get("bad_words")
         for i, prompt in enumerate(texts):
             if not prompt:
@@ -298,5 +298,7 @@ class RequestParser:
             if self._words(bads, "bad_words", i):
                 raise BadRequest("bad_words: not supported by the torch backend; send an empty list or omit it")
             stop_ids = [self.tok(w, add_special_tokens=False)["input_ids"] for w in self._words(stops, "stop_words", i)]
-            job.reqs.append(Request(ids, n, params, stop=[s for s in stop_ids if s], end_ids=end_ids))
+            cache_prompt = cols["cache_prompt"][i] is None or bool(cols["cache_prompt"][i])  # the prompt cache
+            job.reqs.append(Request(ids, n, params, stop=[s for s in stop_ids if s], end_ids=end_ids,
+                                    cache_prompt=cache_prompt))
         return job

@@ -81,6 +81,7 @@ class Replies:
     def __init__(self, tokenizer, count: Callable[[str, str, float], None], log: Callable[[str, str], None]):
         self.tok, self.count, self.log = tokenizer, count, log
         self.cancel_check_s = CANCEL_CHECK_S
+        self.prompt_cache = None  # the scheduler's (Scheduler.use_prompt_cache): its figures are counted per request
         self._stops: dict[str, float] = {}
         self._stops_lock = threading.Lock()
 
@@ -168,6 +169,19 @@ class Replies:
         self.count("cancelled_tokens", job.method, sum(len(r.tokens) for r in job.rows))
         self._error(job, "request cancelled by the client", True)
 
+    def _count_cache(self, method: str, r) -> None:
+        """A finished request's prompt-cache figures (reused / computed tokens and blocks), and the cache's gauges."""
+        pc = self.prompt_cache
+        if pc is None:
+            return
+        bt = pc.block_tokens
+        self.count("prompt_reused", method, r.cached_tokens)
+        self.count("prompt_computed", method, r.num_input_tokens - r.cached_tokens)
+        self.count("kv_reused_blocks", method, r.cached_tokens // bt)
+        self.count("kv_missed_blocks", method, r.num_input_tokens // bt - r.cached_tokens // bt)
+        self.count("kv_cache_bytes", "", pc.bytes)
+        self.count("kv_cache_hit_rate", "", pc.stats.hit_rate)
+
     def complete(self, job: Job) -> None:
         """Count a finished request and send its final response (or its cancellation)."""
         if job.answered:
@@ -184,6 +198,7 @@ class Replies:
             self.count("output", method, len(r.tokens))
             self.count("steps", method, r.steps)
             self.count("plain", method, int(r.speculation_off))
+            self._count_cache(method, r)
         texts = [self.decode_text(r.tokens) for r in res]
         if job.stream:
             texts = [t[len(rw.sent):] if t.startswith(rw.sent) else t for t, rw in zip(texts, job.rows)]

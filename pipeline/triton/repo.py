@@ -47,6 +47,7 @@ EXTRA_INPUTS: list[tuple[str, str, list[int]]] = [
     ("guided_decoding_guide_type", "TYPE_STRING", [1]),
     ("guided_decoding_guide", "TYPE_STRING", [1]),
     ("stop", "TYPE_BOOL", [1]),
+    ("cache_prompt", "TYPE_BOOL", [1]),  # false: this request neither reuses nor keeps prompt-cache entries
 ]
 SERVED_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                   "num_input_tokens", "num_output_tokens")
@@ -62,7 +63,14 @@ INPUTS: list[tuple[str, str, list[int]]] = [(t[0], t[1], list(t[2])) for t in EN
 # Every input is optional to Triton: a `stop` request carries only `stop`, and a missing text_input or
 # max_tokens is refused by the model with an error naming it.
 REQUIRED: tuple[str, ...] = ()
-OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS)
+# tensorrtllm_backend's KV-reuse outputs (its tensorrt_llm model's names), sent with the perf outputs
+# (return_perf_metrics or return_kv_cache_reuse_stats): blocks of prompt_cache.block_tokens tokens.
+KV_CACHE_OUTPUTS: list[tuple[str, str, list[int]]] = [
+    ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
+    ("kv_cache_reused_blocks", "TYPE_INT32", [1]),
+    ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+]
+OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS) + KV_CACHE_OUTPUTS
 
 
 def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str, list[int]]]]:

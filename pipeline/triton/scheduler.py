@@ -194,7 +194,7 @@ class Scheduler:
     def use_prompt_cache(self, cache) -> None:
         """Serve with this prompt cache (pipeline/runtime/prompt_cache.py; None: none) from the next request on: every
         method's prefill and the continuous batch share it."""
-        self.bundle.prompt_cache = self.pool.prompt_cache = cache
+        self.bundle.prompt_cache = self.pool.prompt_cache = self.replies.prompt_cache = cache
 
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True
