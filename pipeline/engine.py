@@ -46,6 +46,35 @@ def is_current(dest: Path, want: str) -> bool:
         return False
 
 
+SERVING_LIMITS = ("max_batch_size", "max_input_len", "max_seq_len")  # size the runtime's caches, never the weights
+
+
+def refresh_limits(dest: Path, limits: dict, want: Callable[[dict], str], max_positions: int | None = None) -> bool:
+    """When `dest`'s weights were built from these inputs and only `SERVING_LIMITS` changed (`want(limits)` hashes
+    the build inputs), write the new limits into its config.json in place and return True: a longer context or a
+    bigger batch does not rebuild (nor retrain) what it never changed. The engine keeps its input_hash (what its
+    weights were built from), so the engines built on it stay current too."""
+    cfg_path = dest / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    bc = cfg.get("build_config") or {}
+    if any(k not in bc for k in SERVING_LIMITS) or cfg.get("input_hash") != want({**limits, **{
+            k: bc[k] for k in SERVING_LIMITS}}):
+        return False
+    if max_positions is not None and limits["max_seq_len"] > max_positions:
+        raise EngineError(f"limits.max_seq_len {limits['max_seq_len']} exceeds the model's max_position_embeddings "
+                          f"{max_positions}; lower it")
+    if all(bc[k] == limits[k] for k in SERVING_LIMITS):
+        return True
+    bc.update({k: limits[k] for k in SERVING_LIMITS})
+    tmp = cfg_path.with_name(f".config.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.replace(cfg_path)
+    return True
+
+
 def write_atomic(dest: Path, write: Callable[[Path], dict]) -> None:
     """Run `write(tmpdir)` (which returns the config dict), hash the files, then rename into `dest`.
 
@@ -164,6 +193,13 @@ def end_ids(mcfg: ModelConfig, tok) -> list[int]:
     return ids + [i for i in extra if i is not None and i not in ids]
 
 
+def _max_positions(dest: Path) -> int | None:
+    try:
+        return int(json.loads((dest / "config.json").read_text())["pretrained_config"]["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/target from the spec's target source (a no-op when inputs are unchanged)."""
     dest = spec.engine_dir / "target"
@@ -176,6 +212,10 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     hf_ok = src.kind != "gguf" or (spec.engine_dir / "target_hf" / "config.json").is_file()
     if not force and is_current(dest, want) and hf_ok:
         log(f"target engine {dest} is up to date")
+        return dest
+    rehash = lambda lim: input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, lim, mode, *qpart)  # noqa: E731
+    if not force and hf_ok and refresh_limits(dest, vars(spec.limits), rehash, _max_positions(dest)):
+        log(f"target engine {dest} is up to date; limits {', '.join(SERVING_LIMITS)} written to its config.json")
         return dest
     t0 = time.perf_counter()
     log(f"loading {src.description} ...")

@@ -149,13 +149,38 @@ class OpenAISpec:
     port: int = 8003
 
 
+class ByteSize(int):
+    """A byte count: an integer (past 2**31 too) or a string with a binary unit, "2GiB", "512MiB", "64KiB"; the
+    annotation of such keys, whose values are read as plain ints."""
+
+    UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+    @classmethod
+    def parse(cls, value: Any, path: str) -> int:
+        fix = "send a whole number of bytes or a size such as 2GiB, 512MiB (units: B, KiB, MiB, GiB, TiB)"
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**50:
+            return int(value)
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+        if m is None or m.group(2) not in cls.UNITS or float(m.group(1)) * cls.UNITS[m.group(2)] >= 2**50:
+            raise SpecError(f"{path}: got {value!r}; {fix}")
+        return int(float(m.group(1)) * cls.UNITS[m.group(2)])
+
+
 @dataclass
 class PromptCacheSpec:
     """The prompt cache of the torch backend (pipeline/runtime/prompt_cache.py): K/V of prompt prefixes of the
     target and the draft, reused by later requests that start with them, in host memory under a byte budget."""
 
-    bytes: int = 0  # budget for both models' cached K/V, per served model (each is its own process); 0 = off
+    bytes: ByteSize = 0  # budget for both models' cached K/V, per served model (its own process); 0 = off
     block_tokens: int = 64  # tokens per cached block: a hit reuses whole blocks
+
+
+@dataclass
+class KVCacheSpec:
+    """The running requests' K/V of the torch backend (pipeline/runtime/batcher.py), per served model."""
+
+    bytes: ByteSize = 0  # the continuous batch admits rows while their K/V fit in this; 0 = rows alone
+    prefill_chunk: int = 0  # prompt tokens prefilled per decode step beside running rows; 0 = a prompt runs at once
 
 
 @dataclass
@@ -231,6 +256,7 @@ class Spec:
     triton: TritonSpec = field(default_factory=TritonSpec)
     openai: OpenAISpec = field(default_factory=OpenAISpec)
     prompt_cache: PromptCacheSpec = field(default_factory=PromptCacheSpec)
+    kv_cache: KVCacheSpec = field(default_factory=KVCacheSpec)
     tensorrt_llm: TensorRTLLMSpec = field(default_factory=TensorRTLLMSpec)
     validate: ValidateSpec = field(default_factory=ValidateSpec)
     # Directory the relative paths in this spec are resolved against (the repo root).
@@ -301,6 +327,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool):
             return value
         raise bad
+    if tp is ByteSize:
+        return ByteSize.parse(value, path)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             if abs(value) >= 2**31:
@@ -459,6 +487,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_speculation(spec)
     _validate_serving(spec)
     _validate_prompt_cache(spec.prompt_cache)
+    _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
     return spec
@@ -484,6 +513,13 @@ def _validate_prompt_cache(pc: PromptCacheSpec) -> None:
     """prompt_cache: a byte budget (0 = off) and whole blocks of at least one token."""
     _check(pc.bytes >= 0, "prompt_cache.bytes", pc.bytes, "must be 0 (off) or a byte budget such as 2147483648 (2 GiB)")
     _check(pc.block_tokens >= 1, "prompt_cache.block_tokens", pc.block_tokens, "must be 1 or more (64 is the default)")
+
+
+def _validate_kv_cache(kv: KVCacheSpec) -> None:
+    """kv_cache: a byte budget (0 = none) and a chunk size (0 = whole prompts)."""
+    _check(kv.bytes >= 0, "kv_cache.bytes", kv.bytes, "must be 0 (rows alone bound it) or a byte budget")
+    _check(kv.prefill_chunk >= 0, "kv_cache.prefill_chunk", kv.prefill_chunk,
+           "must be 0 (a prompt is prefilled at once) or the prompt tokens to run per step beside running rows")
 
 
 def _validate_backend(spec: Spec) -> None:

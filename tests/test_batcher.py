@@ -66,8 +66,13 @@ def test_cache_grows_for_a_long_request_without_disturbing_running_rows(target):
     ps = prompts(2, 48, seed=61)
     short, long_ = Request(ps[0], 30), Request(ps[1], 150)
     pool = ContinuousBatch(target, max_rows=2, length=64)
+    sizes = []
+    step = pool.step
+    pool.step = lambda emit=None: (sizes.append((pool.cache.batch, pool.cache.length)), step(emit))[1]
     got = _drive(pool, {0: [("a", short)], 4: [("b", long_)]}, {})
-    assert pool.cache.length >= len(ps[1]) + 150
+    assert max(s for _, s in sizes) >= len(ps[1]) + 149  # slots taken as the long row grew ...
+    assert sizes[0] == (1, 64) and max(b for b, _ in sizes) == 2  # ... and rows as they joined
+    assert (pool.cache.batch, pool.cache.length) == (1, 64)  # given back once the batch was empty
     assert got["a"].tokens == generate(target, [short])[0].tokens
     assert got["b"].tokens == generate(target, [long_])[0].tokens
 
@@ -214,3 +219,54 @@ def test_a_resumed_draft_keeps_its_cache_and_feeds_only_the_tokens_decoded_plain
     for b, req in enumerate(reqs):
         assert done[b].tokens == generate(target, [req])[0].tokens
         assert done[b].draft_accepted == done[b].draft_proposed > (out[b].stats["draft_proposed"] if b < 2 else 0)
+
+
+def test_a_long_prompt_admitted_beside_running_rows_is_prefilled_a_chunk_per_step_and_answers_the_same(target):
+    from pipeline.runtime.prompt_cache import PromptCache
+
+    short, long_ = prompts(1, 48, seed=70, lo=4, hi=5)[0], prompts(1, 48, seed=71, lo=41, hi=42)[0]
+    reqs = {"a": Request(short, 30), "b": Request(long_, 12, SamplingParams(0.9, seed=3))}
+    pc = PromptCache(1 << 26, 8)
+    pool = ContinuousBatch(target, max_rows=2, length=64, prompt_cache=pc, prefill_chunk=8)
+    streamed: dict = {}
+    emit = lambda tag, toks: streamed.setdefault(tag, []).extend(toks)  # noqa: E731
+    out = dict(pool.admit([reqs["a"]], ["a"], emit))
+    out.update(pool.step(emit))
+    assert pool.admit([reqs["b"]], ["b"], emit) == [] and len(pool.pending) == 1 and pool.free == 0
+    a_before = len(streamed["a"])
+    for i in range(6):  # 41 tokens in chunks of 8: six steps, and the running row steps at each
+        assert "b" not in streamed and len(pc) == 0  # nothing of b is cached before its prefill is whole
+        out.update(pool.step(emit))
+        assert len(streamed["a"]) == a_before + i + 1
+    assert not pool.pending and streamed["b"]  # joined at the sixth chunk with its first token
+    assert len(pc) == len(long_) // 8
+    while pool.busy:
+        out.update(pool.step(emit))
+    for tag, req in reqs.items():
+        assert out[tag].tokens == generate(target, [req])[0].tokens == streamed[tag], tag
+
+
+def test_a_cancelled_pending_prompt_leaves_no_cache_entry_and_frees_its_row(target):
+    from pipeline.runtime.prompt_cache import PromptCache
+
+    pc = PromptCache(1 << 26, 8)
+    pool = ContinuousBatch(target, max_rows=2, length=64, prompt_cache=pc, prefill_chunk=8)
+    pool.admit([Request(prompts(1, 48, seed=72, lo=4, hi=5)[0], 30)], ["a"])
+    b = prompts(1, 48, seed=73, lo=41, hi=42)[0]
+    pool.admit([Request(b, 8)], ["b"])
+    pool.step()
+    gone = pool.remove(lambda tag: tag == "b")
+    assert [t for t, _ in gone] == ["b"] and not pool.pending and pool.free == 1
+    while pool.busy:
+        pool.step()
+    assert pc.cached("target", b) == 0 and len(pc) > 0  # a's prompt and answer were kept; b left nothing
+
+
+def test_the_batch_admits_by_kv_bytes_and_a_request_alone_always_runs(target):
+    ps = prompts(3, 48, seed=74, lo=30, hi=31)
+    pool = ContinuousBatch(target, max_rows=4, length=64)
+    pool.kv_bytes = 2 * 64 * pool.token_bytes()  # two rows of 64 slots
+    assert pool.fits([Request(ps[0], 4)] * 3)  # empty: anything runs
+    pool.admit([Request(ps[0], 20)], ["x"])
+    assert pool.fits([Request(ps[1], 20)]) and not pool.fits([Request(ps[1], 20)] * 2)
+    assert not pool.fits([Request(ps[1] * 3, 20)])  # a 90-token prompt needs 92 slots a row

@@ -9,6 +9,7 @@ from pipeline import engine as E
 from pipeline import spec as specmod
 from pipeline.cli import main
 from pipeline.runtime.engine_io import EngineError, load_engine, read_config
+from tests.conftest import write_spec
 
 
 def test_config_json_has_tensorrt_llm_shape(tiny_engine):
@@ -78,3 +79,29 @@ def test_missing_source_is_a_clear_error(tmp_path):
 
     p = write_spec(tmp_path, name="nosrc", target={"source": "models/absent"})
     assert main(["engine", str(p)]) == 2
+
+
+def test_a_longer_context_updates_the_config_in_place_without_rebuilding(tmp_path, tiny_root, tiny_engine):
+    """limits.max_input_len / max_seq_len / max_batch_size size the runtime's caches, never the weights: changing them
+    rewrites config.json and keeps the weights and the input hash (engines built on it stay current); max_draft_len
+    still rebuilds."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(tiny_root, root)
+    s = specmod.load(root / "build" / "tiny.yaml")
+    dest = E.build_target(s, log=lambda *a: None)
+    before = os.stat(dest / "model.safetensors").st_mtime_ns
+    old = json.loads((dest / "config.json").read_text())
+    longer = specmod.load(write_spec(root, limits={"max_input_len": 300, "max_seq_len": 500}))
+    logs = []
+    E.build_target(longer, log=logs.append)
+    cfg = json.loads((dest / "config.json").read_text())
+    assert cfg["build_config"]["max_input_len"] == 300 and cfg["build_config"]["max_seq_len"] == 500
+    assert cfg["input_hash"] == old["input_hash"] and os.stat(dest / "model.safetensors").st_mtime_ns == before
+    assert any("written to its config.json" in m for m in logs)
+    with pytest.raises(EngineError, match="max_position_embeddings"):
+        E.build_target(specmod.load(write_spec(root, limits={"max_input_len": 300, "max_seq_len": 4096})),
+                       log=lambda *a: None)
+    E.build_target(specmod.load(write_spec(root, limits={"max_draft_len": 6})), log=lambda *a: None)
+    assert os.stat(dest / "model.safetensors").st_mtime_ns != before  # a limit the weights' build reads

@@ -172,3 +172,17 @@ def test_a_cancelled_row_leaves_only_its_finished_prompt(target):
     kept = len(pc)
     pool.remove(lambda tag: True)  # cancelled: its answer is not kept
     assert len(pc) == kept == len(p) // BT
+
+
+def test_byte_budgets_are_read_as_sizes_and_a_bad_one_is_named(tmp_path):
+    from pipeline import spec as specmod
+    from tests.conftest import write_spec
+
+    s = specmod.load(write_spec(tmp_path, prompt_cache={"bytes": "2GiB", "block_tokens": 32},
+                                kv_cache={"bytes": 3 * 2**31, "prefill_chunk": 16}))
+    assert (s.prompt_cache.bytes, s.prompt_cache.block_tokens) == (2**31, 32)
+    assert (s.kv_cache.bytes, s.kv_cache.prefill_chunk) == (3 * 2**31, 16)
+    with pytest.raises(specmod.SpecError, match=r"prompt_cache\.bytes: got '2 GB'; send a whole number of bytes"):
+        specmod.load(write_spec(tmp_path, prompt_cache={"bytes": "2 GB"}))
+    with pytest.raises(specmod.SpecError, match=r"prompt_cache\.block_tokens: got 0"):
+        specmod.load(write_spec(tmp_path, prompt_cache={"block_tokens": 0}))

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish
+from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish, prefill
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached
 from pipeline.runtime.sampling import next_token
@@ -52,35 +52,82 @@ class _Row:
     exact_kv: bool = True  # its K/V may enter the prompt cache when it finishes (Handoff.exact_kv)
 
 
-class ContinuousBatch:
-    """Plain decoding of up to `max_rows` requests, admitted and retired between steps."""
+@dataclass
+class _Pending:
+    """A row whose prompt is being prefilled in chunks between the running rows' steps, in a cache of its own."""
 
-    def __init__(self, model: Transformer, max_rows: int, length: int = 256, prompt_cache: PromptCache | None = None):
+    row: _Row
+    ids: list[int]  # prompt (+ tokens already emitted) to prefill
+    cache: Any  # KVCache, one row
+    done: int  # tokens whose K/V the cache holds
+
+
+class ContinuousBatch:
+    """Plain decoding of up to `max_rows` requests, admitted and retired between steps.
+
+    With `prefill_chunk` > 0, a prompt admitted while other rows decode is prefilled `prefill_chunk` tokens per step
+    (before each of their steps), in a cache of its own; it joins once its last token has run, so running streams keep
+    flowing while a long prompt arrives. The kernels give the same bits chunked or not, so its tokens are unchanged.
+    """
+
+    def __init__(self, model: Transformer, max_rows: int, length: int = 256, prompt_cache: PromptCache | None = None,
+                 kv_bytes: int = 0, prefill_chunk: int = 0):
         self.model, self.max_rows = model, max_rows
+        self.prefill_chunk = prefill_chunk  # tokens of a waiting prompt run per step beside running rows (0: at once)
+        self.pending: list[_Pending] = []
         self.prompt_cache = prompt_cache  # prompts start from their cached prefix; finished rows are kept
+        self.kv_bytes = kv_bytes  # admit while the rows' K/V fit (0: rows alone bound it); see `fits`
+        self.start_length = length
         with torch.inference_mode():
-            self.cache = model.new_cache(max_rows, length)
+            self.cache = model.new_cache(1, length)  # rows and slots are taken as requests come and grow
         self.rows: list[_Row] = []
         self.dev = model.embed.weight.device
 
     def tags(self) -> list:
-        return [r.tag for r in self.rows]
+        return [r.tag for r in self.rows] + [p.row.tag for p in self.pending]
 
     @property
     def free(self) -> int:
-        return self.max_rows - len(self.rows)
+        return self.max_rows - len(self.rows) - len(self.pending)
 
-    def _ensure(self, need: int) -> None:
-        """Grow the cache (doubling, contents kept) when an admitted row needs more slots than it has."""
-        old = self.cache
-        if need <= old.length:
+    @property
+    def busy(self) -> bool:
+        """Rows decoding or prompts being prefilled."""
+        return bool(self.rows or self.pending)
+
+    @property
+    def load(self) -> int:
+        return len(self.rows) + len(self.pending)
+
+    def token_bytes(self) -> int:
+        """K/V bytes of one token of one row (all layers)."""
+        c = self.cache
+        return 2 * c.k.shape[0] * c.k.shape[2] * c.k.shape[4] * c.k.element_size()
+
+    def fits(self, reqs: list[Request]) -> bool:
+        """Would `reqs` join within the K/V byte budget (`kv_bytes`)? Counts the rows' slots as they are now and the
+        new prompts' (rows grow as they decode, so this bounds what admission takes, not what decoding adds). An empty
+        batch admits anything: a request alone always runs."""
+        if not self.kv_bytes or not self.rows or not reqs:
+            return True
+        need = max([self.cache.length] + [len(r.prompt) + 2 for r in reqs])
+        return (len(self.rows) + len(reqs)) * need * self.token_bytes() <= self.kv_bytes
+
+    def _ensure(self, need: int, rows: int | None = None) -> None:
+        """Room for `rows` rows (default: those active) of `need` slots: rows and slots grow by half again at least
+        (contents kept), so K/V is taken as requests join and sequences grow, not max_rows x max_seq_len up front."""
+        old, n = self.cache, len(self.rows)
+        rows = n if rows is None else rows
+        if need <= old.length and rows <= old.batch:
             return
-        length = max((need + 63) // 64 * 64, 2 * old.length)
-        new = self.model.new_cache(self.max_rows, length)
-        n = len(self.rows)
-        new.k[:, :n, :, :old.length] = old.k[:, :n]
-        new.v[:, :n, :, :old.length] = old.v[:, :n]
-        self.cache = new
+        batch = old.batch if rows <= old.batch else min(self.max_rows, max(rows, old.batch * 3 // 2))
+        length = old.length if need <= old.length else (max(need, old.length * 3 // 2) + 63) // 64 * 64
+        self.cache = old.resized(batch, length, n, old.length)
+
+    def _shrink_if_idle(self) -> None:
+        """With no rows left, give the K/V memory back (a long request's rows must not stay allocated)."""
+        if not self.rows and (self.cache.batch > 1 or self.cache.length > self.start_length):
+            self.cache = self.model.new_cache(1, self.start_length)
 
     def _drop(self, i: int) -> _Row:
         """Take row i out; the last active row moves into its cache row."""
@@ -122,6 +169,7 @@ class ContinuousBatch:
         for i in sorted(set(done) | set(failed), reverse=True):
             r = self._drop(i)
             out.append((r.tag, RowFailure(failed[i]) if i in failed else finish([r.seq], r.start, [self._stats(r)])[0]))
+        self._shrink_if_idle()
         return out[::-1]
 
     def _take(self, logits: torch.Tensor, rows: list[int], on_emit: RowEmit | None) -> list[tuple[Any, Any]]:
@@ -144,17 +192,26 @@ class ContinuousBatch:
 
     @torch.inference_mode()
     def admit(self, reqs: list[Request], tags: list, on_emit: RowEmit | None = None,
-              prefixes: list[list[int]] | None = None) -> list[tuple[Any, Any]]:
+              prefixes: list[list[int]] | None = None, chunked: bool = True) -> list[tuple[Any, Any]]:
         """Prefill `reqs` into free rows and sample their first tokens; returns rows already finished (or failed).
 
         With `prefixes`, row b continues after prefixes[b], tokens it already emitted (counted in its budget
-        and stop rules, not emitted again). A prefill that raises leaves the batch as it was."""
+        and stop rules, not emitted again). A prefill that raises leaves the batch as it was. With `prefill_chunk` set
+        and rows running, a prompt longer than a chunk becomes a pending row instead (`chunked=False`: never)."""
         if len(reqs) > self.free:
             raise ValueError(f"{len(reqs)} rows do not fit: {self.free} of {self.max_rows} are free")
         if not reqs:
             return []
         prefixes = prefixes or [[] for _ in reqs]
-        self._ensure(max(len(r.prompt) + r.max_new_tokens for r in reqs) + 2)
+        if chunked and self.prefill_chunk > 0 and self.busy:
+            later = [b for b, (r, p) in enumerate(zip(reqs, prefixes)) if len(r.prompt) + len(p) > self.prefill_chunk]
+            for b in later:
+                self._queue_prefill(reqs[b], tags[b], prefixes[b])
+            keep = [b for b in range(len(reqs)) if b not in later]
+            reqs, tags, prefixes = [reqs[b] for b in keep], [tags[b] for b in keep], [prefixes[b] for b in keep]
+            if not reqs:
+                return []
+        self._ensure(max(len(r.prompt) + len(p) for r, p in zip(reqs, prefixes)) + 2, len(self.rows) + len(reqs))
         n = len(self.rows)
         now = time.perf_counter()
         for req, tag, pre in zip(reqs, tags, prefixes, strict=True):
@@ -173,6 +230,40 @@ class ContinuousBatch:
             r.seq.cached = m
         return self._take(logits, list(range(n, n + len(reqs))), on_emit)
 
+    def _queue_prefill(self, req: Request, tag, pre: list[int]) -> None:
+        """Take `req` in as a pending row: its cached prefix is copied now, the rest runs a chunk per step."""
+        from pipeline.runtime.prompt_cache import rows_to_run
+
+        seq = Sequence(req)
+        seq.tokens = list(pre)
+        ids = req.prompt + list(pre)
+        cache = self.model.new_cache(1, (len(ids) + 2 + 63) // 64 * 64)
+        (done,) = rows_to_run(self.prompt_cache, "target", [ids], cache, [req.cache_prompt])
+        seq.cached = done
+        row = _Row(tag, seq, req.params.generator(), len(ids), 0, time.perf_counter(), base=len(pre))
+        self.pending.append(_Pending(row, ids, cache, done))
+
+    def _prefill_chunk(self, on_emit: RowEmit | None) -> list[tuple[Any, Any]]:
+        """Run the next chunk of the first pending prompt; when it was the last, the row joins (first token sampled).
+        A chunk that raises fails that row alone (its batch-mates' K/V are untouched; nothing enters the cache)."""
+        p = self.pending[0]
+        stop = min(len(p.ids), p.done + self.prefill_chunk)
+        try:
+            h = prefill(self.model, p.cache, [p.ids[:stop]], [p.done], chunk=self.prefill_chunk)
+        except Exception as e:  # noqa: BLE001
+            self.pending.pop(0)
+            return [(p.row.tag, RowFailure(e))]
+        p.done = stop
+        if stop < len(p.ids):
+            return []
+        self.pending.pop(0)
+        keep_rows(self.prompt_cache, "target", [p.ids], p.cache, [p.row.seq.req.cache_prompt])
+        n = len(self.rows)
+        self._ensure(len(p.ids) + 2, n + 1)
+        self.cache.copy_row(n, p.cache, 0, len(p.ids))
+        self.rows.append(p.row)
+        return self._take(self.model.logits(h), [n], on_emit)
+
     @torch.inference_mode()
     def adopt(self, handoffs: list[Handoff], tags: list) -> None:
         """Continue rows a speculative loop handed off: copy their K/V into free rows; they join the next step."""
@@ -180,7 +271,7 @@ class ContinuousBatch:
             raise ValueError(f"{len(handoffs)} rows do not fit: {self.free} of {self.max_rows} are free")
         if not handoffs:
             return
-        self._ensure(max(len(h.seq.req.prompt) + h.seq.req.max_new_tokens for h in handoffs) + 2)
+        self._ensure(max(h.cur for h in handoffs) + 2, len(self.rows) + len(handoffs))
         for h, tag in zip(handoffs, tags, strict=True):
             self.cache.copy_row(len(self.rows), h.cache, h.row, h.cur)
             self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft,
@@ -202,14 +293,22 @@ class ContinuousBatch:
                                        r.exact_kv)))
         for i in sorted(picked, reverse=True):
             self._drop(i)
+        self._shrink_if_idle()
         return out
 
     @torch.inference_mode()
     def step(self, on_emit: RowEmit | None = None) -> list[tuple[Any, Result]]:
-        """One token for every active row; returns (tag, result) for the rows that finished."""
+        """One token for every active row (after a chunk of the first pending prompt, if any); returns (tag, result)
+        for the rows that finished (or failed)."""
+        joined = self._prefill_chunk(on_emit) if self.pending else []
         n = len(self.rows)
         if not n:
-            return []
+            return joined
+        return joined + self._decode(on_emit)
+
+    def _decode(self, on_emit: RowEmit | None) -> list[tuple[Any, Result]]:
+        n = len(self.rows)
+        self._ensure(max(r.cur for r in self.rows) + 1)  # K/V taken as the rows advance
         toks = torch.tensor([[r.token] for r in self.rows], device=self.dev)
         pos = torch.tensor([[r.cur] for r in self.rows], device=self.dev)
         h = self.model(toks, pos, self.cache.rows(0, n))
@@ -219,11 +318,15 @@ class ContinuousBatch:
 
     @torch.inference_mode()
     def remove(self, drop: Callable[[Any], bool]) -> list[tuple[Any, Result]]:
-        """Drop the rows whose tag `drop` selects (cancelled requests) between steps."""
-        return self._retire([i for i, r in enumerate(self.rows) if drop(r.tag)])
+        """Drop the rows whose tag `drop` selects (cancelled requests) between steps; a pending prompt is dropped with
+        what it had computed (nothing of it enters the prompt cache)."""
+        gone = [p for p in self.pending if drop(p.row.tag)]
+        self.pending = [p for p in self.pending if not drop(p.row.tag)]
+        out = [(p.row.tag, finish([p.row.seq], p.row.start, [self._stats(p.row)])[0]) for p in gone]
+        return out + self._retire([i for i, r in enumerate(self.rows) if drop(r.tag)])
 
     def clear(self) -> list:
         """Forget every row (after a failed step, whose cache contents can no longer be trusted); their tags."""
         tags = self.tags()
-        self.rows = []
+        self.rows, self.pending = [], []
         return tags

@@ -162,6 +162,26 @@ def cache_length(reqs: list[Request], extra: int) -> int:
     return (n + 63) // 64 * 64
 
 
+GROW_SLOTS = 256  # slots a cache holds past what its rows need now; it grows by half again as they advance
+
+
+def start_length(reqs: list[Request], extra: int, held: int = 0) -> int:
+    """Slots a loop's cache starts with: what the longest prompt (or `held` context) needs now plus GROW_SLOTS, never
+    more than `cache_length` (the whole budget): K/V is taken as sequences grow, not max_new_tokens up front (a
+    client that omits max_tokens asks for the whole context, 32k slots a row on the flagship)."""
+    n = max([held] + [len(r.prompt) for r in reqs]) + extra + 1 + GROW_SLOTS
+    return min((n + 63) // 64 * 64, cache_length(reqs, extra))
+
+
+def grow(cache: KVCache, need: int) -> KVCache:
+    """`cache`, or a longer copy of it when a row needs slot `need - 1` (half again as long at least, so a sequence
+    growing a token at a time copies its K/V a logarithmic number of times)."""
+    if need <= cache.length:
+        return cache
+    n = max(need, cache.length * 3 // 2)
+    return cache.resized(cache.batch, (n + 63) // 64 * 64, cache.batch, cache.length)
+
+
 PREFILL_CHUNK = 512  # tokens per row in one prefill forward: bounds the kernels' per-layer scratch on long prompts
 
 
@@ -230,7 +250,7 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
     dev = model.embed.weight.device
     seqs = [Sequence(r) for r in reqs]
     gens = [r.params.generator() for r in reqs]
-    cache = model.new_cache(len(reqs), cache_length(reqs, 0))
+    cache = model.new_cache(len(reqs), start_length(reqs, 0))
     use = [r.cache_prompt for r in reqs]
     hidden, reused = prefill_cached(model, cache, [r.prompt for r in reqs], prompt_cache, "target", use)
     for s, n in zip(seqs, reused):
@@ -253,6 +273,7 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
         if all(s.done for s in seqs):
             break
         active = [b for b, s in enumerate(seqs) if not s.done]
+        cache = grow(cache, max(cur) + 1)  # K/V taken as the rows advance
         pos = torch.tensor([[min(c, cache.length - 1)] for c in cur], device=dev)
         hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0]
         logits = model.logits(hidden)

@@ -48,12 +48,13 @@ from pipeline.runtime.generate import (
     Result,
     Sequence,
     YieldTo,
-    cache_length,
     finish,
     finish_or_hand_off,
+    grow,
     report_finished,
     resume_cache,
     row_stats,
+    start_length,
 )
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer, wt
@@ -366,7 +367,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         stats = [row_stats(h.stats, depth_max) for h in resume]
         start = [h.start for h in resume]
         seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
-        cache = resume_cache(target, resume, cache_length(reqs, tree.size))
+        cache = resume_cache(target, resume, start_length(reqs, tree.size, max(h.cur for h in resume)))
         roots = torch.tensor([h.token for h in resume], dtype=torch.long)
         L = torch.tensor([h.cur for h in resume], dtype=torch.long)
         # The heads need the hidden state that chose each pending token: feed the token before it again at
@@ -377,7 +378,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         stats = [row_stats({}, depth_max) for _ in reqs]
         seqs = [Sequence(r) for r in reqs]
         gens = [r.params.generator() for r in reqs]
-        cache = target.new_cache(B, cache_length(reqs, tree.size))
+        cache = target.new_cache(B, start_length(reqs, tree.size))
         hidden, reused = prefill_cached(target, cache, [r.prompt for r in reqs], prompt_cache, "target",
                                         [r.cache_prompt for r in reqs])
         for s, n in zip(seqs, reused):
@@ -404,6 +405,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
         cand = heads.topk(hidden, target, K)
         clock("heads")
         tokens, pos, slots, mask, kv_len = tree_inputs(tree, roots, cand, L)
+        cache = grow(cache, int(slots.max()) + 1)  # K/V taken as the rows advance
         h = target(tokens, pos, cache, slots=slots, mask=mask, kv_len=kv_len)
         clock("forward")
         logits = target.logits(h)

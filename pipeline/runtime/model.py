@@ -128,6 +128,22 @@ class KVCache:
         view.length, view.batch = self.length, stop - start
         return view
 
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def resized(self, batch: int, length: int, keep_rows: int, keep_slots: int) -> KVCache:
+        """A cache of `batch` rows x `length` slots holding this one's first `keep_rows` rows' slots [0, keep_slots)."""
+        new = object.__new__(KVCache)
+        shape = (self.k.shape[0], batch, self.k.shape[2], length, self.k.shape[4])
+        new.k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        new.v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)
+        new.length, new.batch = length, batch
+        r, s = min(keep_rows, batch, self.batch), min(keep_slots, length, self.length)
+        new.k[:, :r, :, :s] = self.k[:, :r, :, :s]
+        new.v[:, :r, :, :s] = self.v[:, :r, :, :s]
+        return new
+
     def copy_row(self, row: int, src: KVCache, src_row: int, n: int) -> None:
         """Slots [0, n) of `src`'s row `src_row` into this cache's row `row` (a request moving between caches)."""
         self.k[:, row, :, :n] = src.k[:, src_row, :, :n]

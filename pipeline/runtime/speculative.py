@@ -36,13 +36,14 @@ from pipeline.runtime.generate import (
     Result,
     Sequence,
     YieldTo,
-    cache_length,
     finish,
     finish_or_hand_off,
+    grow,
     prefill,
     report_finished,
     resume_cache,
     row_stats,
+    start_length,
 )
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached, rows_to_run
@@ -165,7 +166,7 @@ class _ModelDrafter:  # a Drafter
         self.use = [r.cache_prompt for r in reqs]
         self.keep_q = keep_q  # False: sampled rows are accepted by matching, so q is not needed
         self.width = max(k, lookup.k if lookup else 0)
-        self.cache = draft.new_cache(len(reqs), cache_length(reqs, self.width + 2))
+        self.cache = draft.new_cache(len(reqs), start_length(reqs, self.width + 2))
         self.ids = getattr(draft, "vocab_ids", None)
         self.dev = draft.embed.weight.device
         self.sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
@@ -187,6 +188,7 @@ class _ModelDrafter:  # a Drafter
         that joined through the continuous batch) on their own, so the first round's catch-up stays short
         for every row instead of padding all of them to the longest context."""
         self.sent = [[] for _ in handoffs]
+        self.cache = grow(self.cache, max(h.cur for h in handoffs) + self.width + 2)
         for b, h in enumerate(handoffs):
             if h.draft is not None:
                 cache, row, fed = h.draft
@@ -233,6 +235,7 @@ class _ModelDrafter:  # a Drafter
         return h[torch.arange(len(P), device=dev), torch.tensor(where, device=dev)]
 
     def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
+        self.cache = grow(self.cache, int(pos.max()) + self.width + 2)  # K/V taken as the rows advance
         m, k, dev = self.model, self.k, self.dev
         B = len(ctx)
         found = [self.lookup.lookup(c) for c in ctx] if self.lookup is not None else [[]] * B
@@ -331,7 +334,7 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
     dev = target.embed.weight.device
     B = len(reqs)
     all_greedy = all(r.params.greedy for r in reqs)
-    length = cache_length(reqs, drafter.width + 2)
+    length = start_length(reqs, drafter.width + 2, max(h.cur for h in resume) if resume else 0)
     if resume:
         start: float | list[float] = [h.start for h in resume]
         seqs, gens = [h.seq for h in resume], [h.gen for h in resume]
@@ -370,6 +373,7 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
+        cache = grow(cache, int(pos.max()) + w + 1)  # K/V taken as the rows advance
         p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache))
         best = greedy(p_logits)
         lim = torch.tensor(limit, device=dev)

@@ -28,7 +28,16 @@ from tqdm import tqdm
 
 from pipeline import preflight, sources
 from pipeline.common import chat_ids, split_prompts
-from pipeline.engine import ENGINE_FORMAT, engine_config, input_hash, is_current, save_hf, write_atomic
+from pipeline.engine import (
+    ENGINE_FORMAT,
+    SERVING_LIMITS,
+    engine_config,
+    input_hash,
+    is_current,
+    refresh_limits,
+    save_hf,
+    write_atomic,
+)
 from pipeline.runtime import quant
 from pipeline.runtime.engine_io import DTYPES, EngineError, load_engine, read_config
 from pipeline.runtime.generate import Request, generate
@@ -259,12 +268,16 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         src_fp = input_hash(prompts_path.read_text(), train_path.read_text() if train_path.is_file() else "")
     else:
         src_fp = sources.resolve(spec.draft.source, Path(spec.root), key="draft.source").fingerprint()
-    want = input_hash(ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
-                      {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, vars(spec.limits),
-                      spec.speculation.num_draft_tokens,
-                      *quant.layout_tag(spec.draft.quantization))
+    rehash = lambda lim: input_hash(  # noqa: E731
+        ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
+        {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, lim, spec.speculation.num_draft_tokens,
+        *quant.layout_tag(spec.draft.quantization))
+    want = rehash(vars(spec.limits))
     if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
         log(f"draft engine {dest} is up to date")
+        return dest
+    if not force and (hf_dest / "config.json").is_file() and refresh_limits(dest, vars(spec.limits), rehash):
+        log(f"draft engine {dest} is up to date; limits {', '.join(SERVING_LIMITS)} written to its config.json")
         return dest
     t0 = time.perf_counter()
     eng = load_engine(tdir, "cpu")

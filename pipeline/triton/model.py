@@ -144,6 +144,8 @@ class TritonPythonModel:
                 prompt, new = warmup_request(bundle, warm)
                 took = sched.warm_up(prompt, new, bundle.methods())
                 threads.append("warm-up " + ", ".join(f"{m} {s:.1f} s" for m, s in took.items()))
+            sched.configure_kv(int(_param(cfg, "kv_cache_bytes", "0") or 0),
+                               int(_param(cfg, "prefill_chunk", "0") or 0))
             budget = int(_param(cfg, "prompt_cache_bytes", "0") or 0)  # after the warm-up: it leaves no entry
             if budget > 0:
                 sched.use_prompt_cache(PromptCache(budget, self.block_tokens))

@@ -146,6 +146,8 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
         "shared_weights": "true",  # both served models map one copy of the weights (pipeline/runtime/shared.py)
         "prompt_cache_bytes": str(spec.prompt_cache.bytes),  # each served model's own prompt cache
         "prompt_cache_block_tokens": str(spec.prompt_cache.block_tokens),
+        "kv_cache_bytes": str(spec.kv_cache.bytes),
+        "prefill_chunk": str(spec.kv_cache.prefill_chunk),
         "python_path": ":".join(python_path()),
     }
     for key, value in params.items():

@@ -96,7 +96,7 @@ def _warm_up(sched: Scheduler, prompt: list[int], new: int, methods: list[str]) 
         for m in methods:
             t = time.perf_counter()
             sched.submit(Parsed(f"warm-up-{m}", texts=[""], reqs=[Request(list(prompt), new)], method=m), _Nobody())
-            while sched.waiting or sched.pool.rows or not sched.inbox.empty():
+            while sched.waiting or sched.pool.busy or not sched.inbox.empty():
                 sched.tick()
             took[m] = time.perf_counter() - t
     finally:
@@ -156,6 +156,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.log = log
         self.replies = Replies(bundle.tokenizer, count or (lambda what, method, value: None), log)
+        self.kv_bytes, self.prefill_chunk = 0, 0  # spec kv_cache: configure_kv
         self.pool = ContinuousBatch(bundle.target, max_batch_size, prompt_cache=bundle.prompt_cache)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: list[Job] = []  # submitted jobs the worker has not started (worker thread only)
@@ -196,6 +197,12 @@ class Scheduler:
         method's prefill and the continuous batch share it."""
         self.bundle.prompt_cache = self.pool.prompt_cache = self.replies.prompt_cache = cache
 
+    def configure_kv(self, kv_bytes: int, prefill_chunk: int) -> None:
+        """Spec `kv_cache`: the running rows' K/V byte budget the continuous batch admits within, and the prompt
+        tokens it prefills per step beside running rows (0: a prompt runs whole when admitted)."""
+        self.kv_bytes, self.prefill_chunk = kv_bytes, prefill_chunk
+        self.pool.kv_bytes, self.pool.prefill_chunk = kv_bytes, prefill_chunk
+
     def close(self, timeout: float = 10.0) -> None:
         self.stopping = True
         if self.worker is not None:
@@ -224,13 +231,13 @@ class Scheduler:
 
     def tick(self, timeout: float = 0.0) -> bool:
         """One scheduling round (worker thread, or a test driving it); False when there was nothing to do."""
-        if not self.waiting and not self.pool.rows:
+        if not self.waiting and not self.pool.busy:
             try:
                 self._take(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             except queue.Empty:
                 return False
         self._collect()
-        if not self.waiting and not self.pool.rows:
+        if not self.waiting and not self.pool.busy:
             return True
         try:
             with self.gate:  # one step (or one speculative batch, which pauses between its rounds)
@@ -283,7 +290,8 @@ class Scheduler:
     def _abort_pool(self, msg: str) -> None:
         """A continuous-batch step failed: its rows' cache can no longer be trusted; answer them with `msg`."""
         jobs = {id(t.job): t.job for t in self.pool.clear()}
-        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size, prompt_cache=self.bundle.prompt_cache)
+        self.pool = ContinuousBatch(self.bundle.target, self.max_batch_size, prompt_cache=self.bundle.prompt_cache,
+                                    kv_bytes=self.kv_bytes, prefill_chunk=self.prefill_chunk)
         for job in jobs.values():
             if not job.done:
                 self.replies.fail(job, msg)
@@ -326,7 +334,7 @@ def _schedule_round(sched: Scheduler) -> None:
     """One scheduling round: drop cancelled work, then run a speculative batch or one continuous step."""
     _drop_cancelled(sched)
     spec = _speculative_waiting(sched)
-    if spec and not sched.pool.rows:
+    if spec and not sched.pool.busy:
         _start_speculative(sched, spec)
         return
     if spec and _join(sched, group(spec[0]), spec):
@@ -335,7 +343,7 @@ def _schedule_round(sched: Scheduler) -> None:
         return
     if not spec:
         _admit_waiting(sched)
-    if sched.pool.rows:
+    if sched.pool.busy:
         _step_pool(sched)
 
 
@@ -355,7 +363,7 @@ def _drop_cancelled(sched: Scheduler) -> None:
 
 def _speculative_waiting(sched: Scheduler) -> list[Job]:
     """The waiting jobs that speculate at the current load (the others decode plainly: `job.plain`)."""
-    load = len(sched.pool.rows) + sum(len(j.reqs) for j in sched.waiting)
+    load = sched.pool.load + sum(len(j.reqs) for j in sched.waiting)
     spec = []
     for j in sched.waiting:
         j.plain = j.method != "baseline" and sched.bundle.spec.off_at(j.method, load, j.p.disable_at_batch)
@@ -387,8 +395,8 @@ def _admit_waiting(sched: Scheduler) -> None:
     admit = []
     free = sched.pool.free
     for job in list(sched.waiting):
-        if len(job.reqs) > free:
-            break
+        if len(job.reqs) > free or not sched.pool.fits([r for j in admit for r in j.reqs] + job.reqs):
+            break  # rows, or the K/V byte budget (kv_cache.bytes): it waits for rows to finish
         sched.waiting.remove(job)
         if sched.replies.is_cancelled(job, 0.0):  # asked afresh: a queued request is polled only every second
             sched.replies.cancel(job)
@@ -399,7 +407,7 @@ def _admit_waiting(sched: Scheduler) -> None:
     _admit(sched, admit)
 
 
-def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None) -> None:
+def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None, chunked: bool = True) -> None:
     """Prefill the jobs' rows into the continuous batch in one forward; if that fails, one job at a time,
     so a job whose prefill fails is answered with the error and the others are admitted."""
     if not jobs:
@@ -407,7 +415,7 @@ def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None) -> N
     rows = [r for j in jobs for r in j.rows]
     pre = [(prefixes or {}).get(id(r), []) for r in rows]
     try:
-        sched._finished(sched.pool.admit([r.job.reqs[r.index] for r in rows], rows, sched._emit, pre))
+        sched._finished(sched.pool.admit([r.job.reqs[r.index] for r in rows], rows, sched._emit, pre, chunked))
         return
     except Exception as e:  # noqa: BLE001
         if len(jobs) == 1:
@@ -415,7 +423,7 @@ def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None) -> N
             sched.replies.fail(jobs[0], f"decoding failed ({jobs[0].method}): prefill: {type(e).__name__}: {e}")
             return
     for job in jobs:
-        _admit(sched, [job], prefixes)
+        _admit(sched, [job], prefixes, chunked)
 
 
 def _resumable(sched: Scheduler, key: tuple, rows: int) -> bool:
@@ -429,6 +437,8 @@ def _resume(sched: Scheduler) -> bool:
     """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
     one resumable group and are fewer than its disable_at_batch."""
     tags = sched.pool.tags()
+    if sched.pool.pending:  # a prompt is being prefilled beside the running rows: they stay until it joins
+        return False
     keys = {group(t.job) for t in tags}
     if len(keys) != 1:
         return False
@@ -443,7 +453,7 @@ def _join(sched: Scheduler, key: tuple, spec: list[Job]) -> bool:
     """Speculative batching across arrivals: when the continuous batch holds only rows of group `key` (a
     speculative batch that yielded for the newcomers), admit the waiting jobs of that group next to them
     (prefill and first token), then speculate on all of them together."""
-    if not sched.pool.rows:
+    if not sched.pool.rows or sched.pool.pending:
         return False
     jobs = [j for j in spec if group(j) == key]
     jobs = pack(jobs, sched.pool.free) if jobs and len(jobs[0].reqs) <= sched.pool.free else []
@@ -452,7 +462,7 @@ def _join(sched: Scheduler, key: tuple, spec: list[Job]) -> bool:
     for job in jobs:
         sched.waiting.remove(job)
         job.start()
-    _admit(sched, jobs)
+    _admit(sched, jobs, chunked=False)  # they speculate with the running rows next: prefilled now
     if sched.pool.rows:
         _speculate_pool(sched, key)
     return True
