@@ -182,14 +182,16 @@ def grow(cache: KVCache, need: int) -> KVCache:
     return cache.resized(cache.batch, (n + 63) // 64 * 64, cache.batch, cache.length)
 
 
-PREFILL_CHUNK = 512  # tokens per row in one prefill forward: bounds the kernels' per-layer scratch on long prompts
+PREFILL_TOKENS = 2048  # tokens (all rows) of one prefill forward: bounds the kernels' per-layer scratch (the 1.5B's
+# fused gate/up output alone is 70 KB a token) on long prompts and wide admissions
 
 
 @torch.inference_mode()
 def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], starts: list[int] | None = None,
-            chunk: int = PREFILL_CHUNK) -> Tensor:
+            chunk: int | None = None) -> Tensor:
     """Run the prompts (row b from token `starts[b]`, its slots before that already filled, e.g. by the prompt
-    cache) in forwards of at most `chunk` tokens per row; return each row's last hidden state [B, H].
+    cache) in forwards of at most `chunk` tokens per row (default: PREFILL_TOKENS over the rows, at least 64);
+    return each row's last hidden state [B, H].
 
     Shorter rows are padded at the slots after their end (never read before a real token overwrites them); the
     kernels give every token the same bits whatever the chunking and padding, so this equals one whole forward."""
@@ -203,7 +205,7 @@ def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], starts
     pos = (torch.tensor(starts)[:, None] + torch.arange(S)[None]).clamp_max(cache.length - 1)
     last = [len(p) - s - 1 for p, s in zip(prompts, starts)]
     out = None
-    chunk = max(1, chunk)
+    chunk = max(1, chunk or max(64, PREFILL_TOKENS // B))
     for c in range(0, S, chunk):
         hidden = model(tokens[:, c:c + chunk].to(dev), pos[:, c:c + chunk].to(dev), cache)
         if out is None:
