@@ -21,7 +21,7 @@ import numpy as np
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
                 "num_output_tokens", "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks",
-                "kv_cache_alloc_total_blocks")
+                "kv_cache_alloc_total_blocks", "num_cached_tokens")
 
 
 class RequestError(RuntimeError):

@@ -235,11 +235,11 @@ def test_a_long_prompt_admitted_beside_running_rows_is_prefilled_a_chunk_per_ste
     assert pool.admit([reqs["b"]], ["b"], emit) == [] and len(pool.pending) == 1 and pool.free == 0
     a_before = len(streamed["a"])
     for i in range(6):  # 41 tokens in chunks of 8: six steps, and the running row steps at each
-        assert "b" not in streamed and len(pc) == 0  # nothing of b is cached before its prefill is whole
+        assert "b" not in streamed and pc.cached("target", long_) == 0  # nothing of b before its prefill is whole
         out.update(pool.step(emit))
         assert len(streamed["a"]) == a_before + i + 1
     assert not pool.pending and streamed["b"]  # joined at the sixth chunk with its first token
-    assert len(pc) == len(long_) // 8
+    assert pc.cached("target", long_ + [1]) == len(long_)
     while pool.busy:
         out.update(pool.step(emit))
     for tag, req in reqs.items():

@@ -42,7 +42,7 @@ def test_a_cached_prefix_then_the_rest_writes_the_bits_of_one_full_prefill(targe
     prefill_cached(target, target.new_cache(1, 64), [p[:cut + 1]], pc, "target")  # the earlier request
     kv = target.new_cache(1, 64)
     h, reused = prefill_cached(target, kv, [p], pc, "target")
-    assert reused == [(cut + 1) // BT * BT] if cut + 1 < len(p) else [(len(p) - 1) // BT * BT]
+    assert reused == [min(cut + 1, len(p) - 1)]  # token-granular: whole blocks and the earlier prompt's tail
     assert torch.equal(h, h_full)
     assert torch.equal(kv.k[:, :, :, :len(p)], full.k[:, :, :, :len(p)])
     assert torch.equal(kv.v[:, :, :, :len(p)], full.v[:, :, :, :len(p)])
@@ -62,8 +62,22 @@ def test_a_hit_always_leaves_the_last_prompt_token_to_run(target):
     p = prompts(1, 48, seed=5, lo=16, hi=17)[0]  # exactly two blocks
     pc = PromptCache(1 << 30, BT)
     prefill_cached(target, target.new_cache(1, 32), [p], pc, "target")
-    assert pc.cached("target", p) == BT  # not 16: the last token's hidden state gives the first new token
+    assert pc.cached("target", p) == 2 * BT - 1  # not 16: the last token's hidden state gives the first new token
     assert pc.cached("target", p + [7]) == 2 * BT
+
+
+def test_a_prompt_diverging_inside_a_cached_block_reuses_the_tokens_before_the_difference(target):
+    p = prompts(1, 48, seed=15, lo=40, hi=41)[0]
+    q = p[:20] + [(t + 1) % 46 + 2 for t in p[20:30]]  # shares 20 tokens: two blocks and 4 of the third
+    pc = PromptCache(1 << 30, BT)
+    prefill_cached(target, target.new_cache(1, 64), [p], pc, "target")
+    kv, full = target.new_cache(1, 64), target.new_cache(1, 64)
+    h, reused = prefill_cached(target, kv, [q], pc, "target")
+    assert reused == [20]
+    assert torch.equal(h, prefill(target, full, [q]))
+    assert torch.equal(kv.k[:, :, :, :len(q)], full.k[:, :, :, :len(q)])
+    # and q's own tail (3 whole blocks + 6 ids) is kept next to p's third block
+    assert pc.cached("target", q + [5]) == len(q)
 
 
 def _conversation(reqs_of_turn, run, pc):
@@ -131,16 +145,16 @@ def test_cache_prompt_false_neither_reuses_nor_keeps(target):
 
 
 def test_the_budget_holds_and_the_least_recently_used_leaves_go_first(target):
-    a, b, c = prompts(3, 48, seed=10, lo=17, hi=18)  # two whole blocks each, plus one token
+    a, b, c = prompts(3, 48, seed=10, lo=16, hi=17)  # two whole blocks each
     pc = PromptCache(_budget(target, 4), BT)
     for p in (a, b):
         prefill_cached(target, target.new_cache(1, 32), [p], pc, "target")
     assert len(pc) == 4 and pc.bytes == _budget(target, 4)
-    assert pc.cached("target", a) == 2 * BT
+    assert pc.cached("target", a) == 2 * BT - 1
     prefill_cached(target, target.new_cache(1, 32), [a], pc, "target")  # a is used again: b is now older
     prefill_cached(target, target.new_cache(1, 32), [c], pc, "target")
     assert pc.bytes <= _budget(target, 4)
-    assert pc.cached("target", a) == 2 * BT and pc.cached("target", c) == 2 * BT
+    assert pc.cached("target", a) == 2 * BT - 1 and pc.cached("target", c) == 2 * BT - 1
     assert pc.cached("target", b) == 0  # b's leaf went first, then its root (a leaf by then)
     assert pc.stats.evicted_blocks == 2
 
@@ -166,12 +180,14 @@ def test_a_cancelled_row_leaves_only_its_finished_prompt(target):
     p = prompts(1, 48, seed=14, lo=20, hi=21)[0]
     pc = PromptCache(1 << 30, BT)
     pool = ContinuousBatch(target, 2, 32, prompt_cache=pc)
-    pool.admit([Request(p, 30, end_ids=())], ["x"])
+    toks: list[int] = []
+    pool.admit([Request(p, 30, end_ids=())], ["x"], lambda tag, t: toks.extend(t))
     for _ in range(12):
-        pool.step()
+        pool.step(lambda tag, t: toks.extend(t))
     kept = len(pc)
     pool.remove(lambda tag: True)  # cancelled: its answer is not kept
-    assert len(pc) == kept == len(p) // BT
+    assert len(pc) == kept and len(toks) == 13
+    assert pc.cached("target", p + toks + [1]) == len(p)  # the prompt, not one answer token further
 
 
 def test_byte_budgets_are_read_as_sizes_and_a_bad_one_is_named(tmp_path):

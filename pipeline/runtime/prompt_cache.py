@@ -4,12 +4,14 @@ Editors and agents resend the same text plus a little more (a file around the cu
 answers, an agent's system prompt and tool output). A request whose token ids start with a prefix an earlier request
 computed copies that prefix's K/V into its cache row and runs only the tokens after it.
 
-Layout: whole blocks of `block_tokens` token ids, chained (a block's key is its parent block and its own ids, so a
-block stands for the whole prefix up to its end: a trie of blocks, as vLLM's hashed blocks but keyed by the ids
-themselves, so two prefixes can never collide). Each block holds the K/V of its tokens for one model (`kind`:
-"target" or "draft"), in host memory, as a [2, layers, kv_heads, block_tokens, head_dim] tensor of the cache's dtype.
-A hit is whole blocks only and always leaves at least one prompt token to run (its hidden state gives the first
-token's logits), so a prefix that ends mid-block reuses the blocks before it.
+Layout: blocks of `block_tokens` token ids, chained (a block's key is its parent block and its own ids, so a block
+stands for the whole prefix up to its end: a trie of blocks, as vLLM's hashed blocks but keyed by the ids themselves,
+so two prefixes can never collide), and at the end of a stored sequence its last partial block (a tail, fewer ids).
+Each block holds the K/V of its tokens for one model (`kind`: "target" or "draft"), in host memory, as a
+[2, layers, kv_heads, tokens, head_dim] tensor of the cache's dtype. A hit is token-granular, as in SGLang's radix
+tree: the chain of whole blocks the prompt starts with, then the longest common prefix with one block after them
+(a K/V slot depends only on the tokens up to it, so the first m slots of a block serve any prompt that shares its
+first m ids); it always leaves at least one prompt token to run (its hidden state gives the first token's logits).
 
 Budget: `budget_bytes` over both models' blocks together. When a new block does not fit, the least recently used
 *leaf* block goes first (a block no cached block continues). Why leaves and LRU: evicting an inner block would strand
@@ -86,6 +88,7 @@ class PromptCache:
         self.blocks: dict[tuple, _Block] = {}  # (kind, parent id, ids) -> block
         self.lru: OrderedDict[int, tuple] = OrderedDict()  # block id -> its key, least recently used first
         self.by_id: dict[int, _Block] = {}
+        self.kids: dict[tuple[str, int], set[int]] = {}  # (kind, parent id) -> its blocks, whole and tails
         self.bytes = 0
         self.stats = CacheStats()
         self._ids = itertools.count(1)
@@ -103,20 +106,49 @@ class PromptCache:
             parent = b.id
         return out
 
+    def _partial(self, kind: str, parent: int, rest: list[int], most: int) -> tuple[_Block | None, int]:
+        """The block after `parent` sharing the longest prefix with `rest` (at most `most` ids), and that length."""
+        best, m = None, 0
+        for bid in self.kids.get((kind, parent), ()):
+            b = self.by_id[bid]
+            n = 0
+            for x, y in zip(b.ids[:most], rest):
+                if x != y:
+                    break
+                n += 1
+            if n > m:
+                best, m = b, n
+        return best, m
+
+    def _match(self, kind: str, tokens: list[int], limit: int) -> tuple[list[_Block], _Block | None, int]:
+        """(whole blocks, the block a partial hit reads, how many of its tokens) for at most `limit` tokens."""
+        chain = self._chain(kind, tokens, limit)
+        s = len(chain) * self.block_tokens
+        if s >= limit:
+            return chain, None, 0
+        part, m = self._partial(kind, chain[-1].id if chain else 0, tokens[s:], limit - s)
+        return chain, part, m
+
     def cached(self, kind: str, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` a `load` would reuse now (whole blocks, at least one token left)."""
-        return len(self._chain(kind, tokens, len(tokens) - 1)) * self.block_tokens
+        """How many leading tokens of `tokens` a `load` would reuse now (at least one token left to run)."""
+        chain, _, m = self._match(kind, tokens, len(tokens) - 1)
+        return len(chain) * self.block_tokens + m
 
     def load(self, kind: str, tokens: list[int], cache: KVCache, row: int) -> int:
-        """Copy the longest cached prefix of `tokens` (whole blocks, leaving at least one token to run) into slots
-        [0, n) of `cache` row `row`; return n. Counts the lookup (reused and missed whole blocks)."""
-        chain = self._chain(kind, tokens, min(len(tokens) - 1, cache.length))
+        """Copy the longest cached prefix of `tokens` (leaving at least one token to run) into slots [0, n) of
+        `cache` row `row`; return n. Counts the lookup (reused and missed whole blocks, reused and computed tokens)."""
+        chain, part, m = self._match(kind, tokens, min(len(tokens) - 1, cache.length))
         bt = self.block_tokens
         for i, b in enumerate(chain):
             cache.k[:, row, :, i * bt:(i + 1) * bt] = b.kv[0]
             cache.v[:, row, :, i * bt:(i + 1) * bt] = b.kv[1]
             self.lru.move_to_end(b.id)
         n = len(chain) * bt
+        if part is not None:
+            cache.k[:, row, :, n:n + m] = part.kv[0][:, :, :m]
+            cache.v[:, row, :, n:n + m] = part.kv[1][:, :, :m]
+            self.lru.move_to_end(part.id)
+            n += m
         st = self.stats
         st.reused_blocks += len(chain)
         st.missed_blocks += len(tokens) // bt - len(chain)
@@ -129,23 +161,34 @@ class PromptCache:
     # ---- stores -------------------------------------------------------------------------------------------
 
     def store(self, kind: str, tokens: list[int], cache: KVCache, row: int, n: int) -> int:
-        """Keep the whole blocks of `tokens[:n]`, whose K/V are in slots [0, n) of `cache` row `row` (computed and
-        final: call it after a prefill succeeded, or when a request finished). Blocks already cached are only
-        touched. Returns the blocks added."""
+        """Keep `tokens[:n]`, whose K/V are in slots [0, n) of `cache` row `row` (computed and final: call it after a
+        prefill succeeded, or when a request finished): its whole blocks, and its last partial block as a tail unless a
+        cached block after the same prefix already starts with those ids. Blocks already cached are only touched.
+        Returns the blocks added."""
         if kind not in KINDS:
             raise ValueError(f"prompt cache kind: got {kind!r}; one of {KINDS}")
         bt, parent, added = self.block_tokens, 0, 0
         n = min(n, len(tokens), cache.length)
-        for s in range(0, n - bt + 1, bt):
-            key = (kind, parent, tuple(tokens[s:s + bt]))
+        for s in range(0, n, bt):
+            ids = tuple(tokens[s:min(s + bt, n)])
+            key = (kind, parent, ids)
             b = self.blocks.get(key)
+            if b is None and len(ids) < bt:  # a tail: not if a block after this prefix already covers it
+                have, m = self._partial(kind, parent, list(ids), len(ids))
+                if m == len(ids):
+                    self.lru.move_to_end(have.id)
+                    break
             if b is None:
-                size = 2 * cache.k[:, row, :, s:s + bt].numel() * cache.k.element_size()
+                size = 2 * cache.k[:, row, :, s:s + len(ids)].numel() * cache.k.element_size()
                 if size > self.budget or not self._make_room(size, keep=parent):
                     break
-                kv = torch.stack([cache.k[:, row, :, s:s + bt], cache.v[:, row, :, s:s + bt]]).clone()
-                b = _Block(next(self._ids), kind, parent, key[2], kv)
+                for old in [self.by_id[i] for i in self.kids.get((kind, parent), ()) if len(self.by_id[i].ids) < bt]:
+                    if ids[:len(old.ids)] == old.ids:  # a shorter tail this one extends: it serves nothing more
+                        self._evict(old.id)
+                kv = torch.stack([cache.k[:, row, :, s:s + len(ids)], cache.v[:, row, :, s:s + len(ids)]]).clone()
+                b = _Block(next(self._ids), kind, parent, ids, kv)
                 self.blocks[key], self.by_id[b.id] = b, b
+                self.kids.setdefault((kind, parent), set()).add(b.id)
                 if parent:
                     self.by_id[parent].children += 1
                 self.bytes += b.nbytes
@@ -169,6 +212,7 @@ class PromptCache:
     def _evict(self, bid: int) -> None:
         b = self.by_id.pop(bid)
         del self.blocks[self.lru.pop(bid)]
+        self.kids[(b.kind, b.parent)].discard(bid)
         if b.parent:
             self.by_id[b.parent].children -= 1
         self.bytes -= b.nbytes
@@ -179,6 +223,7 @@ class PromptCache:
         self.blocks.clear()
         self.lru.clear()
         self.by_id.clear()
+        self.kids.clear()
         self.bytes = 0
 
     def __len__(self) -> int:

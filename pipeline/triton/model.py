@@ -101,6 +101,7 @@ class TritonResponder:
             blocks = [kv_blocks(r, self.block_tokens) for r in results]  # tensorrtllm_backend's KV-reuse outputs
             out += [pb_utils.Tensor(name, col([b[i] for b in blocks], np.int32)) for i, name in enumerate(
                 ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks"))]
+            out.append(pb_utils.Tensor("num_cached_tokens", col([r.cached_tokens for r in results], np.int32)))
         self.sender.send(pb_utils.InferenceResponse(output_tensors=out), flags=FINAL if final else 0)
 
     def error(self, message: str, cancelled: bool = False) -> None:

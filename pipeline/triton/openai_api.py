@@ -98,7 +98,6 @@ class FrontConfig:
     default_method: str | None = None
     decoupled: bool = True
     request_timeout_s: float = 600.0
-    block_tokens: int = 64  # prompt_cache.block_tokens: cached_tokens = the reused blocks times this
 
 
 # ----------------------------------------------------------------------------------------------- the deployment side
@@ -145,8 +144,7 @@ def front_config(spec: Spec) -> FrontConfig:
                        max_seq_len=int(bc.get("max_seq_len", spec.limits.max_seq_len)),
                        max_draft_len=int(bc.get("max_draft_len", spec.limits.max_draft_len)),
                        methods=methods, default_method=default,
-                       decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled,
-                       block_tokens=spec.prompt_cache.block_tokens)
+                       decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled)
 
 
 def _alive(pid: int, cfg: Path) -> bool:
@@ -546,9 +544,8 @@ class Run:
         prompt_tokens = int(r.get("num_input_tokens") or self.job.prompt_tokens)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
                  "total_tokens": prompt_tokens + out_tokens}
-        if complete and r.get("kv_cache_reused_blocks") is not None:  # the prompt cache's part of the prompt
-            usage["prompt_tokens_details"] = {"cached_tokens": int(r["kv_cache_reused_blocks"])
-                                              * self.front.cfg.block_tokens}
+        if complete and r.get("num_cached_tokens") is not None:  # the prompt cache's part of the prompt
+            usage["prompt_tokens_details"] = {"cached_tokens": int(r["num_cached_tokens"])}
         spec = {"method": self.job.method, "acceptance_rate": r.get("acceptance_rate") if complete else None,
                 "accepted_draft_tokens": r.get("total_accepted_draft_tokens") if complete else None,
                 "draft_tokens": r.get("total_draft_tokens") if complete else None}

@@ -64,11 +64,13 @@ INPUTS: list[tuple[str, str, list[int]]] = [(t[0], t[1], list(t[2])) for t in EN
 # max_tokens is refused by the model with an error naming it.
 REQUIRED: tuple[str, ...] = ()
 # tensorrtllm_backend's KV-reuse outputs (its tensorrt_llm model's names), sent with the perf outputs
-# (return_perf_metrics or return_kv_cache_reuse_stats): blocks of prompt_cache.block_tokens tokens.
+# (return_perf_metrics or return_kv_cache_reuse_stats): blocks of prompt_cache.block_tokens tokens; and the exact
+# count of prompt tokens taken from the prompt cache (vLLM's name; a hit may end inside a block).
 KV_CACHE_OUTPUTS: list[tuple[str, str, list[int]]] = [
     ("kv_cache_alloc_new_blocks", "TYPE_INT32", [1]),
     ("kv_cache_reused_blocks", "TYPE_INT32", [1]),
     ("kv_cache_alloc_total_blocks", "TYPE_INT32", [1]),
+    ("num_cached_tokens", "TYPE_INT32", [1]),
 ]
 OUTPUTS: list[tuple[str, str, list[int]]] = _served(ENSEMBLE_OUTPUTS, SERVED_OUTPUTS) + KV_CACHE_OUTPUTS
 
