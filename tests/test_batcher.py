@@ -246,6 +246,20 @@ def test_a_long_prompt_admitted_beside_running_rows_is_prefilled_a_chunk_per_ste
         assert out[tag].tokens == generate(target, [req])[0].tokens == streamed[tag], tag
 
 
+def test_a_pending_prompt_runs_its_rest_at_once_when_no_row_decodes_beside_it(target):
+    short, long_ = prompts(1, 48, seed=75, lo=4, hi=5)[0], prompts(1, 48, seed=76, lo=41, hi=42)[0]
+    pool = ContinuousBatch(target, max_rows=2, length=64, prefill_chunk=8)
+    pool.admit([Request(short, 2)], ["a"])  # one more token, then it finishes
+    pool.admit([Request(long_, 5)], ["b"])
+    done = dict(pool.step())  # a chunk of b, then a's last token: a leaves
+    assert "a" in done and pool.pending[0].done == 8
+    pool.step()  # nothing decodes beside b: its 33 other tokens run now and it joins
+    assert not pool.pending and len(pool.rows) == 1
+    while pool.busy:
+        done.update(pool.step())
+    assert done["b"].tokens == generate(target, [Request(long_, 5)])[0].tokens
+
+
 def test_a_cancelled_pending_prompt_leaves_no_cache_entry_and_frees_its_row(target):
     from pipeline.runtime.prompt_cache import PromptCache
 

@@ -247,9 +247,10 @@ class ContinuousBatch:
         """Run the next chunk of the first pending prompt; when it was the last, the row joins (first token sampled).
         A chunk that raises fails that row alone (its batch-mates' K/V are untouched; nothing enters the cache)."""
         p = self.pending[0]
-        stop = min(len(p.ids), p.done + self.prefill_chunk)
+        # with no row decoding beside it (they finished meanwhile), the rest runs at once
+        stop = min(len(p.ids), p.done + self.prefill_chunk) if self.rows else len(p.ids)
         try:
-            h = prefill(self.model, p.cache, [p.ids[:stop]], [p.done], chunk=self.prefill_chunk)
+            h = prefill(self.model, p.cache, [p.ids[:stop]], [p.done], chunk=self.prefill_chunk if self.rows else None)
         except Exception as e:  # noqa: BLE001
             self.pending.pop(0)
             return [(p.row.tag, RowFailure(e))]
