@@ -7,6 +7,8 @@ hits with an error and leave every other row's answer equal to its solo run.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -434,5 +436,47 @@ def test_a_repeated_prompt_reuses_the_prompt_cache_answers_the_same_and_is_count
         assert counts[("kv_reused_blocks", method)] == again.cached_tokens // 8
         assert counts[("prompt_computed", method)] == 3 * n - again.cached_tokens
         assert counts[("kv_cache_bytes", "")] == sched.bundle.prompt_cache.bytes > 0
+    finally:
+        sched.use_prompt_cache(None)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_a_stream_and_can_be_cancelled_meanwhile(bundle, parser):
+    """kv_cache.prefill_chunk through the scheduler: while a long prompt is pending, the running stream gets a piece
+    at every tick; the long request answers as it would alone; a long request cancelled mid-prefill is answered as
+    cancelled and leaves nothing in the prompt cache."""
+    from pipeline.runtime.prompt_cache import PromptCache
+
+    long_prompt = " ".join(PROMPTS[:3])
+    solo_long = _solo(bundle, parser, long_prompt, 6)
+    sched = Scheduler(bundle, 4)
+    sched.configure_kv(0, 8)
+    sched.use_prompt_cache(PromptCache(1 << 26, 8))
+    try:
+        stream, long_job, gone = Fake(), Fake(), Fake()
+        sched.submit(_parse(parser, PROMPTS[4], 60, stream=True), stream)
+        for _ in range(3):
+            sched.tick()
+        sched.submit(_parse(parser, long_prompt, 6), long_job)
+        sched.tick()
+        assert len(sched.pool.pending) == 1
+        (row,) = [t for t in sched.pool.tags() if t.job.out is stream]
+        while sched.pool.pending:
+            before = len(row.tokens)
+            sched.tick()
+            assert len(row.tokens) == before + 1  # the stream flows, a token a tick, while the prompt is prefilled
+        _drain(sched, [stream, long_job])
+        assert long_job.final == [solo_long]
+        other = " ".join(PROMPTS[3:6])
+        sched.submit(_parse(parser, PROMPTS[2], 60, stream=True), Fake())
+        sched.tick()
+        sched.submit(_parse(parser, other, 6), gone)
+        sched.tick()
+        assert [p.row.tag.job.out for p in sched.pool.pending] == [gone]
+        gone.cancel_after = 0  # its client leaves while its prompt is pending
+        time.sleep(sched.cancel_check_s)
+        sched.tick()
+        assert gone.was_cancelled and not sched.pool.pending
+        ids = parser.encode(other)
+        assert sched.bundle.prompt_cache.cached("target", ids + [1]) < len(ids) // 2
     finally:
         sched.use_prompt_cache(None)
