@@ -108,10 +108,10 @@ class ContinuousBatch:
         """Would `reqs` join within the K/V byte budget (`kv_bytes`)? Counts the rows' slots as they are now and the
         new prompts' (rows grow as they decode, so this bounds what admission takes, not what decoding adds). An empty
         batch admits anything: a request alone always runs."""
-        if not self.kv_bytes or not self.rows or not reqs:
+        if not self.kv_bytes or not self.busy or not reqs:
             return True
-        need = max([self.cache.length] + [len(r.prompt) + 2 for r in reqs])
-        return (len(self.rows) + len(reqs)) * need * self.token_bytes() <= self.kv_bytes
+        need = max([self.cache.length] + [len(p.ids) + 2 for p in self.pending] + [len(r.prompt) + 2 for r in reqs])
+        return (self.load + len(reqs)) * need * self.token_bytes() <= self.kv_bytes
 
     def _ensure(self, need: int, rows: int | None = None) -> None:
         """Room for `rows` rows (default: those active) of `need` slots: rows and slots grow by half again at least
