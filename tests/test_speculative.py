@@ -355,3 +355,19 @@ def test_accepted_drafts_are_not_fed_to_the_draft_twice(target, drafts):
         assert d.fed[b] == n
         assert torch.allclose(d.cache.k[:, b, :, :n], ref.k[:, b, :, :n], atol=1e-5)
         assert torch.allclose(d.cache.v[:, b, :, :n], ref.v[:, b, :, :n], atol=1e-5)
+
+
+def test_the_first_token_goes_out_before_the_draft_prefills_and_a_one_token_request_never_runs_it(target, drafts):
+    draft = tiny(base=target, noise=0.02, seed=11)
+    calls: list[int] = []
+    hook = draft.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        seen = []
+        draft_target(target, draft, [Request(prompts(1, 48, seed=90)[0], 8)], 3,
+                     lambda b, toks: seen.append(len(calls)))
+        assert seen[0] == 0 and len(calls) > 0  # the first token before any draft forward, the rest after
+        calls.clear()
+        draft_target(target, draft, [Request(prompts(1, 48, seed=91)[0], 1)], 3)
+        assert calls == []
+    finally:
+        hook.remove()

@@ -354,7 +354,6 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         logits = target.logits(hidden)
         for s, n in zip(seqs, reused):
             s.cached = n
-        drafter.prefill(prompts)
         ctx = [list(p) for p in prompts]
         for b, s in enumerate(seqs):
             t = next_token(logits[b], s.req.params, gens[b])
@@ -365,6 +364,10 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         pos = torch.tensor([len(p) for p in prompts], device=dev)
     reported = [False] * B
     report_finished(seqs, reported, start, lambda b: stats[b].as_dict(), on_finish)
+    if not resume and not all(s.done for s in seqs):
+        # The draft's prefill after the first tokens went out: it delays the second token, not the first (same
+        # tokens: it draws no random numbers), and a request answered by its first token never pays it.
+        drafter.prefill([r.prompt for r in reqs])
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
