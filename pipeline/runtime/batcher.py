@@ -22,7 +22,7 @@ import torch
 
 from pipeline.runtime.generate import Handoff, Request, Result, Sequence, finish, prefill
 from pipeline.runtime.model import Transformer
-from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached
+from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached, rows_to_run
 from pipeline.runtime.sampling import next_token
 
 RowEmit = Callable[[Any, list[int]], None]
@@ -232,8 +232,6 @@ class ContinuousBatch:
 
     def _queue_prefill(self, req: Request, tag, pre: list[int]) -> None:
         """Take `req` in as a pending row: its cached prefix is copied now, the rest runs a chunk per step."""
-        from pipeline.runtime.prompt_cache import rows_to_run
-
         seq = Sequence(req)
         seq.tokens = list(pre)
         ids = req.prompt + list(pre)

@@ -246,7 +246,7 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
     training data builders (draft distillation, Medusa self-distillation) record what they need through it
     instead of running decode loops of their own. `prompt_cache` (pipeline/runtime/prompt_cache.py): prompts
     start from their cached prefix, and prompt + answer are kept when the batch ends."""
-    from pipeline.runtime.prompt_cache import keep_rows, prefill_cached
+    from pipeline.runtime.prompt_cache import keep_rows, prefill_cached  # cycle: it imports prefill from here
 
     start = time.perf_counter()
     dev = model.embed.weight.device

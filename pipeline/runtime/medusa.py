@@ -58,6 +58,7 @@ from pipeline.runtime.generate import (
 )
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.model import Transformer, wt
+from pipeline.runtime.prompt_cache import prefill_cached
 from pipeline.runtime.quant import head_rows
 from pipeline.runtime.sampling import sample, warp
 from pipeline.tree import Tree, build_tree, validate_choices
@@ -353,8 +354,6 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     hears of each row as it finishes. `prompt_cache`: prompts start from their cached prefix and are kept; answers
     are not (tree verification's K/V are not the bits a prefill writes: pipeline/runtime/prompt_cache.py).
     """
-    from pipeline.runtime.prompt_cache import prefill_cached
-
     clock = _Clock(timings)
     start: float | list[float] = time.perf_counter()
     rules = _check_acceptance(reqs, acceptance)
