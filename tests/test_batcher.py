@@ -284,3 +284,26 @@ def test_the_batch_admits_by_kv_bytes_and_a_request_alone_always_runs(target):
     pool.admit([Request(ps[0], 20)], ["x"])
     assert pool.fits([Request(ps[1], 20)]) and not pool.fits([Request(ps[1], 20)] * 2)
     assert not pool.fits([Request(ps[1] * 3, 20)])  # a 90-token prompt needs 92 slots a row
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_rows_growing_past_the_kv_budget_step_out_and_rejoin_with_the_same_answers(target, cached):
+    """kv_cache.bytes is a bound on what the rows hold, not only on admission: before the rows would grow past it,
+    the youngest step out (their K/V into the prompt cache, when there is one) and rejoin once rows finish; their
+    tokens, greedy and sampled, are those of their solo runs."""
+    from pipeline.runtime.prompt_cache import PromptCache
+
+    ps = prompts(3, 48, seed=77, lo=10, hi=14)
+    reqs = [Request(p, n, SamplingParams() if i != 1 else SamplingParams(0.9, seed=5), end_ids=())
+            for i, (p, n) in enumerate(zip(ps, [60, 90, 40]))]
+    pool = ContinuousBatch(target, max_rows=3, length=64, prompt_cache=PromptCache(1 << 26, 8) if cached else None)
+    pool.kv_bytes = 2 * 64 * pool.token_bytes()  # two rows of 64 slots
+    out = dict(pool.admit(reqs, [0, 1, 2]))  # admitted together, past the budget: the first step parks one
+    parked = 0
+    while pool.busy:
+        out.update(pool.step())
+        parked += any(p.parked for p in pool.pending)
+        assert pool.cache.nbytes <= pool.kv_bytes or len(pool.rows) == 1
+    assert parked > 0  # rows did step out
+    for i, req in enumerate(reqs):
+        assert out[i].tokens == generate(target, [req])[0].tokens, i

@@ -60,6 +60,8 @@ class _Pending:
     ids: list[int]  # prompt (+ tokens already emitted) to prefill
     cache: Any  # KVCache, one row
     done: int  # tokens whose K/V the cache holds
+    parked: bool = False  # a running row taken out to hold the K/V budget: it rejoins with its pending token
+    hidden: Any = None  # the last prompt token's hidden state, once the prefill is whole (it waits to join)
 
 
 class ContinuousBatch:
@@ -120,9 +122,38 @@ class ContinuousBatch:
         rows = n if rows is None else rows
         if need <= old.length and rows <= old.batch:
             return
-        batch = old.batch if rows <= old.batch else min(self.max_rows, max(rows, old.batch * 3 // 2))
-        length = old.length if need <= old.length else (max(need, old.length * 3 // 2) + 63) // 64 * 64
-        self.cache = old.resized(batch, length, n, old.length)
+        length = self._grown_length(need)
+        # rows grow by half again too, unless the slots grow: then the rows are reallocated anyway, as many as needed
+        batch = rows if length > old.length else min(self.max_rows, max(rows, old.batch * 3 // 2))
+        self.cache = old.resized(max(batch, rows), length, n, old.length)
+
+    def _grown_length(self, need: int) -> int:
+        old = self.cache.length
+        return old if need <= old else (max(need, old * 3 // 2) + 63) // 64 * 64
+
+    def _room_for(self, rows: int, need: int) -> bool:
+        """Would `rows` rows of `need` slots (or the batch's length, if longer) stay within `kv_bytes`?"""
+        return not self.kv_bytes or rows * self._grown_length(need) * self.token_bytes() <= self.kv_bytes
+
+    def _park_over_budget(self) -> None:
+        """Before the rows grow past `kv_bytes`: the youngest rows (all but one) step out into pending, their K/V into
+        the prompt cache (where enabled), and rejoin, prefilled again from it, once the batch has room; their tokens,
+        random state and statistics go with them, so their answers are unchanged."""
+        parked = False
+        while len(self.rows) > 1 and not self._room_for(len(self.rows), max(r.cur for r in self.rows) + 1):
+            parked = True
+            i = max(range(len(self.rows)), key=lambda j: self.rows[j].start)
+            r = self.rows[i]
+            ctx = (r.seq.req.prompt + r.seq.tokens)[:r.cur]
+            if r.seq.req.cache_prompt and r.exact_kv:
+                keep_rows(self.prompt_cache, "target", [ctx], self.cache.rows(i, i + 1), held=[r.cur])
+            self._drop(i)
+            cache = self.model.new_cache(1, (len(ctx) + 2 + 63) // 64 * 64)
+            (done,) = rows_to_run(self.prompt_cache, "target", [ctx], cache, [r.seq.req.cache_prompt])
+            self.pending.insert(0, _Pending(r, ctx, cache, done, parked=True))
+        if parked and self.cache.nbytes > self.kv_bytes:  # give the parked rows' memory back now
+            n = len(self.rows)
+            self.cache = self.cache.resized(n, self.cache.length, n, self.cache.length)
 
     def _shrink_if_idle(self) -> None:
         """With no rows left, give the K/V memory back (a long request's rows must not stay allocated)."""
@@ -245,23 +276,31 @@ class ContinuousBatch:
         """Run the next chunk of the first pending prompt; when it was the last, the row joins (first token sampled).
         A chunk that raises fails that row alone (its batch-mates' K/V are untouched; nothing enters the cache)."""
         p = self.pending[0]
-        # with no row decoding beside it (they finished meanwhile), the rest runs at once
-        stop = min(len(p.ids), p.done + self.prefill_chunk) if self.rows else len(p.ids)
-        try:
-            h = prefill(self.model, p.cache, [p.ids[:stop]], [p.done], chunk=self.prefill_chunk if self.rows else None)
-        except Exception as e:  # noqa: BLE001
-            self.pending.pop(0)
-            return [(p.row.tag, RowFailure(e))]
-        p.done = stop
-        if stop < len(p.ids):
-            return []
-        self.pending.pop(0)
-        keep_rows(self.prompt_cache, "target", [p.ids], p.cache, [p.row.seq.req.cache_prompt])
+        if p.done < len(p.ids):
+            # with no row decoding beside it (they finished meanwhile), the rest runs at once
+            chunk = self.prefill_chunk if self.rows and self.prefill_chunk else None
+            stop = min(len(p.ids), p.done + chunk) if chunk else len(p.ids)
+            try:
+                h = prefill(self.model, p.cache, [p.ids[:stop]], [p.done], chunk=chunk)
+            except Exception as e:  # noqa: BLE001
+                self.pending.pop(0)
+                return [(p.row.tag, RowFailure(e))]
+            p.done = stop
+            if stop < len(p.ids):
+                return []
+            p.hidden = h
+            if not p.parked:
+                keep_rows(self.prompt_cache, "target", [p.ids], p.cache, [p.row.seq.req.cache_prompt])
         n = len(self.rows)
+        if n and not self._room_for(n + 1, max([len(p.ids) + 2] + [r.cur + 1 for r in self.rows])):
+            return []  # whole, it waits for rows to finish (kv_cache.bytes); a row alone always runs
+        self.pending.pop(0)
         self._ensure(len(p.ids) + 2, n + 1)
         self.cache.copy_row(n, p.cache, 0, len(p.ids))
         self.rows.append(p.row)
-        return self._take(self.model.logits(h), [n], on_emit)
+        if p.parked:
+            return []  # it feeds its pending token at the next step, as before it stepped out
+        return self._take(self.model.logits(p.hidden), [n], on_emit)
 
     @torch.inference_mode()
     def adopt(self, handoffs: list[Handoff], tags: list) -> None:
@@ -306,6 +345,7 @@ class ContinuousBatch:
         return joined + self._decode(on_emit)
 
     def _decode(self, on_emit: RowEmit | None) -> list[tuple[Any, Result]]:
+        self._park_over_budget()
         n = len(self.rows)
         self._ensure(max(r.cur for r in self.rows) + 1)  # K/V taken as the rows advance
         toks = torch.tensor([[r.token] for r in self.rows], device=self.dev)
