@@ -107,9 +107,9 @@ class ContinuousBatch:
         return 2 * c.k.shape[0] * c.k.shape[2] * c.k.shape[4] * c.k.element_size()
 
     def fits(self, reqs: list[Request]) -> bool:
-        """Would `reqs` join within the K/V byte budget (`kv_bytes`)? Counts the rows' slots as they are now and the
-        new prompts' (rows grow as they decode, so this bounds what admission takes, not what decoding adds). An empty
-        batch admits anything: a request alone always runs."""
+        """Would `reqs` join within the K/V byte budget (`kv_bytes`)? Counts the rows' slots as they are now (pending
+        ones too) and the new prompts'; as rows grow while decoding, `_park_over_budget` keeps the bound. An empty batch
+        admits anything: a request alone always runs."""
         if not self.kv_bytes or not self.busy or not reqs:
             return True
         need = max([self.cache.length] + [len(p.ids) + 2 for p in self.pending] + [len(r.prompt) + 2 for r in reqs])
