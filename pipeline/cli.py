@@ -11,6 +11,7 @@ import time
 from pipeline import readme
 from pipeline import spec as specmod
 from pipeline.common import chat_ids, setup_threads
+from pipeline.triton import door
 from pipeline.trtllm.runner import engine_command
 
 
@@ -20,6 +21,10 @@ def _spec(args) -> specmod.Spec:
 
 def cmd_check(args) -> int:
     s = _spec(args)
+    refused = door.exposure_error(s)
+    if refused:
+        print(f"{args.spec}: {refused}", file=sys.stderr)
+        return 2
     print(f"{args.spec}: OK ({s.name}, backend {s.backend}, {s.device}, {s.dtype}; "
           f"draft {s.draft.source}, medusa {s.medusa.source})")
     if args.json:

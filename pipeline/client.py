@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pipeline.triton import door
+
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",
                 "num_output_tokens", "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks",
@@ -93,7 +95,8 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
 
     c = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
-    c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=stream_timeout)
+    c.start_stream(callback=lambda result, error: q.put((result, error)), stream_timeout=stream_timeout,
+                   headers=door.grpc_headers())
     responses, complete, cancelled, answered = [], False, False, False
     deadline = time.monotonic() + timeout
     try:
@@ -154,7 +157,7 @@ def infer_unary(url: str, model: str, inputs: list, timeout: float = 300.0, requ
 
     with grpcclient.InferenceServerClient(url) as c:
         try:
-            return c.infer(model, inputs, request_id=request_id, client_timeout=timeout)
+            return c.infer(model, inputs, request_id=request_id, client_timeout=timeout, headers=door.grpc_headers())
         except InferenceServerException as e:
             if str(e.status() or "").endswith("DEADLINE_EXCEEDED"):
                 raise RequestTimeout(f"no response from {model} within {timeout:.0f}s") from None

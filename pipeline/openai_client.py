@@ -44,7 +44,7 @@ class ApiTimeout(ApiRequestError, RequestTimeout):
 
 def base_url(spec) -> str:
     """The OpenAI base URL of a deployment's own endpoint, for a client on this machine (ends in /v1)."""
-    host = local_host(spec.triton.host)
+    host = local_host(spec.openai.host)
     return f"http://{'[' + host + ']' if ':' in host else host}:{spec.openai.port}/v1"
 
 def api_key() -> str:

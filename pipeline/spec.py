@@ -142,11 +142,24 @@ class TritonSpec:
 
 @dataclass
 class OpenAISpec:
-    """The OpenAI-compatible HTTP endpoint `serve` starts in front of the deployment (docs/openai.md), bound to
-    triton.host. The API key, when wanted, comes from the PIPELINE_API_KEY environment variable, never the spec."""
+    """The OpenAI-compatible HTTP endpoint `serve` starts in front of the deployment (docs/openai.md), the one door
+    meant for other machines. The API key, when wanted, comes from the PIPELINE_API_KEY environment variable, never
+    the spec; a host beyond loopback needs one (pipeline/triton/door.py)."""
 
     enabled: bool = True
     port: int = 8003
+    host: str = "127.0.0.1"
+    # Requests running at once (in Triton); past it a request gets 429 with Retry-After. 0: twice
+    # limits.max_batch_size (rows for all, plus as many waiting their turn).
+    max_concurrent: int = 0
+    # Connections held open at once; past it uvicorn answers 503 (0: 4 x the request limit + 64).
+    max_connections: int = 0
+    # A client has this long to send its request's headers (from connecting), then its body; else 408 and closed.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Host header names accepted besides loopback's (a loopback bind accepts only localhost / 127.x / [::1]: a web
+    # page cannot reach it through a name it controls). Beyond loopback, empty accepts any (the key guards it).
+    allowed_hosts: list[str] = field(default_factory=list)
 
 
 class ByteSize(int):
@@ -633,6 +646,13 @@ def _validate_serving(spec: Spec) -> None:
     _check(not oa.enabled or oa.port not in ports.values(), "openai.port", oa.port,
            f"is also {next((k for k, v in ports.items() if v == oa.port), '')}: give the OpenAI endpoint a port of "
            "its own, or set openai.enabled: false")
+    _check(oa.max_concurrent >= 0, "openai.max_concurrent", oa.max_concurrent,
+           "must be 0 (twice limits.max_batch_size) or a positive number of requests")
+    _check(oa.max_connections >= 0, "openai.max_connections", oa.max_connections,
+           "must be 0 (4 x the request limit + 64) or a positive number of connections")
+    for key in ("header_timeout_s", "body_timeout_s"):
+        v = getattr(oa, key)
+        _check(0 < v <= 3600, f"openai.{key}", v, "must be a number of seconds above 0 and at most 3600")
     _check(tr.instance_count >= 1, "triton.instance_count", tr.instance_count, "must be 1 or more")
     _check(tr.max_queue_delay_us >= 0, "triton.max_queue_delay_us", tr.max_queue_delay_us, "must be 0 or more")
     _check(tr.startup_timeout_s > 0, "triton.startup_timeout_s", tr.startup_timeout_s, "must be positive")

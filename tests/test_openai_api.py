@@ -260,7 +260,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(served_
     body = json.dumps({"model": "oai", "prompt": LONG_PROMPT, "max_tokens": budget, "temperature": 0,
                        "stream": True, "method": "baseline"}).encode()
     sock = socket.create_connection(("127.0.0.1", s.openai.port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     seen = b""
     while b"data: {" not in seen:

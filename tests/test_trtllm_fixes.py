@@ -307,3 +307,33 @@ def test_preflight_reads_rejected_quantization_from_an_engine_config():
     assert any(p.startswith("draft engine: an INT8 KV cache with paged context FMHA") for p in problems), problems
     assert any(p.startswith("target engine: an FP8 KV cache") for p in problems), problems
     assert any("weight-only W8A16 needs float16 or bfloat16" in p for p in problems), problems
+
+
+def test_engine_era_bls_holds_back_a_utf8_character_split_across_rounds(monkeypatch):
+    """Our tensorrt_llm_bls streams a response per round from the text decoded so far: a round that ends inside a
+    multi-byte character decodes to U+FFFD, which the next round's text does not start with. The piece is held back
+    until the character is whole; nothing sent is sent again, and the pieces join to the final text."""
+    import importlib.util
+    import sys
+
+    import pytriton
+
+    # The python backend's own utils module (shipped in the nvidia-pytriton wheel), as the stub process imports it.
+    monkeypatch.syspath_prepend(str(Path(pytriton.__file__).parent / "tritonserver" / "backends" / "python"))
+    spec = importlib.util.spec_from_file_location("bls_under_test", engine_repo.MODELS_DIR / "bls.py")
+    bls = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bls_under_test", bls)
+    spec.loader.exec_module(bls)
+
+    answer = "naïve café: 雨 falls 🌧 now".encode()
+    cuts = sorted({3, 4, 11, 12, 14, 15, 21, 22, 23, len(answer)})  # inside ï, é, 雨 and 🌧, and between
+    sent, pieces = "", []
+    for i, cut in enumerate(cuts):
+        text = answer[:cut].decode("utf-8", errors="replace")  # what the postprocessing model returns
+        piece, sent = bls.stream_piece(sent, text, final=i == len(cuts) - 1)
+        assert "\ufffd" not in piece, (cut, piece)
+        pieces.append(piece)
+    assert "".join(pieces) == answer.decode() == sent
+    # A request that ends inside a character sends what it has, replacement character included, once.
+    piece, sent = bls.stream_piece("na", "naï".encode()[:3].decode("utf-8", errors="replace"), final=True)
+    assert piece == "\ufffd" and sent == "na\ufffd"

@@ -9,11 +9,19 @@ against the engine's limits before Triton sees it, answers errors as OpenAI does
 (`{"error": {message, type, param, code}}` with the matching status), cuts the text before a stop
 sequence, and adds the request's speculative figures as the `speculative` extension field. With
 PIPELINE_API_KEY set in its environment, every /v1 request needs `Authorization: Bearer <key>`.
+
+It is the deployment's door to other machines (pipeline/triton/door.py), so it bounds what a client can hold: requests
+running at once (429 with Retry-After past `openai.max_concurrent`), connections (uvicorn's limit), the time to send
+headers and then the body (408), the body's size (counted as it arrives), and every client mistake (malformed JSON,
+nesting, huge integers, lone surrogates, a wrong Content-Type, a foreign Host) is answered 4xx in OpenAI's shape; a
+500 says nothing of the exception (the log has it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import hmac
 import json
 import math
@@ -36,10 +44,11 @@ from pipeline.client import RequestError, RequestTimeout, generate
 from pipeline.load import served_methods
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
+from pipeline.triton import door
+from pipeline.triton.door import API_KEY_ENV
 from pipeline.triton.repo import client_model, default_methods
 from pipeline.triton.server import ServerError, grpc_url, log_tail, port_free
 
-API_KEY_ENV = "PIPELINE_API_KEY"
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP = 16
 STOP_GRACE_S = 1.0  # after a stop sequence shows, the model's own stop (and its figures) may still come this long
@@ -98,6 +107,11 @@ class FrontConfig:
     default_method: str | None = None
     decoupled: bool = True
     request_timeout_s: float = 600.0
+    max_concurrent: int = 16  # requests running at once; past it 429
+    max_connections: int = 128  # uvicorn's limit_concurrency
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    allowed_hosts: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------- the deployment side
@@ -138,13 +152,18 @@ def front_config(spec: Spec) -> FrontConfig:
             methods.append("medusa_typical")
         default = next((m for m in default_methods(spec) if m in methods), "baseline")
     model = client_model(spec) if spec.backend == "torch" else "ensemble"
-    return FrontConfig(name=spec.name, host=spec.triton.host, port=spec.openai.port, grpc_url=grpc_url(spec),
+    oa = spec.openai
+    limit = oa.max_concurrent or 2 * spec.limits.max_batch_size
+    return FrontConfig(name=spec.name, host=oa.host, port=oa.port, grpc_url=grpc_url(spec),
                        triton_model=model, tokenizer_dir=str(tdir.resolve()),
                        max_input_len=int(bc.get("max_input_len", spec.limits.max_input_len)),
                        max_seq_len=int(bc.get("max_seq_len", spec.limits.max_seq_len)),
                        max_draft_len=int(bc.get("max_draft_len", spec.limits.max_draft_len)),
                        methods=methods, default_method=default,
-                       decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled)
+                       decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled,
+                       max_concurrent=limit, max_connections=oa.max_connections or 4 * limit + 64,
+                       header_timeout_s=oa.header_timeout_s, body_timeout_s=oa.body_timeout_s,
+                       allowed_hosts=list(oa.allowed_hosts))
 
 
 def _alive(pid: int, cfg: Path) -> bool:
@@ -183,8 +202,11 @@ def start(spec: Spec, timeout: float = 120.0, log=print) -> int:
     if pid:
         raise ServerError(f"the OpenAI endpoint for {spec.name!r} is already running (pid {pid}, {base_url(spec)}); "
                           "stop it with `make stop`")
-    if not port_free(spec.triton.host, spec.openai.port):
-        raise ServerError(f"openai.port: port {spec.openai.port} on {spec.triton.host} is already in use; stop "
+    refused = door.exposure_error(spec)
+    if refused:
+        raise ServerError(refused)
+    if not port_free(spec.openai.host, spec.openai.port):
+        raise ServerError(f"openai.port: port {spec.openai.port} on {spec.openai.host} is already in use; stop "
                           f"whatever holds it (`ss -ltnp | grep {spec.openai.port}`) or set openai.port in the spec")
     spec.report_dir.mkdir(parents=True, exist_ok=True)
     cfg = front_config(spec)
@@ -345,8 +367,9 @@ class Front:
             opts["top_p"] = max(float(p), 1e-9)  # 0: the single most likely token (the model's own rule)
         k = body.get("top_k")
         if k is not None:
-            if not _is_int(k) or k < -1:
-                raise bad(f"top_k: got {json.dumps(k)}; send 0 or -1 (off) or a positive integer", "top_k")
+            if not _is_int(k) or not -1 <= k < 2**31:
+                raise bad(f"top_k: got {json.dumps(k)[:40]}; send 0 or -1 (off) or a positive integer below 2**31",
+                          "top_k")
             opts["top_k"] = max(k, 0)
         seed = body.get("seed")
         if seed is not None:
@@ -388,7 +411,7 @@ class Front:
         if not isinstance(messages, list) or not messages:
             raise bad("messages: send a non-empty list of {\"role\", \"content\"} objects", "messages",
                       "missing_required_parameter" if messages is None else "invalid_type")
-        out = []
+        out, chars = [], 0
         for i, m in enumerate(messages):
             where = f"messages[{i}]"
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -413,6 +436,8 @@ class Front:
                 raise bad(f"{where}.content: send a string or a list of text parts", f"{where}.content",
                           "invalid_type")
             out.append({"role": role, "content": content})
+            chars += len(content)
+            self._not_too_long(chars, "messages")  # before templating: a huge prompt costs no template run
         if getattr(self.tok, "chat_template", None):
             try:
                 return self.tok.apply_chat_template(out, add_generation_prompt=True, tokenize=False)
@@ -432,11 +457,15 @@ class Front:
                       "missing_required_parameter" if prompt is None else "invalid_value")
         return prompt
 
+    def _not_too_long(self, chars: int, param: str | None) -> None:
+        """Refuse text far longer than any prompt the limits allow, before any template or tokenizer sees it."""
+        if chars > 64 * self.cfg.max_input_len + 1024:
+            raise bad(f"the prompt is {chars} characters, far above the {self.cfg.max_input_len} tokens of "
+                      "limits.max_input_len; shorten it", param, "context_length_exceeded")
+
     def _encode(self, prompt: str) -> list[int]:
         """Token ids as the served model counts them (pipeline.triton.parse: special tokens unless it has a BOS)."""
-        if len(prompt) > 64 * self.cfg.max_input_len + 1024:
-            raise bad(f"the prompt is {len(prompt)} characters, far above the {self.cfg.max_input_len} tokens of "
-                      "limits.max_input_len; shorten it", None, "context_length_exceeded")
+        self._not_too_long(len(prompt), None)
         bos = getattr(self.tok, "bos_token", None)
         return list(self.tok(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"])
 
@@ -566,7 +595,46 @@ def triton_error(e: Exception) -> ApiError:
         return ApiError(400, msg, msg.split(":", 1)[0], "invalid_value")
     if "unavailable" in msg.lower() or "connect" in msg.lower():
         return ApiError(503, f"the deployment is not reachable: {msg}", None, "service_unavailable", "server_error")
-    return ApiError(500, f"the deployment failed the request: {msg}", None, "server_error", "server_error")
+    ref = uuid.uuid4().hex[:12]  # the model's own words stay in the log: a 500 echoes no exception text
+    print(f"deployment error {ref}: {msg}", flush=True)
+    return ApiError(500, f"the deployment failed the request (reference {ref} in the endpoint's log)", None,
+                    "server_error", "server_error")
+
+
+MAX_DEPTH = 32  # JSON nesting a request can need is 4-5 levels (messages[i].content[j].text)
+
+
+def parse_body(raw: bytes):
+    """The request's JSON, or a 400 that says what is wrong: not JSON, nested too deep, an integer too long to read,
+    a string holding a lone surrogate (not text: it cannot be encoded, so no tokenizer could take it)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the JSON body is nested too deeply; at most {MAX_DEPTH} levels are read", None,
+                       "invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer past Python's digit limit
+        raise ApiError(400, f"We could not parse the JSON body of your request ({str(e)[:120]}); send a JSON object",
+                       None, "invalid_json") from None
+    stack = [(body, "", 0)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the JSON body is nested too deeply; at most {MAX_DEPTH} levels are read", None,
+                           "invalid_json")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{where or 'body'}: the string holds a lone surrogate (an escape such as "
+                                    "\\ud800 that is not half of a pair), which is not text; send valid Unicode",
+                               where.split("[")[0].split(".")[0] or None, "invalid_value") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, where, depth + 1))
+                stack.append((x, f"{where}.{k}" if where else str(k), depth + 1))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+    return body
 
 
 # --------------------------------------------------------------------------------------------------- the ASGI app
@@ -584,10 +652,46 @@ def make_app(front: Front):
     cfg = front.cfg
     ready = {"at": 0.0, "ok": False}
 
+    running = {"n": 0}  # requests between their checked body and their answer's end (openai.max_concurrent)
+
     def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.status == 429 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, counted as it arrives (a chunked body has no length to check first), within body_timeout_s."""
+        parts, n = [], 0
+
+        async def read() -> None:
+            nonlocal n
+            async for part in request.stream():
+                n += len(part)
+                if n > MAX_BODY_BYTES:
+                    raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "request_too_large")
+                parts.append(part)
+        try:
+            await asyncio.wait_for(read(), cfg.body_timeout_s)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+                                "(openai.body_timeout_s); send it at once", None, "request_timeout") from None
+        return b"".join(parts)
+
+    def host_ok(request: Request) -> bool:
+        """A loopback bind answers only loopback names (a web page cannot reach it under a name it controls)."""
+        host = request.headers.get("host", "")
+        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+        name = name.strip("[]").lower()
+        if name in cfg.allowed_hosts:
+            return True
+        if door.is_loopback(cfg.host):
+            return door.is_loopback(name)
+        return not cfg.allowed_hosts
 
     def auth(request: Request) -> None:
+        if not host_ok(request):
+            raise ApiError(421, f"Host: got {request.headers.get('host', '')!r}; this endpoint answers requests "
+                                "sent to its own address (openai.allowed_hosts lists the names it accepts)", None,
+                           "misdirected_request")
         if not front.authorized(request.headers.get("authorization")):
             raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key this "
                                 f"endpoint was started with ({API_KEY_ENV})", None, "invalid_api_key")
@@ -618,31 +722,30 @@ def make_app(front: Front):
 
         try:
             with grpcclient.InferenceServerClient(cfg.grpc_url) as c:
-                return bool(c.is_server_ready(client_timeout=2) and c.is_model_ready(cfg.triton_model,
-                                                                                      client_timeout=2))
+                h = door.grpc_headers()
+                return bool(c.is_server_ready(headers=h, client_timeout=2)
+                            and c.is_model_ready(cfg.triton_model, headers=h, client_timeout=2))
         except Exception:  # noqa: BLE001 - not reachable is not ready
             return False
 
     async def health_route(request: Request):
         if time.monotonic() - ready["at"] > 1.0:
             ready["ok"], ready["at"] = await asyncio.to_thread(triton_ready), time.monotonic()
-        if ready["ok"]:
-            return JSONResponse({"status": "ok", "model": cfg.name})
-        return JSONResponse({"status": "unavailable", "model": cfg.name, "triton": cfg.grpc_url}, status_code=503)
+        if ready["ok"]:  # ready or not, nothing else: /health answers without the key
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
 
     async def body_of(request: Request):
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(415, f"Content-Type: got {ctype or 'none'!r}; send the body as application/json", None,
+                           "unsupported_media_type")
         size = request.headers.get("content-length")
         if size and size.isdigit() and int(size) > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are read", None,
                            "request_too_large")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "request_too_large")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"We could not parse the JSON body of your request ({e}); send a JSON object",
-                           None, "invalid_json") from None
+        raw = await read_body(request)
+        return parse_body(raw)
 
     def chunk(kind: str, rid: str, created: int, delta: str | None, finish: str | None, first: bool = False) -> dict:
         if kind == "chat":
@@ -676,7 +779,27 @@ def make_app(front: Front):
     async def complete(request: Request, kind: str):
         try:
             auth(request)
-            job = front.check(await body_of(request), kind)
+            body = await body_of(request)
+            if running["n"] >= cfg.max_concurrent:
+                raise ApiError(429, f"this deployment is running {cfg.max_concurrent} requests, its limit "
+                                    "(openai.max_concurrent); retry after a second", None, "rate_limit_exceeded",
+                               "requests")
+            running["n"] += 1  # held until the answer (or its stream) ends
+        except ApiError as e:
+            return error(e)
+        held = True
+        try:
+            response = await answer(request, kind, body)
+            if isinstance(response, StreamingResponse):
+                held = False  # the stream gives the place back when it ends
+            return response
+        finally:
+            if held:
+                running["n"] -= 1
+
+    async def answer(request: Request, kind: str, body):
+        try:
+            job = await asyncio.to_thread(front.check, body, kind)  # templating and tokenizing off the event loop
         except ApiError as e:
             return error(e)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -754,6 +877,7 @@ def make_app(front: Front):
                 yield "data: [DONE]\n\n"
             finally:
                 run.gone.set()  # a client that left mid-stream: its Triton request is cancelled at once
+                running["n"] -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -770,13 +894,24 @@ def make_app(front: Front):
                                      code).body(), status_code=exc.status_code)
 
     async def crash(request: Request, exc: Exception):
-        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error",
-                                     "server_error").body(), status_code=500)
+        ref = uuid.uuid4().hex[:12]  # the log has the exception under this reference; the client gets none of it
+        print(f"internal error {ref} on {request.method} {request.url.path}: {type(exc).__name__}: {exc}", flush=True)
+        return JSONResponse(ApiError(500, f"internal error (reference {ref} in the endpoint's log)", None,
+                                     "server_error", "server_error").body(), status_code=500)
 
     routes = [Route("/health", health_route), Route("/v1/models", models), Route("/v1/models/{model:path}", one_model),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: crash})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # Templating and tokenizing run on this pool: at most one thread per running request (openai.max_concurrent).
+        pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrent, thread_name_prefix="openai-check")
+        asyncio.get_running_loop().set_default_executor(pool)
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: crash},
+                     lifespan=lifespan)
 
 
 def serve(config_path: str) -> None:
@@ -791,7 +926,45 @@ def serve(config_path: str) -> None:
           f"{cfg.triton_model}; methods {cfg.methods or '(the model says)'}, default {cfg.default_method}; "
           f"API key {'required' if front.api_key else 'not required'}", flush=True)
     uvicorn.run(make_app(front), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=guarded_protocol(cfg.header_timeout_s),
+                limit_concurrency=cfg.max_connections, timeout_keep_alive=5)
+
+
+def guarded_protocol(header_timeout_s: float):
+    """uvicorn's HTTP/1.1 protocol with a deadline on a connection's first request line and headers (uvicorn times
+    only the idle gap between requests): a client that connects and sends nothing, or its headers a byte at a time,
+    gets 408 and is closed, so idle sockets cannot pile up."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # lazy: uvicorn only in the endpoint's process
+
+    body = json.dumps(ApiError(408, f"the request's headers did not arrive within {header_timeout_s:g} s "
+                                    "(openai.header_timeout_s)", None, "request_timeout").body()).encode()
+    reply = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    class Guarded(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(header_timeout_s, self._too_slow)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._deadline is not None:  # a request's headers are in
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            super().connection_lost(exc)
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.write(reply)
+                self.transport.close()
+
+    return Guarded
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import psutil
 
 from pipeline.common import apply_omp_env
 from pipeline.spec import Spec
+from pipeline.triton import door
 from pipeline.triton.repo import ENSEMBLE
 
 
@@ -217,11 +218,15 @@ def command(spec: Spec, backends: Path) -> list[str]:
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
         "--exit-on-error=true", "--strict-readiness=true", "--disable-auto-complete-config",
         "--exit-timeout-secs=10", "--log-verbose=0",
+        *door.triton_flags(door.api_key()),  # with a key, gRPC and HTTP ask for it (pipeline/triton/door.py)
     ]
 
 
 def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
     """Start tritonserver on triton_repo/<name>/ and wait until every model it serves is ready."""
+    refused = door.exposure_error(spec)
+    if refused:
+        raise ServerError(refused)
     pid = running_pid(spec)
     if pid:
         raise ServerError(f"a server for {spec.name!r} is already running (pid {pid}, gRPC {grpc_url(spec)}); "
@@ -240,7 +245,7 @@ def start(spec: Spec, timeout: float | None = None, log=print) -> Server:
         logp.replace(logp.with_name(logp.name + ".prev"))
     cmd = command(spec, backends)
     with open(logp, "w") as lf:
-        lf.write("# " + " ".join(cmd) + "\n")
+        lf.write("# " + " ".join(door.redact(cmd, door.api_key())) + "\n")
         lf.flush()
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=server_env(), cwd=str(spec.report_dir), start_new_session=True)

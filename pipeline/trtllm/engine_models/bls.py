@@ -48,6 +48,16 @@ LLM_OUTPUTS = ["output_ids", "sequence_length", "cum_log_probs", "output_log_pro
                "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks"]
 
 
+def stream_piece(sent: str, text: str, final: bool) -> tuple[str, str]:
+    """(the piece to send now, the text sent so far after it). A round can end inside a multi-byte UTF-8 character:
+    the text then ends in U+FFFD, which the next round's text does not start with (sending the whole text again, as
+    this did), so a trailing U+FFFD is held back until the character is whole or the request ends. What was sent is
+    never sent again: the piece is what lies past it."""
+    if not final:
+        text = text.rstrip("\ufffd")
+    return ("", sent) if len(text) <= len(sent) else (text[len(sent):], text)
+
+
 class BadRequest(ValueError):
     """A request this model refuses; the message names the input, the value and what is allowed."""
 
@@ -268,8 +278,7 @@ class TritonPythonModel:
                 return
             text = self._text(gen if plan["exclude"] else prompt + gen)
             with lock:
-                piece = text[len(sent[0]):] if text.startswith(sent[0]) else text
-                sent[0] = text
+                piece, sent[0] = stream_piece(sent[0], text, final)
             if piece or final:
                 sender.send(self._response([piece], [self._perf(stat, n_in, len(gen), plan)], plan))
 
