@@ -134,7 +134,11 @@ def _grpc_infer(s, headers: dict | None):
     with grpcclient.InferenceServerClient(srvmod.grpc_url(s)) as c:
         c.start_stream(callback=lambda result, error: q.put((result, error)), headers=headers)
         try:
-            c.async_stream_infer("ensemble", make_inputs(PROMPT, 2, stream=True), enable_empty_final_response=True)
+            try:
+                c.async_stream_infer("ensemble", make_inputs(PROMPT, 2, stream=True),
+                                     enable_empty_final_response=True)
+            except InferenceServerException:
+                pass  # the stream was refused before the request went out: the callback has the reason
             result, error = q.get(timeout=60)
         finally:
             c.stop_stream(cancel_requests=True)
