@@ -63,6 +63,8 @@ def _figures(obj: dict, out: dict) -> None:
             if spec.get(key) is not None:
                 out[name] = spec[key]
     t = obj.get("timings")
+    if isinstance(t, dict):
+        out["timings"] = t  # llama-server's own prompt and decode figures (its last chunk's)
     if isinstance(t, dict) and t.get("draft_n") is not None:
         n, a = int(t["draft_n"]), int(t.get("draft_n_accepted", 0))
         out.update(total_draft_tokens=n, total_accepted_draft_tokens=a, acceptance_rate=a / n if n else 0.0)

@@ -1,6 +1,7 @@
 """`python -m pipeline readme [SPEC ...]`: the README's figures, rendered from the reports, never typed.
 
-Reads reports/<name>/validate.json (through gRPC) and bench.json (in-process) for each spec and rewrites the
+Reads reports/<name>/validate.json (through gRPC), bench.json (in-process), context.json and edit.json (validate's
+side-by-side sections through the OpenAI endpoint) for each spec and rewrites the
 block between `<!-- figures:begin -->` and `<!-- figures:end -->` in README.md; nothing else in the file
 changes. Each figure carries the date of the run that measured it and the spec it ran, so a stale figure
 shows its age instead of passing for today's.
@@ -138,6 +139,17 @@ def _verify(bench: dict) -> list[str]:
     return [line + "."]
 
 
+def side_by_side(context: dict | None, edit: dict | None) -> list[str]:
+    """The lines of validate's side-by-side sections with llama-server (context.json, edit.json), where they ran."""
+    from pipeline import context_run, edit_run  # lazy: only when those reports exist
+
+    out = []
+    for report, mod in ((context, context_run), (edit, edit_run)):
+        if report and "summary" in report:
+            out += mod.readme_lines(report) + [""]
+    return out
+
+
 def _read(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -152,6 +164,7 @@ def render(specs: list[tuple[Spec, str]]) -> str:
     lines = ["<!-- Rendered by `python -m pipeline readme` (make readme) from reports/; edits here are lost. -->", ""]
     for s, path in specs:
         lines += render_spec(s.name, path, _read(s.report_dir / "validate.json"), _read(s.report_dir / "bench.json"))
+        lines += side_by_side(_read(s.report_dir / "context.json"), _read(s.report_dir / "edit.json"))
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -251,6 +251,14 @@ class ValidateSpec:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     near_tie_margin: float = 0.05
     distribution_samples: int = 200
+    # Side by side with llama-server through the OpenAI endpoint (pipeline/context_run.py, edit_run.py): cold prompt
+    # sizes in tokens ([]: no context section), the agent trace's turns and final size, the edit set ('': no edit
+    # section) and how many of its cases run (0: all).
+    context_sizes: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    context_turns: int = 6
+    context_trace_tokens: int = 8192
+    edit_set: str = "build/edit_set.json"
+    max_edit_cases: int = 0
 
 
 @dataclass
@@ -676,6 +684,12 @@ def _validate_validate(val: ValidateSpec) -> None:
     _check(val.max_new_tokens >= 1, "validate.max_new_tokens", val.max_new_tokens, "must be 1 or more")
     _check(val.max_prompts >= 0, "validate.max_prompts", val.max_prompts, "must be 0 (all) or more")
     _check(val.prompt_budget_s >= 0, "validate.prompt_budget_s", val.prompt_budget_s, "must be 0 (no limit) or more")
+    _check(all(n >= 16 for n in val.context_sizes), "validate.context_sizes", val.context_sizes,
+           "must be prompt sizes of 16 tokens or more ([] skips the context section)")
+    _check(val.context_turns >= 0, "validate.context_turns", val.context_turns, "must be 0 (no agent trace) or more")
+    _check(val.context_trace_tokens >= 256, "validate.context_trace_tokens", val.context_trace_tokens,
+           "must be 256 or more")
+    _check(val.max_edit_cases >= 0, "validate.max_edit_cases", val.max_edit_cases, "must be 0 (all) or more")
     _check(all(c >= 1 for c in val.concurrency) and val.concurrency, "validate.concurrency", val.concurrency,
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,

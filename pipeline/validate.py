@@ -152,6 +152,8 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
     report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok, log)
     lap("distribution")
+    # 5. Side by side with llama-server through the OpenAI endpoint: long contexts (issue 48), edits (issue 49).
+    side_by_side(spec, tok, report, log, lap)
     report["advice"] = advice(report, methods)
     report["environment"] = environment(spec)
     report["phase_seconds"] = phases
@@ -159,6 +161,47 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     log(f"wrote {spec.report_dir / 'validate.json'}; validate's sections took " + ", ".join(
         f"{k} {v:.0f} s" for k, v in phases.items()))
     return report
+
+
+def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
+    """report's `context` and `edit` (reports/<name>/context.json, edit.json): through our OpenAI endpoint (started
+    here unless it runs, and stopped again) against llama-server. A section that fails is a note naming why."""
+    from pipeline import context_run, edit_run  # lazy: as the other sections' imports
+    from pipeline.sidebyside import System
+    from pipeline.triton import openai_api
+    from pipeline.validate_api import served
+
+    v = spec.validate
+    if not v.context_sizes and not v.edit_set:
+        return
+    if not spec.openai.enabled:
+        report["context"] = report["edit"] = {"error": "openai.enabled is false: these sections need the endpoint"}
+        return
+    url, started = openai_api.base_url(spec), False
+    try:
+        if openai_api.health(url) != 200:
+            openai_api.start(spec, log=log)
+            started = True
+        methods, default = served(url, spec.name)
+        for key, run in (("context", lambda: context_run.run_context(spec, System("ours", url, spec.name), tok, log)),
+                         ("edit", lambda: edit_run.run_edit(spec, url, spec.name, methods, default, log))):
+            if not (v.context_sizes if key == "context" else v.edit_set):
+                continue
+            try:
+                out = run()
+            except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+                log(f"  {key} section failed: {type(e).__name__}: {str(e)[:500]}")
+                report[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                continue
+            (context_run if key == "context" else edit_run).write(spec, out)
+            report[key] = {k: x for k, x in out.items() if k != "runs"}
+            lap(key)
+    except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+        log(f"  side-by-side sections failed: {type(e).__name__}: {str(e)[:500]}")
+        report.setdefault("context", {"error": f"{type(e).__name__}: {str(e)[:500]}"})
+    finally:
+        if started:
+            openai_api.stop(spec)
 
 
 def _lap_clock(phases: dict[str, float]):
@@ -333,6 +376,15 @@ def trimmed(spec: Spec) -> list[str]:
                    "validate.concurrency)")
     if len(v.temperatures) < len(full.temperatures):
         out.append(f"temperatures {v.temperatures} (full run: {full.temperatures}; validate.temperatures)")
+    if v.context_sizes and max(v.context_sizes) < max(full.context_sizes):
+        out.append(f"cold prompts of {v.context_sizes} tokens (full run: {full.context_sizes}; "
+                   "validate.context_sizes)")
+    if v.context_sizes and (v.context_turns, v.context_trace_tokens) < (full.context_turns, full.context_trace_tokens):
+        out.append(f"a {v.context_turns}-turn agent trace to {v.context_trace_tokens} tokens (full run: "
+                   f"{full.context_turns} turns to {full.context_trace_tokens}; validate.context_turns, "
+                   "context_trace_tokens)")
+    if v.edit_set and v.max_edit_cases:
+        out.append(f"the first {v.max_edit_cases} edit cases (full run: all of {v.edit_set}; validate.max_edit_cases)")
     return out
 
 
@@ -652,6 +704,7 @@ def markdown(r: dict) -> str:
     lines += ["", "## Advice", "", f"Recommended: **{a['recommended_method']}** "
               f"({a['speedup_at_concurrency_1']:.2f}x at concurrency 1). {a['why']}.", "",
               "![speed](speed.png) ![batch curve](batch_curve.png) ![acceptance](acceptance.png)", ""]
+    lines += side_by_side_markdown(r)
     env = r["environment"]
     lines += ["## Environment", "", f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores, "
               f"{env['torch_threads']} torch threads); packages {env['packages']}", ""]
@@ -659,6 +712,20 @@ def markdown(r: dict) -> str:
         lines += ["Sections took: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["phase_seconds"].items())
                   + f" ({sum(r['phase_seconds'].values()) / 60:.1f} min).", ""]
     return "\n".join(lines)
+
+
+def side_by_side_markdown(r: dict) -> list[str]:
+    """validate.md's context and edit sections (or the note saying why one did not run)."""
+    from pipeline import context_run, edit_run  # lazy: as above
+
+    out = []
+    for key, mod, title in (("context", context_run, "Long and repeated contexts"), ("edit", edit_run, "Edits")):
+        e = r.get(key)
+        if e and "error" in e:
+            out += [f"## {title}", "", f"Not measured: {e['error']}.", ""]
+        elif e:
+            out += mod.markdown(e)
+    return out
 
 
 def peers_rows(p: dict) -> list[str]:

@@ -29,7 +29,9 @@ def tiny_all(tmp_path_factory, tiny_tokenizer):
                    triton={"http_port": ports[0], "grpc_port": ports[1], "metrics_port": ports[2]},
                    # A budget spent at once: validate stops after MIN_BUDGET_PROMPTS of the 5 and says so.
                    validate={"max_prompts": 5, "prompt_budget_s": 1e-9, "max_new_tokens": 8, "concurrency": [1, 2],
-                             "temperatures": [0.0, 0.7], "distribution_samples": 16})
+                             "temperatures": [0.0, 0.7], "distribution_samples": 16,
+                             # the side-by-side sections: tests/test_sidebyside.py
+                             "context_sizes": [], "edit_set": ""})
     s = specmod.load(p)
     quiet = lambda *a, **k: None  # noqa: E731
     build_target(s, log=quiet)
