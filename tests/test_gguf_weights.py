@@ -482,5 +482,5 @@ def test_spec_accepts_gguf_weights_for_the_target_on_cpu(tmp_path):
 
 
 def test_a_tensor_type_without_a_kernel_is_refused_naming_it():
-    with pytest.raises(ValueError, match="Q4_K and Q6_K"):
-        gw.pack(8, np.zeros((16, 34), np.uint8), 32)  # Q8_0
+    with pytest.raises(ValueError, match="GGUF tensor type 10: quantization gguf runs Q4_K, Q6_K"):
+        gw.pack(10, np.zeros((16, 84), np.uint8), 256)  # Q2_K

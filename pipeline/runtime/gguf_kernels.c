@@ -44,6 +44,11 @@
 
 #define GG_Q4K 12  // ggml type ids
 #define GG_Q6K 14
+#define GG_Q4_0 2  // the 32-weight block types ("Blocks of 32" below)
+#define GG_Q4_1 3
+#define GG_Q5_0 6
+#define GG_Q5_1 7
+#define GG_Q8_0 8
 #define GG_SB_Q4K 2432
 #define GG_SB_Q6K 3392
 #define GG_MAXPARTS 4
@@ -110,9 +115,17 @@ typedef struct {
     const float *dx;    // [S, K / 256]
     const float *xs;    // [S, K / 32]
     const int32_t *o;   // [S, K / 16]
+    const int8_t *q32;  // the 32-weight block types' activations (gg_quant32): [S, K]
+    const float *dx32;  // [S, K / 32]
+    const float *xs32;  // [S, K / 32]
 } gx_t;
 
+static inline int gg_is32(int type) {
+    return type == GG_Q4_0 || type == GG_Q4_1 || type == GG_Q5_0 || type == GG_Q5_1 || type == GG_Q8_0;
+}
 static inline int gg_record(int type) { return type == GG_Q4K ? GG_SB_Q4K : GG_SB_Q6K; }
+// Bytes of one panel (16 rows, all K columns) of a part of this type.
+static inline int64_t gg_panel_bytes(int type, int K);
 
 // One row x [K] -> q, dx, xs, o (the header's activation rule), in AVX2 in both builds, so they round alike (the
 // product x * RN(127 / max) and its round-to-nearest-even conversion are single IEEE steps in any width). Vector, not
@@ -723,8 +736,14 @@ static void gg_interleave(const int8_t *q, int8_t *qi, int S, int K) {
     }
 }
 
+#include "gguf_blocks32.c"
+
 // Panels [p0, p1) of a part, every token row of the chunk, in groups of at most GG_MAXG rows.
 static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
+    if (gg_is32(pt->type)) {
+        gg32_panels(X, pt, y, S, K, N, p0, p1);
+        return;
+    }
 #if defined(__AVX512F__)
     if (gg_amx_mode) {
         gg_amx_panels(X, pt, y, S, K, N, p0, p1);
@@ -783,15 +802,23 @@ typedef struct {
     float *dx, *xs;
     int32_t *o;
     int K, rows, parts;
+    int need256;                 // a k-quant part: gg_quant_row
+    int8_t *q32;                 // a 32-block part (gguf_blocks32.c): gg_quant32_row, else NULL
+    float *dx32, *xs32;
 } gg_quant_job_t;
 static void gg_quant_share(void *ctx, int t) {
     const gg_quant_job_t *j = (const gg_quant_job_t *)ctx;
     const int K = j->K;
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  // as on the calling thread: IEEE denormals, round to nearest
-    for (int s = j->rows * t / j->parts; s < j->rows * (t + 1) / j->parts; s++)
-        gg_quant_row(j->x + (int64_t)s * K, K, j->q + (int64_t)s * K, j->dx + (int64_t)s * (K / 256),
-                     j->xs + (int64_t)s * (K / 32), j->o + (int64_t)s * (K / 16));
+    for (int s = j->rows * t / j->parts; s < j->rows * (t + 1) / j->parts; s++) {
+        if (j->need256)
+            gg_quant_row(j->x + (int64_t)s * K, K, j->q + (int64_t)s * K, j->dx + (int64_t)s * (K / 256),
+                         j->xs + (int64_t)s * (K / 32), j->o + (int64_t)s * (K / 16));
+        if (j->q32)
+            gg_quant32_row(j->x + (int64_t)s * K, K, j->q32 + (int64_t)s * K, j->dx32 + (int64_t)s * (K / 32),
+                           j->xs32 + (int64_t)s * (K / 32));
+    }
     _mm_setcsr(csr);
 }
 
@@ -807,29 +834,39 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
 #else
     const int interleave = S > 1;  // one token's interleaved layout is q itself: a decode step copies nothing
 #endif
-    int8_t *qi = interleave ? (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi) : q;
-    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 256), &odx);
+    int need32 = 0, need256 = 0;
+    for (int pi = 0; pi < desc->nparts; pi++) {
+        if (gg_is32(desc->part[pi].type)) need32 = 1;
+        else need256 = 1;
+    }
+    int8_t *qi = interleave && need256 ? (int8_t *)scratch(SC_GGQI, (size_t)rows_max * K, &oqi) : q;
+    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)rows_max * (K / 256 + 1), &odx);
     float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)rows_max * (K / 32), &oxs);
     int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)rows_max * (K / 16), &oo);
     share_t *share = (share_t *)scratch(SC_SHARE, sizeof(share_t) * (size_t)threads, &osh);
-    if (!q || !qi || !dx || !xs || !o || !share) {
+    // The 32-block types' activations (gguf_blocks32.c), from the heap: q [rows, K], then dx and xs [rows, K / 32].
+    int8_t *q32 = need32 ? (int8_t *)malloc((size_t)rows_max * K + 2 * sizeof(float) * (size_t)rows_max * (K / 32))
+                         : NULL;
+    float *dx32 = q32 ? (float *)(q32 + (size_t)rows_max * K) : NULL;
+    float *xs32 = q32 ? dx32 + (size_t)rows_max * (K / 32) : NULL;
+    if (!q || !qi || !dx || !xs || !o || !share || (need32 && !q32)) {
         rc = SK_ENOMEM;
         goto done;
     }
-    const gx_t X = {q, qi, dx, xs, o};
+    const gx_t X = {q, qi, dx, xs, o, q32, dx32, xs32};
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);  // IEEE denormals: the contract above, whatever the caller's mode
     for (int c0 = 0; c0 < S; c0 += ROW_CHUNK) {
         const int cs = S - c0 < ROW_CHUNK ? S - c0 : ROW_CHUNK;
         const int qparts = (int64_t)cs * K >= GG_QUANT_POOL ? (threads < cs ? threads : cs) : 1;
-        const gg_quant_job_t qjob = {x + (int64_t)c0 * K, q, dx, xs, o, K, cs, qparts};
+        const gg_quant_job_t qjob = {x + (int64_t)c0 * K, q, dx, xs, o, K, cs, qparts, need256, q32, dx32, xs32};
         pool_run(gg_quant_share, (void *)&qjob, qparts);
-        if (interleave) gg_interleave(q, qi, cs, K);
+        if (interleave && need256) gg_interleave(q, qi, cs, K);
         float *yc = y + (int64_t)c0 * N;
         for (int pi = 0; pi < desc->nparts; pi++) {
             const gg_part_t *pt = &desc->part[pi];
             const int P = (pt->N + 15) / 16;
-            const int64_t pbytes = (int64_t)(K / 256) * gg_record(pt->type);
+            const int64_t pbytes = gg_panel_bytes(pt->type, K);
             const int blk = pbytes >= CLAIM_BYTES ? 1 : (int)(CLAIM_BYTES / pbytes);
             const int chunk = (P + threads - 1) / threads;
             if (threads == 1 || P < 2) {
@@ -850,10 +887,11 @@ static int gguf_matmul(const float *x, const gg_desc_t *desc, float *y, int S, i
 done:
     scratch_done(share, osh);
     scratch_done(q, oq);
-    if (interleave) scratch_done(qi, oqi);
+    if (interleave && need256) scratch_done(qi, oqi);
     scratch_done(dx, odx);
     scratch_done(xs, oxs);
     scratch_done(o, oo);
+    free(q32);
     return rc;
 }
 
@@ -933,6 +971,11 @@ void gguf_dequant(const gg_desc_t *desc, int part, float *out) {
     const int K = desc->K, nsb = K / 256, rec = gg_record(pt->type);
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~0x8040u);
+    if (gg_is32(pt->type)) {
+        gg32_dequant(pt, K, out);
+        _mm_setcsr(csr);
+        return;
+    }
     for (int n = 0; n < pt->N; n++) {
         const int p = n / 16, l = n % 16;
         for (int s = 0; s < nsb; s++) {

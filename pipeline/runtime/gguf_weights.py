@@ -13,7 +13,9 @@ is that arithmetic in torch, bit for bit (the torch fallback and the tests' refe
 A layer is up to four parts of one input width (the runtime fuses q/k/v and gate/up, and a Q4_K_M GGUF mixes Q4_K and
 Q6_K among them): `GGUFLinear` holds every part's packed bytes in one buffer (`qweight`) and a table `parts` [n, 5]
 (ggml type, rows, first output row, byte offset, input width). In an engine's safetensors a layer `P` is `P.gguf_w` +
-`P.gguf_parts`. The draft's Q5_0 / Q8_0 tensors are not supported here (the draft keeps int4_a8).
+`P.gguf_parts`. The 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the draft's GGUF, SmolLM2's Q4_1) are packed
+by `pack32` into gguf_blocks32.c's records, with activations per 32 columns (`quantize_activations32`); a layer may
+mix them with k-quant parts, each part keeping its own contract.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ from pipeline.runtime import kernels
 from pipeline.runtime.quant import GGUF_FORMAT, LINEAR, QLinear
 
 Q4_K, Q6_K = 12, 14  # ggml type ids (gguf.GGMLQuantizationType)
-TYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8  # the blocks of 32 (gguf_blocks32.c)
+TYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0"}
 GGUF_BLOCK = {Q4_K: 144, Q6_K: 210}   # bytes per 256 weights in the GGUF
 RECORD = {Q4_K: 2432, Q6_K: 3392}     # bytes per 16 rows x 256 columns in the kernel's panels
+GGUF_BLOCK32 = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per 32 weights in the GGUF
+RECORD32 = {Q4_0: 320, Q4_1: 384, Q5_0: 384, Q5_1: 448, Q8_0: 576}  # bytes per 16 rows x 32 columns in the panels
+ZERO32 = {Q4_0: 8, Q5_0: 16}          # w = d (q - z); Q4_1 / Q5_1: w = d q + m; Q8_0: d q (q int8)
+SUPPORTED = (*RECORD, *RECORD32)
 FORMAT = GGUF_FORMAT  # joins an engine's input hash (quant.layout_tag): a changed layout rebuilds, never misreads
 MAX_PARTS = 4
 
@@ -63,6 +70,55 @@ def q6k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     return _fp16(b[..., 208:210]), np.ascontiguousarray(b[..., 192:208]).view(np.int8), q.reshape(N, -1)
 
 
+def fields32(qtype: int, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """GGUF rows of a 32-weight block type [N, K / 32 * block bytes] -> d fp32 [N, nb], m fp32 [N, nb] (Q4_1 / Q5_1;
+    else None), q int64 [N, K] as stored (0..15, 0..31, or Q8_0's int8)."""
+    N = raw.shape[0]
+    b = raw.reshape(N, -1, GGUF_BLOCK32[qtype])
+    d = _fp16(b[..., 0:2])
+    if qtype == Q8_0:
+        return d, None, np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int64).reshape(N, -1)
+    m = _fp16(b[..., 2:4]) if qtype in (Q4_1, Q5_1) else None
+    o = 2 if m is None else 4
+    qh = None
+    if qtype in (Q5_0, Q5_1):
+        qh = np.ascontiguousarray(b[..., o:o + 4]).view("<u4")[..., 0].astype(np.int64)
+        o += 4
+    qs = b[..., o:o + 16].astype(np.int64)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if qh is not None:
+        q = q | (((qh[..., None] >> np.arange(32)) & 1) << 4)
+    return d, m, q.reshape(N, -1)
+
+
+def panel_bytes(qtype: int, K: int) -> int:
+    """Bytes of one 16-row panel of a part of this type over K columns."""
+    return K // 32 * RECORD32[qtype] if qtype in RECORD32 else K // 256 * RECORD[qtype]
+
+
+def pack32(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
+    """One GGUF tensor of a 32-weight block type -> the kernel's panels (gguf_blocks32.c): per panel and block of 32
+    columns the integers (nibbles, fifth bits or int8), then D[16] (and M[16]) fp32; rows past N are zero."""
+    N, nb = raw.shape[0], K // 32
+    Np = -(-N // 16) * 16
+    d, m, q = fields32(qtype, raw)
+    q = _pad_rows(q, Np).reshape(Np // 16, 16, nb, 32).transpose(0, 2, 3, 1)  # [P, nb, k, l]
+    if qtype == Q8_0:
+        parts = [q.astype(np.int8).view(np.uint8).reshape(Np // 16, nb, 512)]
+    else:
+        u = q.astype(np.uint8)
+        parts = [((u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)).reshape(Np // 16, nb, 256)]
+        if qtype in (Q5_0, Q5_1):
+            h = ((u >> 4) & 1).reshape(Np // 16, nb, 4, 8, 16)  # [P, nb, k / 8, k % 8, l]
+            parts.append((h << np.arange(8, dtype=np.uint8)[:, None]).sum(3, dtype=np.uint8).reshape(Np // 16, nb, 64))
+    parts.append(_lanes(_pad_rows(d, Np)))
+    if m is not None:
+        parts.append(_lanes(_pad_rows(m, Np)))
+    out = np.concatenate(parts, axis=-1)
+    assert out.shape[-1] == RECORD32[qtype]
+    return np.ascontiguousarray(out).reshape(-1)
+
+
 def _pad_rows(a: np.ndarray, Np: int) -> np.ndarray:
     return a if a.shape[0] == Np else np.concatenate([a, np.zeros((Np - a.shape[0], *a.shape[1:]), a.dtype)])
 
@@ -85,10 +141,14 @@ def _lanes(a: np.ndarray) -> np.ndarray:
 
 def pack(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
     """One GGUF tensor's rows (uint8 [N, K / 256 * block bytes]) -> the kernel's panels, uint8 [ceil(N / 16) * K / 256
-    * RECORD] (gguf_kernels.c); rows past N are zero (d = dmin = 0)."""
+    * RECORD] (gguf_kernels.c); rows past N are zero (d = dmin = 0). The 32-weight block types: `pack32`."""
+    if qtype in RECORD32:
+        if K % 32:
+            raise ValueError(f"input width {K}: GGUF {TYPE_NAMES[qtype]} comes in blocks of 32 columns")
+        return pack32(qtype, raw, K)
     if qtype not in RECORD:
-        raise ValueError(f"GGUF tensor type {qtype}: quantization gguf runs Q4_K and Q6_K tensors "
-                         f"({', '.join(TYPE_NAMES.values())}); use quantization: int4_a8 for this model")
+        raise ValueError(f"GGUF tensor type {qtype}: quantization gguf runs {', '.join(TYPE_NAMES.values())} "
+                         "tensors; use quantization: int4_a8 for this model")
     if K % 256:
         raise ValueError(f"input width {K}: GGUF k-quants come in super-blocks of 256 columns")
     N = raw.shape[0]
@@ -186,9 +246,52 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return q.reshape(R, K), dx, xs, o
 
 
+def quantize_activations32(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 32], xs [R, K / 32]) as gg_quant32_row: one scale per 32
+    columns, xs the sum of each block's x8 (an exact integer, as fp32)."""
+    R, K = x.shape
+    xb = x.float().reshape(R, K // 32, 32)
+    bad = ~torch.isfinite(xb).all(-1)
+    mx = torch.where(bad, torch.zeros(()), xb.abs().nan_to_num(0.0).amax(-1))
+    zero = (mx < 1e-30) & ~bad
+    skip = zero | bad
+    inv = torch.tensor(127.0) / torch.where(skip, torch.ones(()), mx)
+    q = torch.round(torch.where(skip[..., None], torch.zeros(()), xb.nan_to_num(0.0) * inv[..., None])).long()
+    dx = torch.where(bad, torch.full_like(mx, float("nan")), torch.where(zero, torch.zeros(()), mx / 127.0))
+    return q.reshape(R, K), dx, q.sum(-1).float()
+
+
+def _unpack32(qtype: int, packed: Tensor, N: int, K: int) -> dict[str, Tensor]:
+    P, nb = -(-N // 16), K // 32
+    r = packed.reshape(P, nb, RECORD32[qtype])
+    if qtype == Q8_0:
+        q = r[..., :512].contiguous().view(torch.int8).long()  # [P, nb, 512]
+        doff = 512
+    else:
+        nib = r[..., :256].long().reshape(P, nb, 16, 16)  # [P, nb, k, l]
+        q = torch.cat([nib & 15, nib >> 4], dim=2)  # [P, nb, 32, 16]
+        doff = 256
+        if qtype in (Q5_0, Q5_1):
+            hb = r[..., 256:320].long().reshape(P, nb, 4, 1, 16)
+            q = q | (((hb >> torch.arange(8).reshape(1, 1, 1, 8, 1)) & 1).reshape(P, nb, 32, 16) << 4)
+            doff = 320
+        q = q - ZERO32.get(qtype, 0)
+    q = q.reshape(P, nb, 32, 16).permute(0, 3, 1, 2).reshape(P * 16, K)[:N]
+
+    def lanes(t: Tensor) -> Tensor:  # [P, nb, 64] bytes -> [N, nb] fp32
+        return t.contiguous().view(torch.float32).reshape(P, nb, 16).permute(0, 2, 1).reshape(P * 16, nb)[:N]
+
+    out = {"q": q, "D": lanes(r[..., doff:doff + 64])}
+    if qtype in (Q4_1, Q5_1):
+        out["M"] = lanes(r[..., doff + 64:doff + 128])
+    return out
+
+
 def unpack(qtype: int, packed: Tensor, N: int, K: int) -> dict[str, Tensor]:
     """The integers and scales of a part from its panels: q [N, K]; Q4_K: D, M fp32 [N, K / 32] (d sc, dmin m);
-    Q6_K: D fp32 [N, K / 16]."""
+    Q6_K: D fp32 [N, K / 16]; the 32-weight block types: q - z, D (and M for Q4_1 / Q5_1) fp32 [N, K / 32]."""
+    if qtype in RECORD32:
+        return _unpack32(qtype, packed, N, K)
     P, nsb = -(-N // 16), K // 256
     r = packed.reshape(P, nsb, RECORD[qtype])
     lines = r[..., :2048].reshape(P, nsb * 32, 16, 4)  # [panel, line, row, j]
@@ -214,6 +317,9 @@ def dequantize_part(qtype: int, f: dict[str, Tensor]) -> Tensor:
     """A part's weights fp32 [N, K] as gguf.quants rounds them (Q4_K: RN(RN(D q) - M))."""
     q = f["q"].float()
     N, K = q.shape
+    if qtype in RECORD32:  # D (q - z) is exact in fp32; the _1 types round RN(D q + M) as gguf.quants
+        v = f["D"].repeat_interleave(32, 1) * q
+        return v + f["M"].repeat_interleave(32, 1) if "M" in f else v
     if qtype == Q4_K:
         return ((f["D"].repeat_interleave(32, 1) * q) - f["M"].repeat_interleave(32, 1)).reshape(N, K)
     return f["D"].repeat_interleave(16, 1) * (q - 32)
@@ -224,14 +330,24 @@ def reference_matmul(x: Tensor, parts: list[tuple[int, dict[str, Tensor], int]],
     fields, first output row)."""
     K = x.shape[-1]
     xs2 = x.reshape(-1, K).float()
-    q8, dx, xs, o = quantize_activations(xs2)
+    if any(t in RECORD for t, _, _ in parts):
+        q8, dx, xs, o = quantize_activations(xs2)
+    if any(t in RECORD32 for t, _, _ in parts):
+        q32, dx32, xs32 = quantize_activations32(xs2)
     R = xs2.shape[0]
     y = torch.empty(R, N, dtype=torch.float32)
     for qtype, f, n0 in parts:
         q = f["q"]
         n = q.shape[0]
         acc = torch.zeros(R, n)
-        if qtype == Q4_K:
+        if qtype in RECORD32:
+            ints = torch.einsum("rbk,nbk->rnb", q32.reshape(R, -1, 32).double(), q.reshape(n, -1, 32).double()).float()
+            for j in range(K // 32):
+                t = f["D"][None, :, j] * dx32[:, None, j]  # RN(D_j dx_j)
+                acc = _fma32(ints[..., j], t, acc)
+                if "M" in f:
+                    acc = _fma32(f["M"][None, :, j] * dx32[:, None, j], xs32[:, None, j].expand(R, n), acc)
+        elif qtype == Q4_K:
             ints = torch.einsum("rbk,nbk->rnb", q8.reshape(R, -1, 32).double(), q.reshape(n, -1, 32).double()).float()
             for s in range(K // 256):
                 a = torch.zeros(R, n)
@@ -271,6 +387,8 @@ def pack_parts(tensors: list[tuple[int, np.ndarray]], K: int) -> tuple[Tensor, T
         raise ValueError(f"{len(tensors)} parts: a GGUF layer has 1 to {MAX_PARTS}")
     blobs, table, n0, off = [], [], 0, 0
     for qtype, raw in tensors:
+        if qtype in RECORD and K % 256:
+            raise ValueError(f"input width {K}: a {TYPE_NAMES[qtype]} part needs whole super-blocks of 256 columns")
         b = pack(qtype, raw, K)
         blobs.append(b)
         table.append([qtype, raw.shape[0], n0, off, K])
@@ -315,7 +433,7 @@ class GGUFLinear(QLinear):
     def fields(self) -> list[tuple[int, dict[str, Tensor], int]]:
         out = []
         for qtype, n, n0, off in self._table():
-            size = -(-n // 16) * (self.in_features // 256) * RECORD[qtype]
+            size = -(-n // 16) * panel_bytes(qtype, self.in_features)
             out.append((qtype, unpack(qtype, self.qweight[off:off + size], n, self.in_features), n0))
         return out
 
@@ -378,10 +496,11 @@ def gguf_layers(path, num_layers: int, log=print) -> dict[str, Tensor]:
     exact = total = 0
     for prefix, names in groups.items():
         ts = [tensor(n) for n in names]
-        bad = [n for n, (t, _) in zip(names, ts) if t not in RECORD]
+        bad = [n for n, (t, _) in zip(names, ts) if t not in SUPPORTED]
         if bad:
-            raise ValueError(f"{path}: {bad[0]} is {by_name[bad[0]].tensor_type.name}; quantization gguf runs Q4_K and "
-                             "Q6_K tensors (a Q4_K_M GGUF's); use quantization: int4_a8 or none for this model")
+            raise ValueError(f"{path}: tensor {bad[0]} is {by_name[bad[0]].tensor_type.name}, which quantization gguf "
+                             f"has no kernel for (it runs {', '.join(TYPE_NAMES.values())}); use quantization: "
+                             "int4_a8 or none for this model")
         K = int(by_name[names[0]].shape[0])
         for (t, raw) in ts:
             if t == Q4_K:
@@ -423,5 +542,5 @@ def gguf_state(runtime: dict[str, Tensor], path, num_layers: int, log=print) -> 
     t = {x.name: x for x in GGUFReader(str(path)).tensors}["token_embd.weight"]
     raw = np.asarray(t.data)
     out["embed.weight"] = torch.from_numpy(reference_dequantize(int(t.tensor_type), raw, int(t.shape[0])).copy()) \
-        if int(t.tensor_type) in RECORD else runtime["embed.weight"].float()
+        if int(t.tensor_type) in SUPPORTED else runtime["embed.weight"].float()
     return out

@@ -104,7 +104,8 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
     flags = ISA_FLAGS[isa]
-    src = SRC.read_bytes() + SRC.with_name("gguf_kernels.c").read_bytes()  # skinny.c #includes it
+    src = SRC.read_bytes() + SRC.with_name("gguf_kernels.c").read_bytes() \
+        + SRC.with_name("gguf_blocks32.c").read_bytes()  # skinny.c #includes them
     key = src + " ".join(CFLAGS + flags).encode() + platform.node().encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     so = _build_dir() / f"skinny-{isa}-{tag}.so"
@@ -423,8 +424,8 @@ def _weight_args(w, fn: str = "linear", arg: str = "w") -> tuple[int, int | None
     if _quantized(w):
         N, K, gs = w.out_features, w.in_features, w.group_size
         if w.algo == "gguf":  # a gg_desc_t of the layer's GGUF parts (gguf_weights.GGUFLinear checks its panels)
-            if not (K % 256 == 0):
-                _fail(fn, f"{arg}.in_features", K, "be a multiple of 256 (whole GGUF super-blocks)")
+            if not (K % 32 == 0):
+                _fail(fn, f"{arg}.in_features", K, "be a multiple of 32 (whole GGUF blocks)")
             return w.desc_ptr(), None, codes["gguf"], 0, N, K
         if w.algo == "int8":  # quant.tile's 8 x 16 tiles, or row-major
             name = "i8t" if w.tiled else "i8"

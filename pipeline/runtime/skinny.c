@@ -891,7 +891,7 @@ static int weights_ok(int K, int N, int wt, int gs) {
         case WT_BF16T: return K % 32 == 0 && N % TROWS == 0;
         case WT_I8T: return K % 16 == 0 && N % 8 == 0;
         case WT_I4A8: return gs > 0 && gs % 16 == 0 && K % gs == 0;
-        case WT_GGUF: return K % 256 == 0;  // whole GGUF super-blocks
+        case WT_GGUF: return K % 32 == 0;  // whole GGUF blocks (gguf_weights checks 256 for k-quant parts)
         default: return 0;
     }
 }
