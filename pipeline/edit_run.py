@@ -81,7 +81,8 @@ def run_edit(spec, url: str, model: str, methods: list[str | None], default: str
     rows: dict[str, list] = {s.label: [] for s in systems}
     for i, case in enumerate(cases):
         other = cases[(i + 1) % len(cases)]["original"] if len(cases) > 1 else "def unrelated():\n    pass\n"
-        n = min(_tokens(case) + EXTRA_TOKENS, spec.limits.max_seq_len - spec.limits.max_input_len)
+        n = min(_tokens(case) + EXTRA_TOKENS, spec.limits.max_seq_len - spec.limits.max_input_len,
+                v.edit_new_tokens or 1 << 30)
         for s in systems:
             extra = ({"prediction": {"type": "content", "content": case["original"]}} if s is pred_orig else
                      {"prediction": {"type": "content", "content": other}} if s is pred_other else None)
@@ -93,8 +94,9 @@ def run_edit(spec, url: str, model: str, methods: list[str | None], default: str
         log(f"  edit {i + 1}/{len(cases)} {case['id']}: " + ", ".join(
             f"{k} {_f(r[-1] and r[-1]['decode_tokens_per_s'], '.1f')}" for k, r in rows.items()) + " decode tokens/s")
     report = {"spec": spec.name, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "edit_set": v.edit_set, "cases": [{k: c.get(k) for k in ("id", "kind", "source", "license", "tokens",
-                                                                    "bug_introduced")} for c in cases],
+              "edit_set": v.edit_set, "new_tokens": v.edit_new_tokens or "the whole file",
+              "cases": [{k: c.get(k) for k in ("id", "kind", "source", "license", "tokens", "bug_introduced")}
+                        for c in cases],
               "default_method": default, "systems": {s.label: s.unsupported or "ran" for s in systems},
               "ours": [s.label for s in ours], "llama": [s.label for s in llama], "notes": notes, "runs": rows}
     report["summary"] = summarize(report, baseline_label(methods), pred_orig.label, pred_other.label,
@@ -158,7 +160,7 @@ def markdown(report: dict) -> list[str]:
     s = report["summary"]
     plain = s["systems"].get("llama-server plain", {}).get("decode_tokens_per_s")
     lines = [f"## Edits (OpenAI endpoint, {len(report['cases'])} cases of {report['edit_set']}, every system in turn "
-             "per case)", "",
+             f"per case; new tokens per answer: {report.get('new_tokens', 'the whole file')})", "",
              "| system | decode tokens/s | per-case median | vs llama-server plain | identical to our baseline | "
              "prediction tokens accepted / rejected | status |", "|---|---|---|---|---|---|---|"]
     for k, e in s["systems"].items():

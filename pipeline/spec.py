@@ -259,6 +259,7 @@ class ValidateSpec:
     context_trace_tokens: int = 8192
     edit_set: str = "build/edit_set.json"
     max_edit_cases: int = 0
+    edit_new_tokens: int = 0  # new tokens per edit answer (0: the whole file and room to spare)
 
 
 @dataclass
@@ -690,6 +691,8 @@ def _validate_validate(val: ValidateSpec) -> None:
     _check(val.context_trace_tokens >= 256, "validate.context_trace_tokens", val.context_trace_tokens,
            "must be 256 or more")
     _check(val.max_edit_cases >= 0, "validate.max_edit_cases", val.max_edit_cases, "must be 0 (all) or more")
+    _check(val.edit_new_tokens >= 0, "validate.edit_new_tokens", val.edit_new_tokens,
+           "must be 0 (the whole file) or more")
     _check(all(c >= 1 for c in val.concurrency) and val.concurrency, "validate.concurrency", val.concurrency,
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,

@@ -385,6 +385,9 @@ def trimmed(spec: Spec) -> list[str]:
                    "context_trace_tokens)")
     if v.edit_set and v.max_edit_cases:
         out.append(f"the first {v.max_edit_cases} edit cases (full run: all of {v.edit_set}; validate.max_edit_cases)")
+    if v.edit_set and v.edit_new_tokens:
+        out.append(f"edit answers cut at {v.edit_new_tokens} new tokens (full run: the whole file; "
+                   "validate.edit_new_tokens)")
     return out
 
 

@@ -115,6 +115,32 @@ def test_the_edit_set_has_12_cases_of_300_to_1500_tokens_with_their_source_and_l
     assert all(c["bug_introduced"] for c in cases if c["kind"] == "bug fix")
 
 
+def test_trimmed_names_the_side_by_side_sections_a_short_run_leaves_out(tmp_path):
+    from pipeline.validate import trimmed
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+    short = {"prompts": str(prompts), "context_sizes": [1024, 4096], "context_turns": 4, "context_trace_tokens": 4096,
+             "max_edit_cases": 4, "edit_new_tokens": 256}
+    out = trimmed(specmod.parse({"name": "t", "validate": short}, root=tmp_path))
+    assert out == ["cold prompts of [1024, 4096] tokens (full run: [1024, 4096, 16384]; validate.context_sizes)",
+                   "a 4-turn agent trace to 4096 tokens (full run: 6 turns to 8192; validate.context_turns, "
+                   "context_trace_tokens)",
+                   "the first 4 edit cases (full run: all of build/edit_set.json; validate.max_edit_cases)",
+                   "edit answers cut at 256 new tokens (full run: the whole file; validate.edit_new_tokens)"]
+    assert trimmed(specmod.parse({"name": "t", "validate": {"prompts": str(prompts)}}, root=tmp_path)) == []
+    off = {"prompts": str(prompts), "context_sizes": [], "edit_set": "", "max_edit_cases": 4}
+    assert trimmed(specmod.parse({"name": "t", "validate": off}, root=tmp_path)) == []  # sections off: nothing cut
+
+
+def test_side_by_side_keys_are_checked_with_their_path(tmp_path):
+    for bad, key in (({"context_sizes": [0]}, "validate.context_sizes"), ({"max_edit_cases": -1},
+                                                                          "validate.max_edit_cases"),
+                     ({"edit_new_tokens": -5}, "validate.edit_new_tokens")):
+        with pytest.raises(specmod.SpecError, match=key):
+            specmod.parse({"name": "t", "validate": bad}, root=tmp_path)
+
+
 def test_a_missing_edit_set_names_the_key_and_how_to_write_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="validate.edit_set.*make_edit_set"):
         edit_run.load_cases(tmp_path / "nope.json")
@@ -133,7 +159,7 @@ def served_tiny(tiny_root, tiny_engine):
                       prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       limits={"max_batch_size": 4, "max_input_len": 384, "max_seq_len": 512, "max_draft_len": 8},
                       validate={"context_sizes": [40, 120], "context_turns": 2, "context_trace_tokens": 256,
-                                "max_edit_cases": 2})
+                                "max_edit_cases": 2, "edit_new_tokens": 24})
     s = specmod.load(path)
     from pipeline.engine import build_target
 
@@ -186,7 +212,7 @@ def test_validates_sections_end_to_end_through_our_endpoint_with_llama_server_re
     assert len(ed["cases"]) == 2  # validate.max_edit_cases of the 3
     assert i["total"] == 2 * len(ran) and i["identical"] == i["total"]  # every method greedy-identical
     # (the tiny model's answers arrive as one piece, so decode tokens/s has no time after a first token to use)
-    assert all(r["completion_tokens"] >= 1 and r["latency_s"] >= r["ttft_s"] for k in ran for r in ed["runs"][k])
+    assert all(1 <= r["completion_tokens"] <= 24 and r["latency_s"] >= r["ttft_s"] for k in ran for r in ed["runs"][k])
 
     # validate.json keeps the sections without the answers; validate.md and the README block render them
     assert "runs" not in report["edit"] and report["context"]["summary"] == ctx["summary"]
