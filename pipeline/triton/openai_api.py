@@ -44,7 +44,7 @@ from pipeline.client import RequestError, RequestTimeout, generate
 from pipeline.load import served_methods
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
-from pipeline.triton import door
+from pipeline.triton import door, fim
 from pipeline.triton.door import API_KEY_ENV
 from pipeline.triton.repo import client_model, default_methods
 from pipeline.triton.server import ServerError, grpc_url, log_tail, port_free
@@ -67,7 +67,6 @@ UNSUPPORTED = {
     "function_call": ((None, "none"), "function calling is not supported; omit it"),
     "best_of": ((None, 1), "one completion per request; send 1 or omit it"),
     "echo": ((None, False), "the prompt is not echoed; omit it"),
-    "suffix": ((None, ""), "insertion (suffix) is not supported; omit it"),
     "audio": ((None,), "audio output is not supported; omit it"),
     "modalities": ((None, ["text"]), "text is the only modality; omit it"),
     "prediction": ((None,), "predicted outputs are not supported; omit it"),
@@ -293,12 +292,15 @@ class Front:
     def __init__(self, cfg: FrontConfig, tokenizer, api_key: str | None = None):
         self.cfg, self.tok, self.api_key = cfg, tokenizer, api_key or None
         self.created = int(time.time())
+        self.fim = fim.fim_tokens(tokenizer)  # None: the model has no FIM tokens (suffix and /infill get a 400)
 
     # -- parameters
     def check(self, body, kind: str) -> Job:
         cfg = self.cfg
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object", None, "invalid_type")
+        if kind == "infill":  # llama.cpp's /infill: its fields as a completion of the model's FIM prompt
+            body, kind = self.infill_body(body), "text"
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("model: missing; send the deployment's name: " + cfg.name, "model", "missing_required_parameter")
@@ -333,8 +335,10 @@ class Front:
             if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
                 raise bad("stream_options: send {\"include_usage\": true|false}", "stream_options", "invalid_type")
             include_usage = bool(so.get("include_usage", False))
-        prompt, param = (self._chat_prompt(body.get("messages")), "messages") if kind == "chat" else (
-            self._text_prompt(body.get("prompt")), "prompt")
+        if kind == "chat":
+            prompt, param = self._chat_prompt(body.get("messages")), "messages"
+        else:
+            prompt, param = self._fill_in(self._text_prompt(body.get("prompt")), body.get("suffix")), "prompt"
         ids = self._encode(prompt)
         if len(ids) > cfg.max_input_len:
             raise bad(f"This model's maximum prompt length is {cfg.max_input_len} tokens (limits.max_input_len); "
@@ -444,6 +448,86 @@ class Front:
             except Exception as e:  # noqa: BLE001 - the template's own refusal (say, roles out of order)
                 raise bad(f"messages: the model's chat template refused them: {e}", "messages") from None
         return "\n".join(m["content"] for m in out)
+
+    def _fim_or_refuse(self, param: str):
+        if self.fim is None:
+            raise bad(f"{param}: this model cannot fill in the middle (its tokenizer has no {fim.PREFIX}, "
+                      f"{fim.SUFFIX}, {fim.MIDDLE} tokens); omit {param} and send the prompt alone, or serve a FIM "
+                      "model such as Qwen2.5-Coder", param, "unsupported_parameter")
+        return self.fim
+
+    def _no_markers(self, text: str, param: str) -> None:
+        """The markers spelled out in the user's text would be read as the tokens and break the layout."""
+        m = fim.contains_marker(text, self.fim) if self.fim else None
+        if m:
+            raise bad(f"{param}: contains {m}, one of the model's fill-in-the-middle markers; remove it", param)
+
+    def _fill_in(self, prompt: str, suffix) -> str:
+        """OpenAI's `suffix` on /v1/completions: the prompt is the text before the insertion, suffix the text
+        after it, the answer what goes between (the model's FIM layout, docs/openai.md#fill-in-the-middle)."""
+        if suffix is None or (suffix == "" and self.fim is None):
+            return prompt
+        if not isinstance(suffix, str):
+            raise bad(f"suffix: got {json.dumps(suffix)[:80]}; send a string (the text after the insertion)",
+                      "suffix", "invalid_type")
+        f = self._fim_or_refuse("suffix")
+        self._no_markers(prompt, "prompt")
+        self._no_markers(suffix, "suffix")
+        return fim.fim_prompt(f, prompt, suffix)
+
+    def infill_body(self, body: dict) -> dict:
+        """llama.cpp's /infill request (input_prefix, input_suffix, input_extra, prompt, n_predict, ...) as the
+        /v1/completions body of its FIM prompt. Fields it has that change no answer here (id_slot, n_indent,
+        t_max_prompt_ms, t_max_predict_ms, samplers' order) are accepted and ignored."""
+        f = self._fim_or_refuse("input_prefix")
+        texts = {}
+        for key in ("input_prefix", "input_suffix", "prompt"):
+            v = body.get(key, "")
+            if v is None:
+                v = ""
+            if not isinstance(v, str):
+                raise bad(f"{key}: got {json.dumps(v)[:80]}; send a string", key, "invalid_type")
+            self._no_markers(v, key)
+            texts[key] = v
+        extra_in = body.get("input_extra") or []
+        if not isinstance(extra_in, list):
+            raise bad("input_extra: send a list of {\"filename\": ..., \"text\": ...} objects", "input_extra",
+                      "invalid_type")
+        extra = []
+        for i, chunk in enumerate(extra_in):
+            where = f"input_extra[{i}]"
+            if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str) \
+                    or not isinstance(chunk.get("filename", "tmp"), str):
+                raise bad(f"{where}: send {{\"filename\": string, \"text\": string}}", where, "invalid_type")
+            self._no_markers(chunk.get("text", ""), f"{where}.text")
+            self._no_markers(chunk.get("filename", "tmp"), f"{where}.filename")
+            extra.append((chunk.get("filename", "tmp"), chunk.get("text", "")))
+        self._length_guard(sum(len(t) for t in texts.values()) + sum(len(t) for _, t in extra), "input_prefix")
+        out: dict = {"model": self.cfg.name, "prompt": fim.fim_prompt(f, texts["input_prefix"] + texts["prompt"],
+                                                                       texts["input_suffix"], extra)}
+        n = body.get("n_predict")
+        if n is not None and not (_is_int(n) and (n == -1 or n >= 1)):
+            raise bad(f"n_predict: got {json.dumps(n)[:40]}; send -1 (as many as the context leaves) or a positive "
+                      "integer", "n_predict")
+        if n is not None and n > 0:
+            out["max_tokens"] = n
+        samplers = body.get("samplers")
+        # llama.cpp's default temperature is 0.8; a sampler chain without "temperature" samples at 1
+        # (llama.vscode sends ["top_k", "top_p", "infill"]).
+        plain = isinstance(samplers, list) and "temperature" not in samplers
+        out["temperature"] = body.get("temperature", 1.0 if plain else 0.8)
+        seed = body.get("seed")
+        if seed is not None and not (_is_int(seed) and seed < 0):  # -1: a random seed, as omitting it
+            out["seed"] = seed
+        for key in ("top_k", "top_p", "stop", "stream", "cache_prompt"):
+            if body.get(key) is not None:
+                out[key] = body[key]
+        return out
+
+    def _length_guard(self, chars: int, param: str) -> None:
+        if chars > 64 * self.cfg.max_input_len + 1024:
+            raise bad(f"{param}: {chars} characters, far above the {self.cfg.max_input_len} tokens of "
+                      "limits.max_input_len; shorten it", param, "context_length_exceeded")
 
     @staticmethod
     def _text_prompt(prompt) -> str:
@@ -825,6 +909,8 @@ def make_app(front: Front):
             tail, usage, spec = run.finish(value)
             content = "".join(text) + tail
             finish = run.finish_reason(value, usage)
+            if kind == "infill":
+                return JSONResponse(infill_result(run, value, content, usage, spec, body))
             if kind == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
                           "logprobs": None, "finish_reason": finish}
@@ -846,6 +932,10 @@ def make_app(front: Front):
             return error(triton_error(first[1]))
         if first[0] == "gone":
             return error(CLIENT_GONE)
+
+        if kind == "infill":
+            return StreamingResponse(infill_events(run, first, body), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def events():
             what, value = first
@@ -882,6 +972,58 @@ def make_app(front: Front):
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def infill_result(run: Run, r: dict, content: str, usage: dict, spec: dict, body: dict) -> dict:
+        """llama.cpp's /completion result for an /infill answer (its `response_fields` pick and flatten fields)."""
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        ttft, latency = float(r.get("ttft_s") or 0.0), float(r.get("latency_s") or 0.0)
+        n = usage["completion_tokens"]
+        out = {"index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": cfg.name,
+               "tokens_predicted": n, "tokens_evaluated": usage["prompt_tokens"], "tokens_cached": cached,
+               "truncated": False, "has_new_line": "\n" in content,
+               "stop_type": "word" if run.scan.hit else ("limit" if run.finish_reason(r, usage) == "length"
+                                                          else "eos"),
+               "stopping_word": run.scan.matched if run.scan.hit else "",
+               "timings": {"cache_n": cached, "prompt_n": usage["prompt_tokens"] - cached,
+                           "prompt_ms": ttft * 1e3, "predicted_n": n, "predicted_ms": (latency - ttft) * 1e3,
+                           "predicted_per_second": n / (latency - ttft) if latency > ttft else None},
+               "speculative": spec}
+        fields = body.get("response_fields")
+        if isinstance(fields, list) and all(isinstance(f, str) for f in fields):
+            picked = {}
+            for f in fields:  # "timings/prompt_n": a nested field, flattened under its path (llama.cpp's rule)
+                v, ok = out, True
+                for part in f.split("/"):
+                    ok = isinstance(v, dict) and part in v
+                    v = v[part] if ok else None
+                    if not ok:
+                        break
+                if ok:
+                    picked[f] = v
+            out = picked
+        return out
+
+    async def infill_events(run: Run, first, body: dict):
+        """llama.cpp's stream: `data: {"content": piece, "stop": false}` per piece, then the result with stop true."""
+        what, value = first
+        try:
+            while True:
+                if what == "piece":
+                    yield sse({"index": 0, "content": value, "stop": False, "id_slot": 0})
+                elif what == "error":
+                    yield sse(triton_error(value).body())
+                    break
+                else:
+                    tail, usage, spec = run.finish(value)
+                    yield sse(infill_result(run, value, tail, usage, spec, body))
+                    break
+                what, value = await run.queue.get()
+        finally:
+            run.gone.set()
+            running["n"] -= 1
+
+    async def infill(request: Request):
+        return await complete(request, "infill")
+
     async def chat(request: Request):
         return await complete(request, "chat")
 
@@ -901,7 +1043,8 @@ def make_app(front: Front):
 
     routes = [Route("/health", health_route), Route("/v1/models", models), Route("/v1/models/{model:path}", one_model),
               Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/v1/completions", completions, methods=["POST"])]
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/infill", infill, methods=["POST"])]
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # Templating and tokenizing run on this pool: at most one thread per running request (openai.max_concurrent).
