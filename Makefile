@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load readme test test-fast lint ci all clean gpu-check
+.PHONY: setup fetch peers engine repo serve stop client validate bench load readme deploy deploy-tools test test-fast lint ci all clean gpu-check
 
 # The main job. llama.cpp's server (the peer validate measures against) builds beside the engines: once per CPU, cached
 # outside the repository, so a second run on the same machine skips it.
@@ -59,6 +59,15 @@ load: setup
 readme: setup
 	$(PY) -m pipeline readme $(SPEC) $(ARGS)
 
+# Kubernetes manifests and the session-affine HAProxy config for every spec under build/ (or SPECS=...): deploy/<name>/
+# (docs/deploy.md). deploy-tools installs what rendering and the routing test need (kubectl, haproxy; root, apt).
+SPECS ?= $(wildcard build/*.yaml)
+deploy: setup
+	for s in $(SPECS); do $(PY) -m pipeline deploy $$s $(ARGS) || exit 1; done
+
+deploy-tools:
+	scripts/deploy_tools.sh
+
 # The full suite (what CI runs). Tiers are markers (pyproject.toml; tests/conftest.py marks by fixture).
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
@@ -78,4 +87,4 @@ ci:
 	.ci/run
 
 clean:
-	rm -rf engines triton_repo reports .pytest_cache
+	rm -rf engines triton_repo reports deploy .pytest_cache

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 def _extra_verbs():
     """Verbs owned by other stages register themselves here (each module's `register(verb)`)."""
     out = []
-    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.peers"):
+    for mod in ("pipeline.triton.cli", "pipeline.validate", "pipeline.load", "pipeline.peers", "pipeline.deploy.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

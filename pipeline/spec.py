@@ -197,6 +197,20 @@ class KVCacheSpec:
 
 
 @dataclass
+class DeploySpec:
+    """`python -m pipeline deploy` (docs/deploy.md): Kubernetes manifests and the session-affine HAProxy in front of
+    the replicas. The API key comes from a Secret, never from the spec."""
+
+    replicas: int = 2  # serving pods (each: Triton and the OpenAI endpoint, its own prompt cache)
+    image: str = "spec-pipeline:latest"  # the pipeline's image (Dockerfile at the repo root) for the cpu overlay
+    namespace: str = "spec-pipeline"
+    session_header: str = "X-Session-Id"  # the proxy hashes on it, else on the OpenAI body's `user`, else least-conn
+    proxy_port: int = 8080  # where the proxy listens (on loopback beside the replicas too: a port of its own)
+    gpus_per_node: int = 8  # a parallel plan larger than this spans nodes: a LeaderWorkerSet of tp*pp/this pods
+    storage: ByteSize = 64 * 2**30  # the volume the build Job writes engines/ into
+
+
+@dataclass
 class TensorRTLLMSpec:
     """Settings only the tensorrt_llm backend reads."""
 
@@ -280,6 +294,7 @@ class Spec:
     prompt_cache: PromptCacheSpec = field(default_factory=PromptCacheSpec)
     kv_cache: KVCacheSpec = field(default_factory=KVCacheSpec)
     tensorrt_llm: TensorRTLLMSpec = field(default_factory=TensorRTLLMSpec)
+    deploy: DeploySpec = field(default_factory=DeploySpec)
     validate: ValidateSpec = field(default_factory=ValidateSpec)
     # Directory the relative paths in this spec are resolved against (the repo root).
     root: str = field(default=".", metadata={"internal": True})
@@ -512,6 +527,9 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
+    from pipeline.deploy.checks import check_deploy  # light (no kubectl, no yaml writing): deploy's own keys
+
+    check_deploy(spec, _check)
     return spec
 
 

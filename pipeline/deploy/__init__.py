@@ -1,0 +1,1 @@
+"""`python -m pipeline deploy SPEC`: Kubernetes manifests and a session-affine proxy for a spec (docs/deploy.md)."""
