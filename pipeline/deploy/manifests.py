@@ -18,6 +18,7 @@ import copy
 import json
 import math
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +304,7 @@ def _overlay_kustomization(files: dict) -> dict:
 def _gpu_memory(spec: Spec) -> tuple[int, str]:
     """Host memory of a GPU pod: the weights it loads (its share of the plan's), which pass through host memory."""
     from pipeline.trtllm.memory import memory_plan  # lazy: only tensorrt_llm specs need the plan
-    from pipeline.trtllm.planning import planned_engine_configs
+    from pipeline.trtllm.planning import planned_engine_configs  # lazy: as memory_plan
 
     try:
         plan = memory_plan(spec, planned_engine_configs(spec))
@@ -389,8 +390,6 @@ def _dump(content: Any) -> str:
 
 def write(spec: Spec, out: Path | None = None) -> Path:
     """Write deploy/<name>/ (replacing what a previous run wrote there); return the directory."""
-    import shutil
-
     out = out or Path(spec.root) / "deploy" / spec.name
     if out.exists():
         shutil.rmtree(out)
