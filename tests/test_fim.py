@@ -19,6 +19,7 @@ PREFIX = "def rain(clouds):\n    total = 0\n    for c in clouds:\n"
 SUFFIX = "\n    return total\n"
 EXTRA = [{"filename": "weather/ocean.py", "text": "def evaporate(sea):\n    return sea * 0.1\n"}]
 MARKERS = [fim.PREFIX, fim.SUFFIX, fim.MIDDLE, fim.PAD, fim.REPO, fim.FILE_SEP]
+STOPS = [fim.PAD, fim.FILE_SEP, fim.REPO]  # where a middle ends (the plain path is sent the same stops)
 
 
 def fim_tokenizer():
@@ -61,6 +62,8 @@ def test_the_fim_prompt_follows_the_models_layout_and_refuses_spelled_out_marker
     front = openai_api.Front(_cfg(), tok)
     job = front.check({"model": "fim", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4}, "text")
     assert job.prompt == f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    assert job.stop == STOPS
+    assert front.check({"model": "fim", "prompt": PREFIX, "stop": ["\n\n"]}, "text").stop == ["\n\n"]
     ids = tok(job.prompt, add_special_tokens=False)["input_ids"]
     assert ids.count(tok.convert_tokens_to_ids(fim.MIDDLE)) == 1 and ids[-1] == tok.convert_tokens_to_ids(fim.MIDDLE)
     job = front.check({"input_prefix": PREFIX, "input_suffix": SUFFIX, "prompt": "        total",
@@ -123,7 +126,7 @@ def test_openai_client_suffix_answers_the_fim_prompt_exactly(served_fim):
     s = served_fim
     c = OpenAI(base_url=openai_api.base_url(s), api_key="unused", max_retries=0, timeout=120)
     want = c.completions.create(model="fim", prompt=fim.fim_prompt(fim.FimTokens(True), PREFIX, SUFFIX),
-                                max_tokens=16, temperature=0)
+                                max_tokens=16, temperature=0, stop=STOPS)
     assert want.choices[0].text  # an answer to compare, not two empty ones
     for method in ("baseline", "draft_target"):
         got = c.completions.create(model="fim", prompt=PREFIX, suffix=SUFFIX, max_tokens=16, temperature=0,
@@ -150,7 +153,7 @@ def test_llama_vscode_shaped_infill_is_answered_like_llama_cpp(served_fim):
     assert set(got) == {"content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"}
     plain = fim.fim_prompt(fim.FimTokens(True), PREFIX, SUFFIX, [(e["filename"], e["text"]) for e in EXTRA])
     code, raw = _post(openai_api.base_url(s) + "/completions", {"model": "fim", "prompt": plain, "max_tokens": 12,
-                                                                "temperature": 0})
+                                                                "temperature": 0, "stop": STOPS})
     want = json.loads(raw)
     assert want["choices"][0]["text"] and got["content"] == want["choices"][0]["text"]
     assert got["timings/predicted_n"] == want["usage"]["completion_tokens"]

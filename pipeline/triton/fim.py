@@ -46,6 +46,12 @@ def fim_tokens(tok) -> FimTokens | None:
     return FimTokens(repo=_one_token(tok, REPO) and _one_token(tok, FILE_SEP))
 
 
+def stop_markers(fim: FimTokens) -> list[str]:
+    """Where a middle ends besides the end-of-sequence token: the model padding, or starting a file or repository
+    (llama.cpp ends infill at these too). Sent as stop words: the model stops at the token itself."""
+    return [PAD] + ([FILE_SEP, REPO] if fim.repo else [])
+
+
 def contains_marker(text: str, fim: FimTokens) -> str | None:
     """The first FIM marker `text` spells out, if any: it would be read as the token and change the layout."""
     return next((m for m in fim.markers if m in text), None)

@@ -299,7 +299,8 @@ class Front:
         cfg = self.cfg
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object", None, "invalid_type")
-        if kind == "infill":  # llama.cpp's /infill: its fields as a completion of the model's FIM prompt
+        filled = kind == "infill"
+        if filled:  # llama.cpp's /infill: its fields as a completion of the model's FIM prompt
             body, kind = self.infill_body(body), "text"
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -338,7 +339,9 @@ class Front:
         if kind == "chat":
             prompt, param = self._chat_prompt(body.get("messages")), "messages"
         else:
-            prompt, param = self._fill_in(self._text_prompt(body.get("prompt")), body.get("suffix")), "prompt"
+            text = self._text_prompt(body.get("prompt"))
+            prompt, param = self._fill_in(text, body.get("suffix")), "prompt"
+            filled = filled or prompt != text
         ids = self._encode(prompt)
         if len(ids) > cfg.max_input_len:
             raise bad(f"This model's maximum prompt length is {cfg.max_input_len} tokens (limits.max_input_len); "
@@ -409,6 +412,8 @@ class Front:
             raise bad(f"stop: got {json.dumps(body.get('stop'))[:80]}; send a string or a list of up to {MAX_STOP} "
                       "strings", "stop", "invalid_type")
         stop = [s for s in stop if s]
+        if filled:  # a middle ends where the model starts another file or pads, as llama.cpp's infill ends
+            stop += [m for m in fim.stop_markers(self.fim) if m not in stop]
         return Job(kind, prompt, len(ids), mt, stream, include_usage, stop, method, opts)
 
     def _chat_prompt(self, messages) -> str:
