@@ -59,8 +59,8 @@ def _row(r: dict | None) -> dict | None:
     """A response's figures as the report keeps them (the text only where an identity check needs it)."""
     if r is None:
         return None
-    return {k: r[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "latency_s",
-                              "prefill_tokens_per_s", "server_prompt_ms")}
+    return {k: r.get(k) for k in ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "second_piece_s",
+                                  "latency_s", "prefill_tokens_per_s", "server_prompt_ms")}
 
 
 def fit_sizes(sizes: list[int], max_input: int) -> tuple[list[int], list[int]]:
@@ -171,6 +171,8 @@ def summarize(report: dict, ours: str, theirs: str | None) -> dict:
     for n, row in cold.items():
         a, b = get(row, ours, "prefill_tokens_per_s"), get(row, theirs, "prefill_tokens_per_s")
         out["cold"][str(n)] = {"ttft_s": get(row, ours, "ttft_s"), "llama_ttft_s": get(row, theirs, "ttft_s"),
+                               "second_piece_s": get(row, ours, "second_piece_s"),
+                               "llama_second_piece_s": get(row, theirs, "second_piece_s"),
                                "prefill_tokens_per_s": a, "llama_prefill_tokens_per_s": b,
                                "prefill_over_llama": ratio(a, b)}
     w = report.get("warm")
@@ -229,6 +231,10 @@ def markdown(report: dict) -> list[str]:
                      f"{_f(w['llama_ttft_s'])} | cached {w['cached_tokens']} | cached {w['llama_cached_tokens']} | "
                      f"{_f(w['warm_over_llama'], '.2f', 'x')} |")
         lines += ["", f"Warm over cold time to first token (ours): {_f(w['warm_over_cold'], '.3f')}."]
+    lines += ["", "Second streamed piece after a cold prompt (work put off past the first token, such as the draft's "
+              "prefill, lands before it): " + "; ".join(
+                  f"{n}: ours {_f(e['second_piece_s'])} s, llama-server {_f(e['llama_second_piece_s'])} s"
+                  for n, e in s["cold"].items()) + "."]
     t = s.get("trace")
     if t:
         a, b = t["ours"], t["llama"]

@@ -157,8 +157,8 @@ def complete(base_url: str, model: str, messages: list[dict] | None = None, prom
                 for choice in obj.get("choices") or []:
                     piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
                     if piece:
-                        if not first:
-                            first.append(time.perf_counter() - t0)
+                        if len(first) < 2:  # the first two pieces' times: the second comes after any work the
+                            first.append(time.perf_counter() - t0)  # server put off past the first token
                         pieces.append(piece)
                         if on_piece:
                             on_piece(piece)
@@ -173,7 +173,8 @@ def complete(base_url: str, model: str, messages: list[dict] | None = None, prom
         stopped.set()
         conn.close()
     latency = time.perf_counter() - t0
-    out.update(text="".join(pieces), pieces=len(pieces), latency_s=latency, ttft_s=first[0] if first else latency)
+    out.update(text="".join(pieces), pieces=len(pieces), latency_s=latency, ttft_s=first[0] if first else latency,
+               second_piece_s=first[1] if len(first) > 1 else None)
     usage = out["usage"] or {}
     if usage.get("completion_tokens") is not None:
         out["num_output_tokens"] = int(usage["completion_tokens"])

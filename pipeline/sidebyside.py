@@ -72,8 +72,9 @@ def refused_field(e: ApiRequestError, sent: list[str]) -> str | None:
 def figures(r: dict) -> dict:
     """One response's figures, the same for every server: token counts from `usage` (llama-server's `timings`
     where usage lacks them), the prompt tokens served from a cache (ours: usage.prompt_tokens_details.cached_tokens;
-    llama-server: timings.cache_n), time to first token, decode tokens/s after the first token, prefill tokens/s of
-    the prompt tokens actually computed, and OpenAI's accepted/rejected prediction tokens when reported."""
+    llama-server: timings.cache_n), time to first token and to the second streamed piece (work a server puts off
+    past the first token, such as a draft model's prefill, lands before it), decode tokens/s after the first token,
+    prefill tokens/s of the prompt tokens actually computed, and OpenAI's accepted/rejected prediction tokens."""
     usage, tm = r.get("usage") or {}, r.get("timings") or {}
     prompt = usage.get("prompt_tokens")
     if prompt is None and tm.get("prompt_n") is not None:
@@ -88,6 +89,7 @@ def figures(r: dict) -> dict:
     computed = (prompt - (cached or 0)) if prompt is not None else None
     return {"text": r["text"], "finish_reason": r.get("finish_reason"), "prompt_tokens": prompt,
             "cached_tokens": cached, "completion_tokens": n, "ttft_s": ttft, "latency_s": latency,
+            "second_piece_s": r.get("second_piece_s"),
             "decode_tokens_per_s": decode_rate([(n or 0, latency - ttft)]),
             "prefill_tokens_per_s": computed / ttft if computed and ttft > 0 else None,
             "accepted_prediction_tokens": details.get("accepted_prediction_tokens"),

@@ -204,6 +204,27 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
             openai_api.stop(spec)
 
 
+def run_side_by_side(spec: Spec, log=print) -> dict:
+    """`validate --only side-by-side`: the context and edit sections alone (minutes, not validate's quarter hour),
+    the server started and stopped as run_validate does; returns what validate.json would hold of them."""
+    from pipeline.runtime.engine_io import load_tokenizer  # lazy: loads torch (~1.5 s)
+
+    started = None
+    if server.running_pid(spec) is None or not server.is_ready(spec):
+        log("starting the Triton server ...")
+        started = server.start(spec, log=log)
+    try:
+        report: dict = {}
+        phases: dict[str, float] = {}
+        side_by_side(spec, load_tokenizer(spec.engine_dir / "target"), report, log, _lap_clock(phases))
+        log("\n".join(side_by_side_markdown(report)))
+        log("sections took " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
+        return report
+    finally:
+        if started is not None:
+            started.stop()
+
+
 def _lap_clock(phases: dict[str, float]):
     """lap(name): the seconds since the previous lap (or the clock's start) recorded as phases[name], so the report
     says where a make all's validate minutes went (the 30-minute budget of the main job)."""
@@ -749,6 +770,9 @@ def cmd_validate(args) -> int:
     if getattr(args, "api", "grpc") == "openai":  # pipeline/validate_api.py: any OpenAI-compatible server
         run_validate_api(s, args.base_url or None, args.model or None, args.label)
         return 0
+    if getattr(args, "only", "") == "side-by-side":
+        run_side_by_side(s)
+        return 0
     if s.threads:
         import torch  # lazy: torch (~1.5 s); the CLI imports this module at start
 
@@ -765,3 +789,5 @@ def register(verb) -> None:
                                                    "http://127.0.0.1:8080/v1 (default: this deployment's own)")
     sp.add_argument("--model", default="", help="with --api openai: the served model name (default: the spec's name)")
     sp.add_argument("--label", default="", help="with --api openai: report as validate_openai_<label>.*")
+    sp.add_argument("--only", choices=("side-by-side",), default="",
+                    help="only the context and edit sections beside llama-server (context.json, edit.json)")

@@ -173,25 +173,24 @@ def served_tiny(tiny_root, tiny_engine):
 
 
 @pytest.mark.server
-def test_validates_sections_end_to_end_through_our_endpoint_with_llama_server_recorded_unsupported(served_tiny,
-                                                                                                  tmp_path):
+def test_side_by_side_end_to_end_through_our_endpoint_with_llama_server_recorded_unsupported(served_tiny, tmp_path):
     from pipeline import readme, validate
-    from pipeline.runtime.engine_io import load_tokenizer
 
     s = served_tiny
     cases = edit_run.load_cases(Path("build/edit_set.json").resolve())[:3]
     small = [{**c, "original": c["original"][:120], "tokens": 40} for c in cases]  # the tiny model's room
     s.validate.edit_set = str(tmp_path / "edit.json")
     Path(s.validate.edit_set).write_text(json.dumps({"cases": small}))
-    lines, laps, report = [], [], {}
-    validate.side_by_side(s, load_tokenizer(s.engine_dir / "target"), report, lines.append, laps.append)
-    assert laps == ["context", "edit"], lines
+    lines: list[str] = []
+    report = validate.run_side_by_side(s, log=lines.append)  # `validate --only side-by-side`, the server up
+    assert any(ln.startswith("sections took context") and ", edit " in ln for ln in lines), lines
     ctx = json.loads((s.report_dir / "context.json").read_text())
     ed = json.loads((s.report_dir / "edit.json").read_text())
 
     assert [r["size"] for r in ctx["cold"]] == [40, 120]
     for row in ctx["cold"]:
         assert row["ours"]["prompt_tokens"] >= row["size"] and row["ours"]["ttft_s"] > 0
+        assert row["ours"]["second_piece_s"] is None or row["ours"]["second_piece_s"] >= row["ours"]["ttft_s"]
         assert row["llama-server plain"] is None
     warm = ctx["warm"]["ours"]
     assert ctx["warm"]["prefix_tokens"] == 120 and warm["cached_tokens"] >= 100  # the cold 120's prefix reused
