@@ -118,6 +118,9 @@ class SpeculationSpec:
     # draft_target stops a row's drafting after the first token the draft gives less than this
     # probability (dynamic draft length; num_draft_tokens is then the maximum). 0 = always k tokens.
     draft_confidence: float = 0.0
+    # "load": each round every row's draft length (0..num_draft_tokens) is chosen from the rows in the batch, the
+    # costs pick-k measured by rows and each row's acceptance (pipeline/runtime/loadpolicy.py); "fixed": k always.
+    draft_length: Literal["load", "fixed"] = "load"
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pipeline.common import chat_ids, setup_threads, split_prompts
 from pipeline.runtime import kernels
 from pipeline.runtime.decode import load_bundle
 from pipeline.runtime.generate import Request
+from pipeline.runtime.loadpolicy import ROWS_MEASURED
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.speculative import draft_target
 from pipeline.sources import read_prompts
@@ -38,7 +39,7 @@ def _time(fn, reps: int) -> float:
 @torch.inference_mode()
 def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: int = 5,
                  tree: bool = False, between: Callable[[], None] | None = None,
-                 rounds: list[list[float]] | None = None) -> list[float]:
+                 rounds: list[list[float]] | None = None, rows: int = 1) -> list[float]:
     """Seconds for one target forward plus its logits over n = 1..max_tokens new tokens after `context` tokens.
 
     The one timer behind pick-k, the Medusa tree growth and the benchmark's verify-cost curve. Sizes are timed
@@ -46,18 +47,20 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
     size alike; the curve is then made non-decreasing (more tokens never cost less). `tree`: with an explicit
     attention mask, as Medusa's tree verification runs. `between` runs after each timed round (another
     timer that must see the same load, such as the draft step's). `rounds`, when given, receives each timed round's
-    seconds per size (sizes timed within a fraction of a second of each other: bench's paired ratios)."""
-    cache = model.new_cache(1, context + max_tokens + 2)
-    model(torch.zeros(1, context, dtype=torch.long), torch.arange(context)[None], cache)
+    seconds per size (sizes timed within a fraction of a second of each other: bench's paired ratios). `rows`: a batch
+    of that many rows, n tokens each (the load-adaptive draft length's costs by batch size)."""
+    cache = model.new_cache(rows, context + max_tokens + 2)
+    at = torch.arange(context)[None].expand(rows, -1).contiguous()
+    model(torch.zeros(rows, context, dtype=torch.long), at, cache)
     best = [float("inf")] * max_tokens
     for r in range(reps + 1):
         this = []
         for n in range(1, max_tokens + 1):
-            tok = torch.zeros(1, n, dtype=torch.long)
+            tok = torch.zeros(rows, n, dtype=torch.long)
             kv = context + n
             mask = dict(mask=torch.ones(1, n, kv, dtype=torch.bool), kv_len=kv) if tree else {}
             t = time.perf_counter()
-            model.logits(model(tok, context + torch.arange(n)[None], cache, **mask))
+            model.logits(model(tok, (context + torch.arange(n)[None]).expand(rows, -1).contiguous(), cache, **mask))
             this.append(time.perf_counter() - t)
             if r:
                 best[n - 1] = min(best[n - 1], this[-1])
@@ -71,14 +74,15 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
 
 
 @torch.inference_mode()
-def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5) -> dict:
+def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5,
+                  rows: int = 1) -> dict:
     """Seconds for one draft step (incl. its head, argmax and confidence) and for target verification of 1..max_k+1
-    tokens."""
+    tokens, for a batch of `rows` rows."""
     V = target.cfg.vocab_size
-    ctx = torch.randint(0, V, (1, context))
-    dc = draft.new_cache(1, context + 8)
-    draft(ctx, torch.arange(context)[None], dc)
-    one = torch.tensor([[context]])
+    ctx = torch.randint(0, V, (rows, context))
+    dc = draft.new_cache(rows, context + 8)
+    draft(ctx, torch.arange(context)[None].expand(rows, -1).contiguous(), dc)
+    one = torch.full((rows, 1), context)
 
     def draft_step():  # a drafting step as _ModelDrafter runs it: body, head, argmax and confidence
         kernels.argmax_prob(draft.logits(draft(ctx[:, :1], one, dc)[:, 0]))
@@ -91,8 +95,18 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
     def draft_round():
         best[0] = min(best[0], _time(draft_step, 2))
 
-    c_verify = verify_costs(target, max_k + 1, context, reps, between=draft_round)
+    c_verify = verify_costs(target, max_k + 1, context, reps, between=draft_round, rows=rows)
     return {"c_draft": best[0], "c_verify": c_verify}
+
+
+def measure_costs_by_rows(target: Transformer, draft: Transformer, max_k: int, one: dict,
+                          rows: tuple[int, ...] = ROWS_MEASURED[1:], reps: int = 2) -> dict[str, dict]:
+    """`measure_costs` at each batch size in `rows` beside the one-row costs `one` (stored as `costs_by_rows`,
+    keys are row counts as strings: JSON): what the load-adaptive draft length (loadpolicy.py) weighs each round."""
+    out = {"1": one}
+    for r in rows:
+        out[str(r)] = measure_costs(target, draft, max_k, reps=reps, rows=r)
+    return out
 
 
 def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
@@ -154,6 +168,7 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
 
     `fixed`: the spec's own k (1..max_k), kept whatever the table says; it is still measured and reported."""
     costs = measure_costs(target, draft, max_k)
+    by_rows = measure_costs_by_rows(target, draft, max_k, costs)
     emitted: list[int] = []
     rates = measure_acceptance(target, draft, prompts, max_k, emitted=emitted)
     rows = speed_table(costs, rates)
@@ -166,12 +181,16 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
         log(f"num_draft_tokens: auto -> k = {best['k']} (expected speedup {best['speedup']:.2f}x on this machine)")
     out = {"num_draft_tokens": best["k"], "chosen_by": "spec" if fixed else "measured",
            "expected_speedup": best["speedup"],
-           "table": rows, "costs_s": costs, "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
+           "table": rows, "costs_s": costs, "costs_by_rows": by_rows,
+           "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
     cov = vocab_coverage(draft, emitted)
     if cov is not None:
         out["coverage"] = round(cov, 4)
         log(f"reduced draft head covers {cov:.1%} of the target's tokens on the tuning prompts")
     log(f"draft step = {out['draft_step_fraction']:.3f} of a target step")
+    log("by rows (draft step / verify 1, k+1 tokens per row, ms): " + "; ".join(
+        f"{r}: {1e3 * c['c_draft']:.1f} / {1e3 * c['c_verify'][0]:.1f}, {1e3 * c['c_verify'][-1]:.1f}"
+        for r, c in by_rows.items()))
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Emit, Request, Result, generate
+from pipeline.runtime.loadpolicy import policy_for
 from pipeline.runtime.medusa import MEDUSA, load_medusa_engine
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache
@@ -135,4 +136,6 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         return results
     k = b.spec.k_for(method) if num_draft_tokens is None else b.spec.check_k(
         num_draft_tokens, "num_draft_tokens", "send a smaller k, or omit it for the deployment's default")
+    if getattr(m, "adaptive", False) and b.spec.draft_length == "load" and "policy" not in opts:
+        opts["policy"] = policy_for(b, method, k)  # per round and row from the load (loadpolicy.py); None: k
     return m.run(b, reqs, k, on_emit, **opts)

@@ -47,6 +47,7 @@ class SpecDecodeConfig:
     disable_at_batch: int = 0  # from this many rows in flight, speculative requests decode plainly (0: never)
     draft_lookup_min_ngram: int = 0  # draft_target takes a prompt-lookup continuation this long or longer
     draft_confidence: float = 0.0  # draft_target stops a row's drafting below this draft probability
+    draft_length: str = "load"  # "load": per round and row from the load (loadpolicy); "fixed": k every round
 
     def __post_init__(self) -> None:
         self.check()
@@ -73,6 +74,9 @@ class SpecDecodeConfig:
         if not 0 <= self.draft_confidence < 1:
             raise self._err("draft_confidence", self.draft_confidence,
                             "must be 0 (always draft num_draft_tokens) or a probability below 1")
+        if self.draft_length not in ("load", "fixed"):
+            raise self._err("draft_length", self.draft_length,
+                            "must be 'load' (chosen per round from the load) or 'fixed' (num_draft_tokens always)")
         if not 0 <= self.draft_lookup_min_ngram <= self.prompt_lookup_max_ngram:
             raise self._err("draft_lookup_min_ngram", self.draft_lookup_min_ngram,
                             f"must be 0 (the draft alone) or between 1 and prompt_lookup_max_ngram "
@@ -115,7 +119,7 @@ class SpecDecodeConfig:
                    prompt_lookup_num_tokens=sp.prompt_lookup_num_tokens,
                    prompt_lookup_max_ngram=sp.prompt_lookup_max_ngram, use_draft_logits=sp.use_draft_logits,
                    disable_at_batch=sp.disable_at_batch, draft_lookup_min_ngram=sp.draft_lookup_min_ngram,
-                   draft_confidence=sp.draft_confidence)
+                   draft_confidence=sp.draft_confidence, draft_length=getattr(sp, "draft_length", "load"))
 
     def to_params(self) -> dict[str, str]:
         """The served model's config.pbtxt parameters (string values; max_draft_len is the engine's own)."""
@@ -124,7 +128,7 @@ class SpecDecodeConfig:
                 "prompt_lookup_max_ngram": str(self.prompt_lookup_max_ngram),
                 "use_draft_logits": str(self.use_draft_logits).lower(), "disable_at_batch": str(self.disable_at_batch),
                 "draft_lookup_min_ngram": str(self.draft_lookup_min_ngram),
-                "draft_confidence": str(self.draft_confidence)}
+                "draft_confidence": str(self.draft_confidence), "draft_length": self.draft_length}
 
     @classmethod
     def from_params(cls, param: Callable[[str, str], str], max_draft_len: int,
@@ -137,7 +141,8 @@ class SpecDecodeConfig:
                    use_draft_logits=param("use_draft_logits", "true") == "true",
                    disable_at_batch=int(param("disable_at_batch", "0") or 0),
                    draft_lookup_min_ngram=int(param("draft_lookup_min_ngram", "0") or 0),
-                   draft_confidence=float(param("draft_confidence", "0") or 0))
+                   draft_confidence=float(param("draft_confidence", "0") or 0),
+                   draft_length=param("draft_length", "load") or "load")
 
 
 Emit = Callable[[int, list[int]], None]

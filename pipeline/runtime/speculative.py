@@ -45,6 +45,7 @@ from pipeline.runtime.generate import (
     row_stats,
     start_length,
 )
+from pipeline.runtime.loadpolicy import DraftPolicy
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached, rows_to_run
 from pipeline.runtime.quant import QLinear
@@ -162,6 +163,7 @@ class _ModelDrafter:  # a Drafter
                  lookup: _LookupDrafter | None = None, confidence: float = 0.0, keep_q: bool = True,
                  prompt_cache: PromptCache | None = None):
         self.model, self.k, self.vocab, self.lookup, self.confidence = draft, k, vocab, lookup, confidence
+        self.k_max = k  # the most it drafts; `k` is this round's width when a DraftPolicy sets one (`narrow`)
         self.prompt_cache = prompt_cache  # the draft's K/V is cached next to the target's (kind "draft")
         self.use = [r.cache_prompt for r in reqs]
         self.keep_q = keep_q  # False: sampled rows are accepted by matching, so q is not needed
@@ -203,6 +205,10 @@ class _ModelDrafter:  # a Drafter
     def hand_off(self) -> list[tuple]:
         """Each row's draft state for its Handoff: (cache, row, context tokens whose K/V it holds)."""
         return [(self.cache, b, f) for b, f in enumerate(self.fed)]
+
+    def narrow(self, k: int) -> None:
+        """Draft at most `k` (1..k_max) tokens this round (the draft steps are the round's cost)."""
+        self.k = max(1, min(k, self.k_max))
 
     def _full(self, probs: Tensor) -> Tensor:
         if self.ids is None:
@@ -323,14 +329,17 @@ class _LookupDrafter:  # a Drafter
 def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None, drafter: Drafter,
               residual_fn: Residual = residual, yield_to: YieldTo | None = None,
               resume: list[Handoff] | None = None, on_finish: OnFinish | None = None,
-              prompt_cache: PromptCache | None = None) -> list[Result | Handoff]:
+              prompt_cache: PromptCache | None = None, policy: DraftPolicy | None = None) -> list[Result | Handoff]:
     """The shared loop. A sampled row the drafter returns no q for is accepted by matching the target's own
     sample (deterministic drafts, or use_draft_logits=false): exact too, with lower acceptance than
     Leviathan's rule. When `yield_to()` turns true between rounds, unfinished rows come back as Handoffs;
     `resume` (Handoffs, with `reqs` their requests) continues such rows speculatively from their K/V.
     `on_finish(b, result)` hears of each row as it finishes (the returned list has its Result too).
     `prompt_cache`: prompts start from their cached prefix (target and draft), and finished rows' prompt + answer
-    are kept when the loop ends (rows handed off are kept by the continuous batch that finishes them)."""
+    are kept when the loop ends (rows handed off are kept by the continuous batch that finishes them).
+    `policy` (pipeline.runtime.loadpolicy): each round's per-row draft lengths (at most k, 0 = that row only
+    verifies its last token; all 0 = a plain step without the drafter) from the batch's rows, the measured costs and
+    each row's running acceptance; None: every row drafts k every round."""
     dev = target.embed.weight.device
     B = len(reqs)
     all_greedy = all(r.params.greedy for r in reqs)
@@ -372,7 +381,19 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         if yield_to is not None and yield_to():
             return finish_or_hand_off(seqs, start, [st.as_dict() for st in stats], gens, cache, pos.tolist(),
                                       [c[-1] for c in ctx], drafter.hand_off())
-        drafts, q, limit = drafter.propose(ctx, pos, gens)
+        if policy is None:
+            drafts, q, limit = drafter.propose(ctx, pos, gens)
+        else:
+            ks = policy.lengths([(s.done, s.req.max_new_tokens - len(s.tokens), st.acc_pos, st.prop_pos)
+                                 for s, st in zip(seqs, stats)])
+            if max(ks) == 0:  # a plain step: the drafter catches up on the next round that drafts
+                drafts, q, limit = torch.zeros(B, 0, dtype=torch.long, device=dev), None, [0] * B
+            else:
+                if hasattr(drafter, "narrow"):
+                    drafter.narrow(max(ks))
+                drafts, q, limit = drafter.propose(ctx, pos, gens)
+                limit = [min(lb, kb) for lb, kb in zip(limit, ks)]
+                drafts = drafts[:, :max(limit)]
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
@@ -423,7 +444,7 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
                  lookup_num_tokens: int = 4, lookup_max_ngram: int = 3, draft_confidence: float = 0.0,
                  yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
                  on_finish: OnFinish | None = None, prompt_cache: PromptCache | None = None,
-                 **opts) -> list[Result | Handoff]:
+                 policy: DraftPolicy | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with a draft model proposing k tokens per round (exact for greedy and sampling).
 
     `lookup_min_ngram` > 0: a row whose context ends in an n-gram (that long or longer, up to
@@ -444,19 +465,20 @@ def draft_target(target: Transformer, draft: Transformer, reqs: list[Request], k
         lookup = _LookupDrafter(lookup_num_tokens, lookup_max_ngram, target.embed.weight.device, lookup_min_ngram)
     drafter = _ModelDrafter(draft, reqs, k, target.cfg.vocab_size, lookup, draft_confidence, use_draft_logits,
                             prompt_cache)
-    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish, prompt_cache)
+    return speculate(target, reqs, k, on_emit, drafter, residual_fn, yield_to, resume, on_finish, prompt_cache,
+                     policy)
 
 
 @torch.inference_mode()
 def prompt_lookup(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | None = None, max_ngram: int = 3,
                   yield_to: YieldTo | None = None, resume: list[Handoff] | None = None,
                   on_finish: OnFinish | None = None, prompt_cache: PromptCache | None = None,
-                  **opts) -> list[Result | Handoff]:
+                  policy: DraftPolicy | None = None, **opts) -> list[Result | Handoff]:
     """Speculative decoding with n-gram prompt lookup as the drafter (model-free; exact)."""
     if k < 1:
         raise ValueError(f"num_draft_tokens: got {k}; must be 1 or more")
     return speculate(target, reqs, k, on_emit, _LookupDrafter(k, max_ngram, target.embed.weight.device),
-                      yield_to=yield_to, resume=resume, on_finish=on_finish, prompt_cache=prompt_cache)
+                      yield_to=yield_to, resume=resume, on_finish=on_finish, prompt_cache=prompt_cache, policy=policy)
 
 
 class DraftTarget:
@@ -464,6 +486,7 @@ class DraftTarget:
     confidence options; sampled rows use Leviathan's rule unless use_draft_logits is off."""
 
     name, resumable = "draft_target", True
+    adaptive = True  # takes `policy=` (decode passes the load-adaptive DraftPolicy)
 
     def available(self, b) -> bool:
         return b.draft is not None
@@ -480,6 +503,7 @@ class PromptLookup:
     """`decode`'s prompt_lookup: n-gram lookup in the context proposes (`_LookupDrafter`); needs max_draft_len."""
 
     name, resumable = "prompt_lookup", True
+    adaptive = True
 
     def available(self, b) -> bool:
         return b.max_draft_len > 0

@@ -1,0 +1,153 @@
+"""Draft length chosen per round from the load: how many tokens each row of a speculative batch drafts.
+
+A fixed k pays for one user and loses under load: the target's step of a few rows is still bound by memory, so a
+short draft per row still pays at 2-8 rows, while k = 6 for every row does not. Each round `DraftPolicy` picks, for
+the rows in the batch, the draft lengths (0 included: a plain step) that maximise the batch's expected tokens per
+second:
+
+    E(ks) = sum over unfinished rows b of 1 + sum_{i < k_b} P_b(first i+1 drafts accepted)
+    T(ks) = w * c_draft(B) + c_verify(B, w + 1),  w = max(ks), B = the rows of the batch
+
+with P_b each row's running acceptance (its own accepted/proposed per position so far, starting from the measured
+rates of pick-k as a prior worth `PRIOR_WEIGHT` rounds) and the costs measured by pick-k at 1, 2, 4, 8 rows
+(`costs_by_rows`, stored in the draft engine's config next to the measured k). Verification is padded to the widest
+row and every row of the batch (finished ones too) takes part in both forwards, so the cost depends on (B, w);
+rows then differ only where a row's own draft cannot pay: its budget of new tokens ends sooner (it drafts at most
+what it can still emit, less the bonus token). It is one function the shared loop (`speculative.speculate`) calls
+between rounds, so it applies to every drafter that runs through that loop. `speculation.disable_at_batch` stays
+as an override: at that many rows the request decodes plainly without asking the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 4  # rounds of pick-k's measured acceptance a row starts from before its own counts take over
+FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
+ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs`)
+
+
+def _interp(points: dict[int, float], x: int) -> float:
+    """Piecewise linear in x through the measured points; beyond the largest, linear from the origin (the step
+    grows with the rows as the work does)."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+    return points[xs[-1]] * x / xs[-1]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds one round costs on this machine: a draft step of `rows` rows, and a target verify of n tokens per row
+    (n = 1: a plain step), by rows in the batch. Read from the draft engine's stored `speculation` block."""
+
+    c_draft: dict[int, float]  # rows -> seconds of one draft step
+    c_verify: dict[int, list[float]]  # rows -> seconds of one verify of n = 1.. tokens per row
+
+    def draft(self, rows: int) -> float:
+        return _interp(self.c_draft, rows)
+
+    def verify(self, rows: int, n: int) -> float:
+        per = {r: (c[n - 1] if n <= len(c) else c[-1] * n / len(c)) for r, c in self.c_verify.items()}
+        return _interp(per, rows)
+
+    @classmethod
+    def from_stored(cls, speculation: dict | None) -> Costs | None:
+        """`costs_by_rows` when pick-k measured them; else the one-row curve read as a model of rows (a step of B
+        rows of n tokens costs what one row of B*n tokens does: one read of the weights, the work of B*n tokens);
+        None when nothing was measured."""
+        sp = speculation or {}
+        by = sp.get("costs_by_rows")
+        if by:
+            return cls({int(r): float(c["c_draft"]) for r, c in by.items()},
+                       {int(r): [float(x) for x in c["c_verify"]] for r, c in by.items()})
+        one = sp.get("costs_s")
+        if not one or not one.get("c_verify"):
+            return None
+        cv = [float(x) for x in one["c_verify"]]
+
+        def tokens(t: int) -> float:
+            return cv[t - 1] if t <= len(cv) else cv[-1] * t / len(cv)
+
+        width = len(cv)
+        rows = sorted({1, *ROWS_MEASURED, 16, 32})
+        return cls({r: float(one["c_draft"]) * tokens(r) / cv[0] for r in rows},
+                   {r: [tokens(r * n) for n in range(1, width + 1)] for r in rows})
+
+
+def row_rates(prior: list[float], accepted: list[int], proposed: list[int], k: int) -> list[float]:
+    """P(the first i+1 drafts are accepted) for i < k for one row: its own counts per position blended with the
+    prior (`PRIOR_WEIGHT` rounds' worth), made non-increasing (a longer prefix is never likelier)."""
+    out, last = [], 1.0
+    for i in range(k):
+        p = prior[i] if i < len(prior) else (prior[-1] if prior else 0.0)
+        a = accepted[i] if i < len(accepted) else 0
+        n = proposed[i] if i < len(proposed) else 0
+        last = min(last, (a + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT))
+        out.append(last)
+    return out
+
+
+def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, costs: Costs,
+           rows: int | None = None) -> tuple[list[int], float]:
+    """Per-row draft lengths for one round and the expected tokens/s they give. `rates[b]` is row b's acceptance
+    by position (None: the row is finished), `remaining[b]` the tokens it may still emit, `rows` the batch's
+    physical rows (default len(rates)). Ties go to the shorter draft."""
+    B = rows or len(rates)
+    best: tuple[float, int, list[int]] = (-1.0, 0, [0] * len(rates))
+    for w in range(k_max + 1):
+        ks = [0 if r is None else max(0, min(w, rem - 1)) for r, rem in zip(rates, remaining)]
+        top = max(ks, default=0)
+        if top < w:
+            continue  # no row can use this width: the same as a narrower one
+        e = sum(1.0 + sum(r[:kb]) for r, kb in zip(rates, ks) if r is not None)
+        t = top * costs.draft(B) + costs.verify(B, top + 1)
+        rate = e / t
+        if rate > best[0] * (1 + 1e-9):
+            best = (rate, w, ks)
+    return best[2], best[0]
+
+
+@dataclass
+class DraftPolicy:
+    """The per-round choice for one speculative batch (`speculate(..., policy=)`): `lengths` is called between
+    rounds with each row's state; `decisions` counts the widths it chose (reported in the results' stats)."""
+
+    costs: Costs
+    k_max: int
+    prior: list[float]
+    decisions: dict[int, int] = field(default_factory=dict)
+
+    def lengths(self, rows: list[tuple[bool, int, list[int], list[int]]]) -> list[int]:
+        """rows: (done, tokens it may still emit, accepted per position, proposed per position) per batch row."""
+        rates = [None if done else row_rates(self.prior, acc, prop, self.k_max) for done, _, acc, prop in rows]
+        ks, _ = choose(rates, [rem for _, rem, _, _ in rows], self.k_max, self.costs)
+        w = max(ks, default=0)
+        self.decisions[w] = self.decisions.get(w, 0) + 1
+        return ks
+
+
+def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) -> DraftPolicy | None:
+    """The policy from the draft engine's stored `speculation` block (pick-k's costs and acceptance); None when
+    pick-k stored no costs (the fixed k then runs every round, as before). `model_draft=False` (a model-free drafter:
+    prompt lookup, suffix): drafting costs nothing beside the target's step, and pick-k's acceptance (the draft
+    model's) is no prior for it."""
+    costs = Costs.from_stored(speculation)
+    if costs is None or k_max < 1:
+        return None
+    table = (speculation or {}).get("table") or []
+    prior = [float(r["accept_pos"]) for r in table] if model_draft and table else list(FALLBACK_RATES)
+    if not model_draft:
+        costs = Costs({r: 0.0 for r in costs.c_verify}, costs.c_verify)
+    return DraftPolicy(costs, k_max, prior)
+
+
+MODEL_DRAFTERS = ("draft_target", "hybrid")  # methods whose rounds run a draft model (the others draft for free)
+
+
+def policy_for(b, method: str, k: int) -> DraftPolicy | None:
+    """`decode`'s policy for a batch of `method` on the loaded bundle `b` (its draft engine's stored costs)."""
+    return policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS)

@@ -1,0 +1,164 @@
+"""The load-adaptive draft length (pipeline/runtime/loadpolicy.py): the choice on known costs and acceptance, and the
+shared loop running rows of one batch at different lengths per round, exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import spec as specmod
+from pipeline.runtime.decode import Bundle, decode
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.loadpolicy import Costs, DraftPolicy, choose, policy_from, row_rates
+from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
+from pipeline.runtime.speculative import draft_target, prompt_lookup
+from tests.test_speculative import prompts, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# A CPU where a step of a few rows is bound by memory (one read of the weights: 10 ms whatever the tokens, up to 16
+# tokens in one step) and then grows with the work; a draft step is a tenth of the target's.
+BOUND = 16
+
+
+def _memory_bound(k_max: int = 8, rows=(1, 2, 4, 8, 16)) -> Costs:
+    def step(tokens: int) -> float:
+        return 0.010 * max(1.0, tokens / BOUND)
+
+    return Costs({r: 0.1 * step(r) for r in rows}, {r: [step(r * n) for n in range(1, k_max + 2)] for r in rows})
+
+
+GOOD = [0.8, 0.64, 0.51, 0.41, 0.33, 0.26, 0.21, 0.17]  # P(first i+1 accepted) of a draft agreeing 80% a token
+
+
+def test_one_row_with_a_good_draft_drafts_long_and_a_full_batch_does_not_draft():
+    c = _memory_bound()
+    one, _ = choose([GOOD], [100], 8, c)
+    assert one[0] >= 4  # the verify of 5+ tokens costs what one does
+    full, _ = choose([GOOD] * 16, [100] * 16, 8, c)
+    assert full == [0] * 16  # 16 rows already fill the step: every draft token costs its share
+
+
+def test_the_width_shrinks_as_rows_are_added():
+    c = _memory_bound()
+    widths = [max(choose([GOOD] * b, [100] * b, 8, c)[0]) for b in (1, 2, 4, 8, 16)]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]
+
+
+def test_a_draft_that_is_never_accepted_is_not_run_at_any_load():
+    c = _memory_bound()
+    for b in (1, 4):
+        assert choose([[0.0] * 8] * b, [100] * b, 8, c)[0] == [0] * b
+
+
+def test_a_row_near_the_end_of_its_budget_drafts_only_what_it_can_still_emit():
+    ks, _ = choose([GOOD, GOOD], [100, 3], 8, _memory_bound())
+    assert ks[0] > ks[1] == 2  # 3 tokens left: 2 drafts and the bonus token
+
+
+def test_finished_rows_draft_nothing_but_still_count_in_the_step_cost():
+    c = _memory_bound()
+    alone, rate_alone = choose([GOOD], [100], 8, c)
+    beside, rate_beside = choose([GOOD] + [None] * 15, [100] + [0] * 15, 8, c)
+    assert beside[1:] == [0] * 15 and rate_beside < rate_alone  # the 15 finished rows are still in the forward
+
+
+def test_the_choice_maximises_expected_tokens_per_second_over_every_width():
+    c = _memory_bound()
+    for b in (1, 3, 8):
+        ks, rate = choose([GOOD] * b, [100] * b, 8, c)
+        for w in range(9):
+            t = w * c.draft(b) + c.verify(b, w + 1)
+            assert b * (1 + sum(GOOD[:w])) / t <= rate * (1 + 1e-9)
+
+
+def test_a_rows_running_acceptance_takes_over_from_the_prior_and_never_rises_with_position():
+    prior = [0.8, 0.6, 0.4]
+    assert row_rates(prior, [], [], 3) == pytest.approx(prior)
+    r = row_rates(prior, [0, 0, 0], [40, 40, 40], 3)  # its own 40 rounds rejected the first draft each time
+    assert r[0] < 0.1 and r == sorted(r, reverse=True)
+    assert row_rates([0.2, 0.9], [], [], 2) == [0.2, 0.2]
+
+
+def test_one_row_costs_stand_for_a_batch_as_one_row_of_all_its_tokens():
+    c = Costs.from_stored({"c_draft": 1, "costs_s": {"c_draft": 0.002, "c_verify": [0.01, 0.011, 0.012, 0.02]}})
+    assert c.verify(1, 2) == pytest.approx(0.011)
+    assert c.verify(2, 2) == pytest.approx(0.02)  # 2 rows x 2 tokens: the one-row cost of 4 tokens
+    assert c.verify(4, 2) == pytest.approx(0.04)  # 8 tokens: beyond the curve, linear in the tokens
+    assert Costs.from_stored({}) is None and policy_from({"num_draft_tokens": 4}, 4) is None
+
+
+def test_costs_measured_by_rows_are_read_as_stored_and_interpolated_between_them():
+    c = Costs.from_stored({"costs_by_rows": {"1": {"c_draft": 0.001, "c_verify": [0.01, 0.012]},
+                                             "4": {"c_draft": 0.004, "c_verify": [0.04, 0.05]}}})
+    assert c.verify(4, 2) == pytest.approx(0.05) and c.verify(2, 1) == pytest.approx(0.02)
+    assert c.draft(8) == pytest.approx(0.008)
+
+
+class Scripted:
+    """A policy giving row b of round r the length (r + b) % (k + 1): every row of a batch at a different length,
+    whole rounds at 0 (plain steps) among them."""
+
+    def __init__(self, k: int):
+        self.k, self.round, self.seen = k, 0, []
+
+    def lengths(self, rows):
+        ks = [(self.round + b) % (self.k + 1) for b in range(len(rows))]
+        self.round += 1
+        self.seen.append(ks)
+        return ks
+
+
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup"])
+def test_rows_drafting_different_lengths_each_round_give_the_baseline_answer(method):
+    target = tiny(seed=0)
+    reqs = [Request(p, n, end_ids=(1,)) for p, n in zip(prompts(4, 48, seed=5), (24, 9, 17, 30))]
+    base = generate(target, reqs)
+    pol = Scripted(3)
+    if method == "draft_target":
+        out = draft_target(target, tiny(base=target, noise=0.02, seed=7), reqs, 3, policy=pol)
+    else:
+        out = prompt_lookup(target, reqs, 3, policy=pol)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+    assert any(len(set(ks)) > 1 for ks in pol.seen)
+    assert all(sum(r.proposed_per_position) >= 0 for r in out) and max(r.draft_proposed for r in out) > 0
+
+
+def test_a_plain_round_chosen_by_the_policy_runs_no_draft_and_a_step_per_token():
+    target = tiny(seed=0)
+    never = DraftPolicy(_memory_bound(3), 3, [0.0, 0.0, 0.0])
+    (r,) = draft_target(target, target, [Request(prompts(1, 48, seed=2)[0], 12)], 3, policy=never)
+    (b,) = generate(target, [Request(prompts(1, 48, seed=2)[0], 12)])
+    assert r.tokens == b.tokens and r.draft_proposed == 0 and r.steps == len(r.tokens)  # prefill + a step a token
+    assert never.decisions == {0: len(r.tokens) - 1}
+
+
+def _bundle(tmp_path, speculation: dict | None, draft_length: str = "load") -> Bundle:
+    target = tiny(seed=0)
+    cfg = {"build_config": {"max_draft_len": 4, "max_input_len": 64, "max_seq_len": 256}}
+    b = Bundle(target, None, cfg, draft=target, draft_config={"speculation": speculation} if speculation else None)
+    return b.use(SpecDecodeConfig(max_draft_len=4, num_draft_tokens=4, draft_length=draft_length))
+
+
+def test_decode_applies_the_stored_costs_unless_the_spec_fixes_the_draft_length(tmp_path):
+    # Stored costs where a draft step costs as much as ten target steps: drafting never pays, so `load` runs plain
+    # rounds; `fixed` drafts k every round as before. Same answer either way.
+    stored = {"table": [{"accept_pos": 0.9}] * 4, "costs_s": {"c_draft": 0.1, "c_verify": [0.01] * 5}}
+    reqs = [Request(p, 10) for p in prompts(2, 48, seed=4)]
+    load = decode(_bundle(tmp_path, stored), "draft_target", reqs)
+    fixed = decode(_bundle(tmp_path, stored, "fixed"), "draft_target", reqs)
+    assert [r.tokens for r in load] == [r.tokens for r in fixed]
+    assert sum(r.draft_proposed for r in load) == 0 and sum(r.draft_proposed for r in fixed) > 0
+    unmeasured = decode(_bundle(tmp_path, None), "draft_target", reqs)  # no pick-k costs: the fixed k
+    assert sum(r.draft_proposed for r in unmeasured) == sum(r.draft_proposed for r in fixed)
+
+
+def test_draft_length_is_load_or_fixed_in_the_spec_and_the_config():
+    s = specmod.parse({"name": "x", "speculation": {"draft_length": "fixed"}})
+    assert s.speculation.draft_length == "fixed"
+    assert specmod.parse({"name": "x"}).speculation.draft_length == "load"
+    with pytest.raises(specmod.SpecError, match="speculation.draft_length"):
+        specmod.parse({"name": "x", "speculation": {"draft_length": "sometimes"}})
+    with pytest.raises(SpeculationError, match="speculation.draft_length: got 'often'"):
+        SpecDecodeConfig(max_draft_len=4, draft_length="often")
+    cfg = SpecDecodeConfig(max_draft_len=4, draft_length="fixed")
+    assert SpecDecodeConfig.from_params(lambda k, d: cfg.to_params().get(k, d), 4).draft_length == "fixed"
