@@ -88,7 +88,8 @@ def test_the_fim_prompt_follows_the_models_layout_and_refuses_spelled_out_marker
 
 @pytest.fixture(scope="module")
 def served_fim(tmp_path_factory, tiny_engine):
-    """`serve` on a tiny target with Qwen2.5-Coder's FIM tokens, its own draft (speculation applies to FIM)."""
+    """`serve` on a tiny target with Qwen2.5-Coder's FIM tokens, its own draft (speculation applies to FIM) and a
+    prompt cache (so does the cache)."""
     from pipeline.cli import main
     from pipeline.engine import build_target
     from pipeline.train.draft import build_draft
@@ -98,6 +99,7 @@ def served_fim(tmp_path_factory, tiny_engine):
     ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
     path = write_spec(root, name="fim", draft={"source": "models/target"},
                       triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       limits={"max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512, "max_draft_len": 8})
     s = specmod.load(path)
     quiet = lambda *a, **k: None  # noqa: E731
@@ -157,6 +159,11 @@ def test_llama_vscode_shaped_infill_is_answered_like_llama_cpp(served_fim):
     want = json.loads(raw)
     assert want["choices"][0]["text"] and got["content"] == want["choices"][0]["text"]
     assert got["timings/predicted_n"] == want["usage"]["completion_tokens"]
+    # the editor resends the same file: the prompt cache answers its prefix, the answer is the same
+    code, raw = _post(root + "/infill", body)
+    again = json.loads(raw)
+    assert again["content"] == got["content"] and again["tokens_cached"] > 0
+    assert again["timings/prompt_n"] == got["timings/prompt_n"] - again["tokens_cached"]
     # streamed: `data:` chunks with content and stop false, the last one the result with stop true
     code, raw = _post(root + "/infill", {**body, "stream": True, "response_fields": None})
     events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
