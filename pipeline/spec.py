@@ -121,6 +121,11 @@ class SpeculationSpec:
     # "load": each round every row's draft length (0..num_draft_tokens) is chosen from the rows in the batch, the
     # costs pick-k measured by rows and each row's acceptance (pipeline/runtime/loadpolicy.py); "fixed": k always.
     draft_length: Literal["load", "fixed"] = "load"
+    # Suffix drafting (methods suffix and hybrid, pipeline/runtime/suffix.py): bytes of recent outputs (token ids)
+    # a served model keeps to draft from (0 = the request's own prompt and output only); changes speed, never output.
+    suffix_store_bytes: ByteSize = 0
+    # hybrid drafts the suffix continuation where its match is at least this many tokens, the draft model elsewhere.
+    suffix_min_match: int = 4
 
 
 @dataclass
@@ -527,6 +532,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_speculation(spec)
     _validate_serving(spec)
     _validate_prompt_cache(spec.prompt_cache)
+    _validate_suffix(spec.speculation)
     _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
@@ -550,6 +556,14 @@ def _validate_limits(lim: LimitsSpec) -> None:
     _check(lim.max_draft_len >= 0, "limits.max_draft_len", lim.max_draft_len, "must be 0 or more")
     _check(lim.max_input_len < lim.max_seq_len, "limits.max_input_len", lim.max_input_len,
            f"must be below limits.max_seq_len ({lim.max_seq_len}) to leave room for output")
+
+
+def _validate_suffix(sp: SpeculationSpec) -> None:
+    """speculation.suffix_*: a byte budget (0 = no store) and a match length the anchor index can find."""
+    _check(sp.suffix_store_bytes >= 0, "speculation.suffix_store_bytes", sp.suffix_store_bytes,
+           "must be 0 (no store of recent outputs) or a byte budget such as 64MiB")
+    _check(sp.suffix_min_match >= 2, "speculation.suffix_min_match", sp.suffix_min_match,
+           "must be 2 or more (matches are found from 2-token anchors)")
 
 
 def _validate_prompt_cache(pc: PromptCacheSpec) -> None:

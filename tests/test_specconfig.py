@@ -130,12 +130,12 @@ def test_a_request_k_above_the_limit_is_refused_with_the_same_rule(tiny_tokenize
 
 
 def test_the_methods_table_lists_each_method_once_and_availability_follows_what_was_loaded():
-    assert METHOD_NAMES == ("baseline", "draft_target", "prompt_lookup", "medusa")
+    assert METHOD_NAMES == ("baseline", "draft_target", "prompt_lookup", "medusa", "suffix", "hybrid")
     assert all(m.name in METHOD_NAMES and isinstance(m.resumable, bool) for m in METHODS)
     b = _bundle(4)
-    assert b.methods() == ["baseline", "draft_target", "prompt_lookup"]
+    assert b.methods() == ["baseline", "draft_target", "prompt_lookup", "suffix", "hybrid"]
     b.draft = None
-    assert b.methods() == ["baseline", "prompt_lookup"]
+    assert b.methods() == ["baseline", "prompt_lookup", "suffix"]
     with pytest.raises(ValueError, match="'draft_target' is not available here"):
         decode(b, "draft_target", [Request([3, 4], 2)])
 

@@ -7,6 +7,7 @@ the named method, one of `METHODS`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache
 from pipeline.runtime.specconfig import Method, SpecDecodeConfig
 from pipeline.runtime.speculative import DRAFT_TARGET, PROMPT_LOOKUP, load_draft
+from pipeline.runtime.suffix import HYBRID, SUFFIX, VERIFY_COST, SuffixStore
 
 
 class _Baseline:
@@ -34,7 +36,7 @@ class _Baseline:
 
 
 # Every decoding method, in the order deployments list them; a new method is its module plus one entry here.
-METHODS: tuple[Method, ...] = (_Baseline(), DRAFT_TARGET, PROMPT_LOOKUP, MEDUSA)
+METHODS: tuple[Method, ...] = (_Baseline(), DRAFT_TARGET, PROMPT_LOOKUP, MEDUSA, SUFFIX, HYBRID)
 METHOD_NAMES = tuple(m.name for m in METHODS)
 RESUMABLE = tuple(m.name for m in METHODS if m.resumable)  # can continue rows handed off mid-request (`resume=`)
 
@@ -51,6 +53,8 @@ class Bundle:
     draft_config: dict | None = None  # the draft engine's config.json (its measured k, when `auto` stored one)
     spec: SpecDecodeConfig | None = None
     prompt_cache: PromptCache | None = None  # prefix K/V of target and draft, shared by every method (prompt_cache.py)
+    suffix_store: SuffixStore | None = None  # recent outputs the suffix drafter drafts from (made on first use)
+    verify_cost: tuple[float, ...] = VERIFY_COST  # verifying S tokens in one-token steps (S = 1..): suffix lengths
 
     def __post_init__(self) -> None:
         self.use(self.spec or SpecDecodeConfig(max_draft_len=self.max_draft_len, num_draft_tokens=self.measured_k))
@@ -87,11 +91,27 @@ def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] 
     """Load engines/<name>/{target,draft,medusa} as far as they exist."""
     eng = load_engine(engine_dir / "target", device, verify=verify)
     draft = draft_config = medusa = None
-    if "draft_target" in methods and (engine_dir / "draft" / "config.json").is_file():
+    if ("draft_target" in methods or "hybrid" in methods) and (engine_dir / "draft" / "config.json").is_file():
         draft, draft_config = load_draft(engine_dir / "draft", device, verify=verify)
     if "medusa" in methods and (engine_dir / "medusa" / "config.json").is_file():
         medusa = load_medusa_engine(engine_dir / "medusa", eng.model, verify=verify)
-    return Bundle(eng.model, eng.tokenizer, eng.config, draft, medusa, draft_config)
+    b = Bundle(eng.model, eng.tokenizer, eng.config, draft, medusa, draft_config)
+    b.verify_cost = load_verify_cost(engine_dir / "target") or VERIFY_COST
+    return b
+
+
+VERIFY_COST_FILE = "verify_cost.json"  # bench's measured verify curve, stored beside the target's weights
+
+
+def load_verify_cost(target_dir: Path) -> tuple[float, ...] | None:
+    """The verify curve `make bench` measured on this machine (relative cost of S = 1.. tokens), if stored."""
+    try:
+        rel = json.loads((target_dir / VERIFY_COST_FILE).read_text())["relative"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(rel, list) or len(rel) < 2 or not all(isinstance(c, (int, float)) and c > 0 for c in rel):
+        return None
+    return tuple(float(c) for c in rel)
 
 
 def apply_spec(b: Bundle, spec) -> Bundle:

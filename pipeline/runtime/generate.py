@@ -27,6 +27,7 @@ class Request:
     stop: list[list[int]] = field(default_factory=list)
     end_ids: tuple[int, ...] = ()
     cache_prompt: bool = True  # reuse (and keep) prompt K/V in the prompt cache (pipeline/runtime/prompt_cache.py)
+    prediction: list[int] | None = None  # Predicted Outputs: tokens the answer likely repeats (runtime/suffix.py)
 
 
 @dataclass

@@ -48,6 +48,8 @@ class SpecDecodeConfig:
     draft_lookup_min_ngram: int = 0  # draft_target takes a prompt-lookup continuation this long or longer
     draft_confidence: float = 0.0  # draft_target stops a row's drafting below this draft probability
     draft_length: str = "load"  # "load": per round and row from the load (loadpolicy); "fixed": k every round
+    suffix_store_bytes: int = 0  # suffix / hybrid: bytes of recent outputs kept to draft from (0: none)
+    suffix_min_match: int = 4  # hybrid: the suffix draft from a match this long, the draft model below it
 
     def __post_init__(self) -> None:
         self.check()
@@ -77,6 +79,10 @@ class SpecDecodeConfig:
         if self.draft_length not in ("load", "fixed"):
             raise self._err("draft_length", self.draft_length,
                             "must be 'load' (chosen per round from the load) or 'fixed' (num_draft_tokens always)")
+        if self.suffix_store_bytes < 0:
+            raise self._err("suffix_store_bytes", self.suffix_store_bytes, "must be 0 (no store) or a byte budget")
+        if self.suffix_min_match < 2:
+            raise self._err("suffix_min_match", self.suffix_min_match, "must be 2 or more")
         if not 0 <= self.draft_lookup_min_ngram <= self.prompt_lookup_max_ngram:
             raise self._err("draft_lookup_min_ngram", self.draft_lookup_min_ngram,
                             f"must be 0 (the draft alone) or between 1 and prompt_lookup_max_ngram "
@@ -98,6 +104,8 @@ class SpecDecodeConfig:
         num_draft_tokens ('auto': DEFAULT_K, or max_draft_len when that is smaller)."""
         if method == "prompt_lookup":
             return self.check_k(self.prompt_lookup_num_tokens, "speculation.prompt_lookup_num_tokens")
+        if method == "suffix":  # the most a match may draft; its odds and the verify cost choose less
+            return self.check_k(self.max_draft_len, "limits.max_draft_len")
         if self.num_draft_tokens is None:
             return self.check_k(min(DEFAULT_K, self.max_draft_len), "speculation.num_draft_tokens ('auto')")
         return self.num_draft_tokens
@@ -119,7 +127,9 @@ class SpecDecodeConfig:
                    prompt_lookup_num_tokens=sp.prompt_lookup_num_tokens,
                    prompt_lookup_max_ngram=sp.prompt_lookup_max_ngram, use_draft_logits=sp.use_draft_logits,
                    disable_at_batch=sp.disable_at_batch, draft_lookup_min_ngram=sp.draft_lookup_min_ngram,
-                   draft_confidence=sp.draft_confidence, draft_length=getattr(sp, "draft_length", "load"))
+                   draft_confidence=sp.draft_confidence, draft_length=getattr(sp, "draft_length", "load"),
+                   suffix_store_bytes=int(sp.suffix_store_bytes),
+                   suffix_min_match=sp.suffix_min_match)
 
     def to_params(self) -> dict[str, str]:
         """The served model's config.pbtxt parameters (string values; max_draft_len is the engine's own)."""
@@ -128,7 +138,9 @@ class SpecDecodeConfig:
                 "prompt_lookup_max_ngram": str(self.prompt_lookup_max_ngram),
                 "use_draft_logits": str(self.use_draft_logits).lower(), "disable_at_batch": str(self.disable_at_batch),
                 "draft_lookup_min_ngram": str(self.draft_lookup_min_ngram),
-                "draft_confidence": str(self.draft_confidence), "draft_length": self.draft_length}
+                "draft_confidence": str(self.draft_confidence), "draft_length": self.draft_length,
+                "suffix_store_bytes": str(self.suffix_store_bytes),
+                "suffix_min_match": str(self.suffix_min_match)}
 
     @classmethod
     def from_params(cls, param: Callable[[str, str], str], max_draft_len: int,
@@ -142,7 +154,9 @@ class SpecDecodeConfig:
                    disable_at_batch=int(param("disable_at_batch", "0") or 0),
                    draft_lookup_min_ngram=int(param("draft_lookup_min_ngram", "0") or 0),
                    draft_confidence=float(param("draft_confidence", "0") or 0),
-                   draft_length=param("draft_length", "load") or "load")
+                   draft_length=param("draft_length", "load") or "load",
+                   suffix_store_bytes=int(param("suffix_store_bytes", "0") or 0),
+                   suffix_min_match=int(param("suffix_min_match", "4") or 4))
 
 
 Emit = Callable[[int, list[int]], None]

@@ -244,7 +244,7 @@ class _ModelDrafter:  # a Drafter
         self.cache = grow(self.cache, int(pos.max()) + self.width + 2)  # K/V taken as the rows advance
         m, k, dev = self.model, self.k, self.dev
         B = len(ctx)
-        found = [self.lookup.lookup(c) for c in ctx] if self.lookup is not None else [[]] * B
+        found = self.lookup.lookup_rows(ctx) if self.lookup is not None else [[]] * B
         if all(found):
             return _padded(found, dev), {}, [len(f) for f in found]
         h = self._catch_up(ctx, pos)
@@ -310,6 +310,9 @@ class _LookupDrafter:  # a Drafter
 
     def hand_off(self) -> None:
         return None
+
+    def lookup_rows(self, ctx: list[list[int]]) -> list[list[int]]:
+        return [self.lookup(c) for c in ctx]
 
     def lookup(self, ctx: list[int]) -> list[int]:
         L = len(ctx)
@@ -435,6 +438,9 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         keep_rows(prompt_cache, "target", ctx, cache, use, pos.tolist())
         if isinstance(drafter, _ModelDrafter):
             drafter.keep(ctx, [True] * B)
+    remember = getattr(drafter, "remember", None) or getattr(getattr(drafter, "lookup", None), "remember", None)
+    if remember is not None:  # the suffix drafter's store of recent outputs (pipeline/runtime/suffix.py)
+        remember([s.tokens for s in seqs])
     return finish(seqs, start, [st.as_dict() for st in stats])
 
 

@@ -231,7 +231,7 @@ class RequestParser:
                 job.method = "baseline"
         if job.method not in lim.methods:
             raise BadRequest(f"method: got {job.method!r}; this deployment serves {', '.join(lim.methods)}")
-        if job.method in ("draft_target", "prompt_lookup"):
+        if job.method in ("draft_target", "prompt_lookup", "suffix", "hybrid"):
             if k == 0:
                 raise BadRequest(f"num_draft_tokens: got 0 with method {job.method!r}; send 1 to "
                                  f"{lim.spec.max_draft_len}, or omit it for the default {lim.spec.k_for(job.method)}")

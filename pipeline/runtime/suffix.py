@@ -1,0 +1,367 @@
+"""Suffix drafting: the continuation of the longest earlier match of the context's end, model-free.
+
+Where a coding assistant repeats what it has seen (an edit returning the file, an agent quoting tool output, an
+answer quoting the question's code), that text is the best draft there is. Each round, for each row, the drafter
+looks for the context's newest tokens earlier in three sources and proposes what followed them there:
+
+1. the request's **prediction** (OpenAI Predicted Outputs), kept aligned to the output so far and re-synced after a
+   mismatch; while aligned it is the first source;
+2. the request's own **prompt and output so far**;
+3. a bounded **store of recent outputs** of this deployment (`SuffixStore`: token ids only, at most
+   `speculation.suffix_store_bytes` bytes, oldest dropped first).
+
+A match is found from an index of every `ANCHOR`-token window and extended backwards token by token (SuffixDecoding
+keeps suffix trees; an anchor index with backward extension finds the same longest match among the latest
+`MAX_CANDIDATES` occurrences, in a few lines). Its draft length follows the match's odds and the measured verify
+cost: the drafter keeps, per match-length bucket, how many of its drafted tokens the target accepted, and drafts
+the L that maximises expected tokens per verify cost, (1 - p^(L+1)) / (1 - p) / cost(L + 1), where cost(S) is the
+cost of verifying S tokens in one-token steps (`VERIFY_COST`, or the curve bench measured on this machine). Where
+verification is nearly flat (16 tokens at 4 one-token steps on a 2-core Zen 4), a long match drafts 16-32 tokens.
+
+Exact like every method here: the drafts are deterministic (q one-hot), so greedy rows accept on equality with the
+target's argmax and sampled rows on equality with the target's own sample (`speculative.match_accept`). Neither the
+store nor the odds can change an answer, only how many tokens a round commits.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pipeline.runtime.generate import Handoff, Request
+
+ANCHOR = 2  # tokens one index key holds: matches start from this many tokens
+MAX_CANDIDATES = 16  # latest occurrences of an anchor whose backward match is measured
+MAX_MATCH = 64  # a backward match is not extended further (longer ones draft the same length)
+RESYNC = 3  # a prediction that diverged is re-aligned only at a match this long
+TOKEN_BYTES = 4  # the store keeps int32 token ids
+
+# Verifying S tokens in one forward, in one-token steps (S = 1..): make bench's curve on the 2-core Zen 4 the issue
+# names (8: 1.57, 12: 2.14, 16: 3.93), linear between the points and past 16 at the 12-16 slope. A deployment's
+# own curve (bench.json's verify_cost_ms relative, or `Bundle.verify_cost`) replaces it.
+_POINTS = ((1, 1.0), (8, 1.57), (12, 2.14), (16, 3.93))
+
+
+def _interpolated(points: tuple[tuple[int, float], ...], n: int) -> list[float]:
+    out = []
+    for s in range(1, n + 1):
+        lo = max((p for p in points if p[0] <= s), key=lambda p: p[0])
+        hi = min((p for p in points if p[0] >= s), key=lambda p: p[0], default=None)
+        if hi is None:  # past the last point: the last segment's slope
+            (s0, c0), (s1, c1) = points[-2], points[-1]
+            out.append(c1 + (s - s1) * (c1 - c0) / (s1 - s0))
+        elif hi[0] == lo[0]:
+            out.append(lo[1])
+        else:
+            out.append(lo[1] + (s - lo[0]) * (hi[1] - lo[1]) / (hi[0] - lo[0]))
+    return out
+
+
+VERIFY_COST: tuple[float, ...] = tuple(_interpolated(_POINTS, 64))
+
+
+def best_length(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> int:
+    """The draft length L in 0..cap that maximises expected committed tokens per verify cost when each drafted
+    token is accepted with probability p (independently): (1 - p^(L+1)) / (1 - p) tokens for cost[L] (the cost of
+    verifying L + 1 tokens, cost[0] = 1). 0 when no draft beats a plain step."""
+    best, best_l = 1.0, 0
+    e, pk = 1.0, 1.0
+    for L in range(1, min(cap, len(cost) - 1) + 1):
+        pk *= p
+        e += pk
+        v = e / cost[L]
+        if v > best:
+            best, best_l = v, L
+    return best_l
+
+
+@dataclass
+class Odds:
+    """Drafted tokens the target accepted, per source and match-length bucket; the estimate starts from a prior
+    that grows with the match (a long match repeats more often than a short one) and learns from every round."""
+
+    accepted: dict[tuple[str, int], int] = field(default_factory=dict)
+    tested: dict[tuple[str, int], int] = field(default_factory=dict)
+    prior_n: float = 4.0  # the prior counts as this many tested tokens
+
+    @staticmethod
+    def bucket(m: int) -> int:
+        return min(m, MAX_MATCH).bit_length()
+
+    def p(self, source: str, m: int) -> float:
+        key = (source, self.bucket(m))
+        prior = 0.9 if source == "prediction" else m / (m + 2.0)
+        return (self.accepted.get(key, 0) + self.prior_n * prior) / (self.tested.get(key, 0) + self.prior_n)
+
+    def add(self, source: str, m: int, drafted: int, accepted: int) -> None:
+        key = (source, self.bucket(m))
+        self.accepted[key] = self.accepted.get(key, 0) + accepted
+        self.tested[key] = self.tested.get(key, 0) + accepted + (1 if accepted < drafted else 0)
+
+
+class _Index:
+    """Every ANCHOR-token window of a growing token list, by the position after it."""
+
+    def __init__(self) -> None:
+        self.toks: list[int] = []
+        self.at: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, toks: list[int]) -> None:
+        own = self.toks
+        for t in toks:
+            own.append(t)
+            n = len(own)
+            if n >= ANCHOR:
+                self.at.setdefault(tuple(own[n - ANCHOR:]), []).append(n)
+
+    def best(self, ctx: list[int], min_end: int = 0) -> tuple[int, int]:
+        """(match length, position after the match) of the longest match of ctx's end among the latest
+        occurrences ending before the list's end and at or after min_end; (0, -1) when none."""
+        if len(ctx) < ANCHOR:
+            return 0, -1
+        ends = self.at.get(tuple(ctx[-ANCHOR:]))
+        if not ends:
+            return 0, -1
+        toks, L = self.toks, len(ctx)
+        best_m, best_e = 0, -1
+        seen = 0
+        for e in reversed(ends):
+            if e >= len(toks) or e < min_end:
+                continue
+            m = ANCHOR
+            while m < MAX_MATCH and m < e and m < L and toks[e - 1 - m] == ctx[L - 1 - m]:
+                m += 1
+            if m > best_m:
+                best_m, best_e = m, e
+            seen += 1
+            if seen >= MAX_CANDIDATES or best_m >= MAX_MATCH:
+                break
+        return best_m, best_e
+
+
+class SuffixStore:
+    """Recent outputs of one deployment, token ids only, bounded to `budget` bytes (TOKEN_BYTES per token; the
+    oldest outputs go first). Shared by every request of a served model; it changes which drafts are proposed,
+    never which tokens are accepted, so answers do not depend on what was served before."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.docs: deque[tuple[int, array]] = deque()
+        self.tokens = 0
+        self.next_id = 0
+        self.at: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self.entries = 0
+        self.odds = Odds()
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * TOKEN_BYTES
+
+    def add(self, toks: list[int]) -> None:
+        """Keep one output (nothing when it alone exceeds the budget); drop the oldest until it fits."""
+        if len(toks) < ANCHOR + 1 or len(toks) * TOKEN_BYTES > self.budget:
+            return
+        while self.docs and (self.tokens + len(toks)) * TOKEN_BYTES > self.budget:
+            _, old = self.docs.popleft()
+            self.tokens -= len(old)
+        doc = array("i", toks)
+        i = self.next_id
+        self.next_id += 1
+        self.docs.append((i, doc))
+        self.tokens += len(doc)
+        for n in range(ANCHOR, len(doc)):  # windows with a continuation after them
+            self.at.setdefault(tuple(doc[n - ANCHOR:n]), []).append((i, n))
+        self.entries += len(doc) - ANCHOR
+        if self.entries > 2 * self.tokens + 64:  # dropped outputs' entries outnumber the live ones: rebuild
+            live = {d for d, _ in self.docs}
+            self.at = {k: kept for k, v in self.at.items() if (kept := [x for x in v if x[0] in live])}
+            self.entries = sum(len(v) for v in self.at.values())
+
+    def best(self, ctx: list[int]) -> tuple[int, list[int]]:
+        """(match length, continuation of up to MAX_MATCH tokens) of the longest match of ctx's end."""
+        if len(ctx) < ANCHOR or not self.docs:
+            return 0, []
+        ends = self.at.get(tuple(ctx[-ANCHOR:]))
+        if not ends:
+            return 0, []
+        first = self.docs[0][0]
+        docs = {i: d for i, d in self.docs}
+        L = len(ctx)
+        best_m, best = 0, None
+        seen = 0
+        for i, e in reversed(ends):
+            if i < first:
+                continue
+            doc = docs[i]
+            m = ANCHOR
+            while m < MAX_MATCH and m < e and m < L and doc[e - 1 - m] == ctx[L - 1 - m]:
+                m += 1
+            if m > best_m:
+                best_m, best = m, (doc, e)
+            seen += 1
+            if seen >= MAX_CANDIDATES:
+                break
+        if best is None:
+            return 0, []
+        doc, e = best
+        return best_m, list(doc[e:e + 64])
+
+
+class _Row:
+    """One request's sources: its context index, its prediction and where the output is in it."""
+
+    def __init__(self, req: Request):
+        self.prompt_len = len(req.prompt)
+        self.index = _Index()
+        self.pred = list(req.prediction or [])
+        self.pred_index = _Index()
+        self.pred_index.extend(self.pred)
+        self.pp: int | None = 0 if self.pred else None  # output so far == pred[:pp] (aligned), None: diverged
+        self.seen = 0  # output tokens taken into pp
+        self.last: tuple[str, int, list[int], int] | None = None  # (source, match, draft, context length then)
+
+
+class SuffixDrafter:  # a Drafter
+    """Drafts the continuation of the longest match (prediction first, then the context, then the store) at the
+    length the match's odds and the verify cost make best, at most `k` tokens. `min_match` > 0: rows whose best
+    match (outside an aligned prediction) is shorter draft nothing (the hybrid's draft model takes them)."""
+
+    def __init__(self, reqs: list[Request], k: int, dev, store: SuffixStore | None = None,
+                 cost: tuple[float, ...] | list[float] = VERIFY_COST, min_match: int = ANCHOR):
+        self.k, self.dev, self.store, self.cost, self.min_match = k, dev, store, cost, max(min_match, ANCHOR)
+        self.width = k
+        self.odds = store.odds if store is not None else Odds()
+        self.rows = [_Row(r) for r in reqs]
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        pass
+
+    def resume(self, handoffs: list[Handoff]) -> None:
+        pass  # every row's state is rebuilt from its context on the first round
+
+    def hand_off(self) -> None:
+        return None
+
+    def remember(self, outputs: list[list[int]]) -> None:
+        """Finished rows' outputs into the store."""
+        if self.store is not None:
+            for t in outputs:
+                self.store.add(t)
+
+    def _update(self, row: _Row, c: list[int]) -> None:
+        if row.last is not None:
+            source, m, draft, at = row.last
+            new = c[at:at + len(draft)]
+            n = 0
+            while n < len(draft) and n < len(new) and draft[n] == new[n]:
+                n += 1
+            self.odds.add(source, m, len(draft), n)
+            row.last = None
+        if row.pred:
+            out = c[row.prompt_len:]
+            for t in out[row.seen:]:
+                if row.pp is not None and row.pp < len(row.pred) and row.pred[row.pp] == t:
+                    row.pp += 1
+                else:
+                    row.pp = None
+            row.seen = len(out)
+            if row.pp is None or row.pp >= len(row.pred):
+                m, e = row.pred_index.best(c)
+                row.pp = e if m >= RESYNC else None
+        row.index.extend(c[len(row.index.toks):])
+
+    def row_draft(self, b: int, c: list[int]) -> list[int]:
+        """Row b's draft for context c (empty: no match worth drafting, or its best length is 0)."""
+        row = self.rows[b]
+        self._update(row, c)
+        source, m, cont = "", 0, []
+        if row.pp is not None and row.pp < len(row.pred):
+            source, m, cont = "prediction", MAX_MATCH, row.pred[row.pp:row.pp + self.k]
+        else:
+            m1, e = row.index.best(c)
+            m2, cont2 = self.store.best(c) if self.store is not None else (0, [])
+            if max(m1, m2) >= self.min_match:
+                if m1 >= m2:
+                    source, m, cont = "context", m1, row.index.toks[e:e + self.k]
+                else:
+                    source, m, cont = "store", m2, cont2[:self.k]
+        if not cont:
+            return []
+        L = best_length(self.odds.p(source, m), min(len(cont), self.k), self.cost)
+        draft = cont[:L]
+        if draft:
+            row.last = (source, m, draft, len(c))
+        return draft
+
+    def lookup_rows(self, ctx: list[list[int]]) -> list[list[int]]:
+        return [self.row_draft(b, c) for b, c in enumerate(ctx)]
+
+    def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
+        found = self.lookup_rows(ctx)
+        out = torch.zeros(len(found), max([0] + [len(f) for f in found]), dtype=torch.long)
+        for b, f in enumerate(found):
+            out[b, :len(f)] = torch.tensor(f, dtype=torch.long)
+        return out.to(self.dev), None, [len(f) for f in found]
+
+
+def suffix_store(b) -> SuffixStore | None:
+    """The deployment's store of recent outputs (made on first use from speculation.suffix_store_bytes)."""
+    budget = b.spec.suffix_store_bytes
+    if budget <= 0:
+        return None
+    if b.suffix_store is None or b.suffix_store.budget != budget:
+        b.suffix_store = SuffixStore(budget)
+    return b.suffix_store
+
+
+def _loop_opts(opts: dict) -> dict:
+    return {k: opts[k] for k in ("yield_to", "resume", "on_finish", "prompt_cache") if k in opts}
+
+
+class Suffix:
+    """`decode`'s suffix: the suffix drafter alone (a row without a match decodes a plain step that round)."""
+
+    name, resumable = "suffix", True
+
+    def available(self, b) -> bool:
+        return b.max_draft_len > 0
+
+    @torch.inference_mode()
+    def run(self, b, reqs: list[Request], k: int, on_emit, **opts):
+        from pipeline.runtime.speculative import speculate
+
+        drafter = SuffixDrafter(reqs, k, b.target.embed.weight.device, suffix_store(b), b.verify_cost)
+        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts))
+
+
+class Hybrid:
+    """`decode`'s hybrid: per round and row, the suffix draft where its match is at least speculation.suffix_min_match
+    tokens (or the prediction is aligned), the draft model's k tokens elsewhere; both exact (deterministic drafts
+    accepted by matching, the draft model's by Leviathan's rule when sampling)."""
+
+    name, resumable = "hybrid", True
+
+    def available(self, b) -> bool:
+        return b.draft is not None and b.max_draft_len > 0
+
+    @torch.inference_mode()
+    def run(self, b, reqs: list[Request], k: int, on_emit, **opts):
+        from pipeline.runtime.speculative import _ModelDrafter, speculate
+
+        sp = b.spec
+        if b.draft.cfg.vocab_size != b.target.cfg.vocab_size:
+            raise ValueError(f"draft vocab_size {b.draft.cfg.vocab_size} differs from the target's "
+                             f"{b.target.cfg.vocab_size}; the draft must share the target's tokenizer")
+        lookup = SuffixDrafter(reqs, sp.max_draft_len, b.target.embed.weight.device, suffix_store(b), b.verify_cost,
+                               sp.suffix_min_match)
+        drafter = _ModelDrafter(b.draft, reqs, k, b.target.cfg.vocab_size, lookup, opts.get("draft_confidence",
+                                sp.draft_confidence), opts.get("use_draft_logits", sp.use_draft_logits),
+                                opts.get("prompt_cache"))
+        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts))
+
+
+SUFFIX, HYBRID = Suffix(), Hybrid()

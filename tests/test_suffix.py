@@ -1,0 +1,124 @@
+"""Suffix drafting (methods suffix and hybrid, Predicted Outputs) is exact: greedy output equals the baseline token for
+token whatever the prediction or the store of recent outputs holds, and sampling preserves the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime.decode import Bundle, decode
+from pipeline.runtime.generate import Request, generate
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.specconfig import SpecDecodeConfig
+from pipeline.runtime.suffix import TOKEN_BYTES, VERIFY_COST, SuffixStore, best_length
+from tests.test_speculative import V, exact_two_token_dist, prompts, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t = tiny(seed=0)
+    return t, tiny(base=t, noise=0.02, seed=7)
+
+
+def bundle(target, draft=None, max_draft_len: int = 16, **spec) -> Bundle:
+    cfg = SpecDecodeConfig(max_draft_len=max_draft_len, num_draft_tokens=3, **spec)
+    return Bundle(target, None, {"build_config": {"max_draft_len": max_draft_len}}, draft, spec=cfg)
+
+
+def _reqs(ps, new=(24, 9, 17, 30), **kw):
+    return [Request(p, new[i % len(new)], end_ids=(1,), **kw) for i, p in enumerate(ps)]
+
+
+def repetitive(n: int, seed: int) -> list[list[int]]:
+    return [p + p[: len(p) // 2] + p for p in prompts(n, 48, seed=seed, lo=6, hi=20)]
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+@pytest.mark.parametrize("store", [0, 4096])
+def test_greedy_suffix_and_hybrid_equal_baseline(pair, method, store):
+    t, d = pair
+    b = bundle(t, d, suffix_store_bytes=store, suffix_min_match=2)
+    ps = repetitive(6, seed=3)
+    want = [r.tokens for r in generate(t, _reqs(ps))]
+    for _ in range(2):  # the second pass drafts from the store the first one filled
+        got = decode(b, method, _reqs(ps))
+        assert [r.tokens for r in got] == want
+    assert sum(r.draft_accepted for r in got) > 0
+    if store:
+        assert 0 < b.suffix_store.bytes <= store
+
+
+def test_suffix_drafts_long_runs_from_the_store_of_recent_outputs(pair):
+    t, _ = pair
+    p = prompts(1, 48, seed=5, lo=12, hi=13)[0]
+    (ref,) = generate(t, [Request(p, 40)])
+    b = bundle(t, suffix_store_bytes=1 << 20)
+    (cold,) = decode(b, "suffix", [Request(p, 40)])
+    (warm,) = decode(b, "suffix", [Request(p, 40)])  # an agent resending: the store holds the answer
+    assert cold.tokens == warm.tokens == ref.tokens
+    assert warm.steps < len(warm.tokens) / 4 < cold.steps  # long drafts accepted: a few target forwards in all
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_prediction_right_or_wrong_never_changes_the_answer(pair, method):
+    t, d = pair
+    b = bundle(t, d)
+    ps = prompts(4, 48, seed=9, lo=4, hi=12)
+    base = generate(t, _reqs(ps, new=(40,)))
+    g = torch.Generator().manual_seed(1)
+    wrong = [torch.randint(2, 48, (40,), generator=g).tolist() for _ in ps]
+    for preds in ([r.tokens for r in base], wrong, [[]] * 4, [r.tokens[:10] + w[:5] + r.tokens[15:]
+                                                             for r, w in zip(base, wrong)]):
+        reqs = [Request(p, 40, end_ids=(1,), prediction=q) for p, q in zip(ps, preds)]
+        got = decode(b, method, reqs)
+        assert [r.tokens for r in got] == [r.tokens for r in base]
+    right = decode(b, "suffix", [Request(p, 40, end_ids=(1,), prediction=r.tokens) for p, r in zip(ps, base)])
+    assert all(r.steps <= len(r.tokens) // 4 + 1 for r in right)  # the right prediction drafts the whole answer
+
+
+def test_store_stays_within_its_byte_budget_and_drops_the_oldest():
+    s = SuffixStore(100 * TOKEN_BYTES)
+    for i in range(30):
+        s.add([1000 + i] + list(range(i, i + 19)))
+        assert s.bytes <= 100 * TOKEN_BYTES
+    assert len(s.docs) == 5 and s.docs[0][1][0] == 1025  # the newest five of 20 tokens each
+    assert s.entries <= 2 * s.tokens + 64
+    s.add(list(range(200)))  # larger than the whole budget: not kept
+    assert s.bytes <= 100 * TOKEN_BYTES and s.docs[-1][1][0] == 1029
+    m, cont = s.best([30, 31, 32, 33, 34])
+    assert m == 5 and cont[:3] == [35, 36, 37]
+    assert s.best([7, 8, 9]) == (0, [])  # only in outputs dropped since
+
+
+def test_draft_length_grows_with_the_odds_and_follows_the_verify_cost():
+    assert best_length(0.3, 32, VERIFY_COST) < best_length(0.7, 32, VERIFY_COST) < best_length(0.97, 32, VERIFY_COST)
+    assert 8 <= best_length(0.99, 32, VERIFY_COST) <= 12  # the Zen 4 curve: 16 tokens cost 3.93 steps, 12 cost 2.14
+    flat = [1.0 + 0.01 * s for s in range(64)]
+    assert best_length(0.95, 32, flat) == 32  # verification almost free: the whole cap
+    steep = [1.0 + s for s in range(64)]  # every token costs a step: drafting never pays
+    assert best_length(0.9, 32, steep) == 0
+
+
+def sampled(b: Bundle, method: str, prompt, params, n: int, **kw) -> torch.Tensor:
+    counts = torch.zeros(V, V)
+    for c in range(0, n, 500):
+        reqs = [Request(prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i), **kw)
+                for i in range(500)]
+        for r in decode(b, method, reqs):
+            counts[r.tokens[0], r.tokens[1]] += 1
+    return counts / counts.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("method,prediction", [("hybrid", None), ("hybrid", [4, 3, 7]), ("suffix", [5, 5, 5])])
+def test_suffix_and_hybrid_sampling_preserve_target_distribution(temperature, method, prediction):
+    t = tiny(vocab=V, seed=11, hidden=16, scale=0.6)
+    d = tiny(vocab=V, seed=12, hidden=16, scale=0.6, layers=1)
+    b = bundle(t, d, max_draft_len=4, suffix_min_match=2)
+    prompt, params = [3, 7, 2, 4, 3, 7], SamplingParams(temperature)
+    exact = exact_two_token_dist(t, prompt, params)
+    emp = sampled(b, method, prompt, params, 6000, prediction=prediction)
+    assert 0.5 * (emp - exact).abs().sum() < 0.045
