@@ -108,7 +108,8 @@ def run_context(spec, ours: System, tok, log=print, llama: list[System] | None =
         log(f"  context warm {warm_size}: " + ", ".join(
             f"{k} TTFT {r['ttft_s']:.2f} s (cached {r['cached_tokens']})" for k, r in answers.items() if r))
     if v.context_turns > 0:
-        report["trace"] = _trace(systems, ours, tok, trace_tokens, v.context_turns, nonce, report, log)
+        report["trace"] = _trace(systems, ours, tok, trace_tokens, v.context_turns, nonce, report, log,
+                                 v.context_trace_identity)
     for s in systems:
         report["systems"][s.label] = s.unsupported or "ran"
     report["summary"] = summarize(report, ours.label, llama[0].label if llama else None)
@@ -123,9 +124,9 @@ def _identity_entry(on: dict | None, off: dict | None, ours: System) -> dict:
 
 
 def _trace(systems: list[System], ours: System, tok, total: int, turns: int, nonce: str, report: dict,
-           log) -> dict:
+           log, identity_check: bool = True) -> dict:
     """The agent trace: each system its own conversation (its own answers fed back), turn i of every system before
-    turn i + 1; then ours' last turn again with the prompt cache off."""
+    turn i + 1; then (`identity_check`) ours' last turn again with the prompt cache off."""
     file_tokens = max(64, total - turns * (ANSWER_TOKENS + 40) - 80)
     first = (f"Here is `cli.py`:\n```python\n{source_text(tok, file_tokens, f'validate trace {nonce}')}\n```\n\n"
              + TRACE_QUESTIONS[0])
@@ -145,7 +146,7 @@ def _trace(systems: list[System], ours: System, tok, total: int, turns: int, non
                      {"role": "user", "content": TRACE_QUESTIONS[(i + 1) % len(TRACE_QUESTIONS)]}]
         log(f"  context trace turn {i + 1}/{turns}: " + ", ".join(
             f"{k} TTFT {v[-1]['ttft_s']:.2f} s, total {v[-1]['latency_s']:.2f} s" for k, v in rows.items() if v[-1]))
-    if ours.label in last:
+    if ours.label in last and identity_check:
         msgs, on = last[ours.label]
         report["identity"]["trace_last_turn"] = _identity_entry(on, ours.ask(msgs, ANSWER_TOKENS,
                                                                              extra={"cache_prompt": False}), ours)

@@ -279,6 +279,7 @@ class ValidateSpec:
     context_sizes: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     context_turns: int = 6
     context_trace_tokens: int = 8192
+    context_trace_identity: bool = True  # the trace's last turn sent again with the prompt cache off (a cold prefill)
     edit_set: str = "build/edit_set.json"
     max_edit_cases: int = 0
     edit_new_tokens: int = 0  # new tokens per edit answer (0: the whole file and room to spare)

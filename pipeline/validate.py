@@ -404,6 +404,9 @@ def trimmed(spec: Spec) -> list[str]:
         out.append(f"a {v.context_turns}-turn agent trace to {v.context_trace_tokens} tokens (full run: "
                    f"{full.context_turns} turns to {full.context_trace_tokens}; validate.context_turns, "
                    "context_trace_tokens)")
+    if v.context_sizes and v.context_turns and not v.context_trace_identity:
+        out.append("the agent trace's last turn not sent again with the prompt cache off (full run: it is; "
+                   "validate.context_trace_identity)")
     if v.edit_set and v.max_edit_cases:
         out.append(f"the first {v.max_edit_cases} edit cases (full run: all of {v.edit_set}; validate.max_edit_cases)")
     if v.edit_set and v.edit_new_tokens:

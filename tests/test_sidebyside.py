@@ -121,11 +121,13 @@ def test_trimmed_names_the_side_by_side_sections_a_short_run_leaves_out(tmp_path
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\n")
     short = {"prompts": str(prompts), "context_sizes": [1024, 4096], "context_turns": 4, "context_trace_tokens": 4096,
-             "max_edit_cases": 4, "edit_new_tokens": 256}
+             "context_trace_identity": False, "max_edit_cases": 4, "edit_new_tokens": 256}
     out = trimmed(specmod.parse({"name": "t", "validate": short}, root=tmp_path))
     assert out == ["cold prompts of [1024, 4096] tokens (full run: [1024, 4096, 16384]; validate.context_sizes)",
                    "a 4-turn agent trace to 4096 tokens (full run: 6 turns to 8192; validate.context_turns, "
                    "context_trace_tokens)",
+                   "the agent trace's last turn not sent again with the prompt cache off (full run: it is; "
+                   "validate.context_trace_identity)",
                    "the first 4 edit cases (full run: all of build/edit_set.json; validate.max_edit_cases)",
                    "edit answers cut at 256 new tokens (full run: the whole file; validate.edit_new_tokens)"]
     assert trimmed(specmod.parse({"name": "t", "validate": {"prompts": str(prompts)}}, root=tmp_path)) == []
