@@ -1,5 +1,5 @@
 // The GGUF tiles alone: gguf_matmul (pipeline/runtime/gguf_kernels.c, through skinny.c as the library builds it) on
-// random Q4_K or Q6_K panels, S = 1..8 token rows, timed in C with no Python between calls, against the build's own
+// random Q4_K or Q6_K panels, S = 1..8 token rows (or the comma-separated list given as the 8th argument, up to 1024), timed in C with no Python between calls, against the build's own
 // int8 peak (int8_peak: vpdpbusd in 12 independent chains). `copies` > 1 cycles through that many copies of the
 // weights, so with a total above the L3 they stream from memory as in a decode step; 1 keeps them in cache, which
 // leaves only the tile's own instruction cost.
@@ -9,6 +9,7 @@
 //   /tmp/gguf_tile q4k 1024 1536 1 1 1 amx   # the AMX tiles (Sapphire Rapids and later), checked bit for bit against
 //                                            # the AVX-512 tiles at every S first; `amx-model` runs the same code on
 //                                            # the software model of the tiles (its timings mean nothing)
+//   /tmp/gguf_tile q4k 1536 1536 1 1 1 avx512 1,4,8,16,32,64,128,256,512   # rows per step up to a prefill chunk
 // Drop the AVX-512 flags for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
 #include "../pipeline/runtime/skinny.c"
 
@@ -28,7 +29,8 @@ static uint32_t rnd(void) {
 
 int main(int argc, char **argv) {
     if (argc < 6) {
-        fprintf(stderr, "usage: %s q4k|q6k N K threads copies [seconds per S [avx512|amx|amx-model]]\n", argv[0]);
+        fprintf(stderr, "usage: %s q4k|q6k N K threads copies [seconds per S [avx512|amx|amx-model [S,S,...]]]\n",
+                argv[0]);
         return 2;
     }
     const int type = strcmp(argv[1], "q6k") == 0 ? GG_Q6K : GG_Q4K;
@@ -50,8 +52,17 @@ int main(int argc, char **argv) {
             for (int i = 0; i < 256; i++) b[2048 + 128 + i] &= 63;
     }
     for (int c = 1; c < copies; c++) memcpy(w + stride * c, w, bytes);
-    float *x = malloc(sizeof(float) * 8 * K), *y = malloc(sizeof(float) * 8 * N);
-    for (int i = 0; i < 8 * K; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    int list[64], ns = 0, smax = 8;
+    if (argc > 8) {
+        for (char *t = strtok(argv[8], ","); t && ns < 63; t = strtok(NULL, ","))
+            if (atoi(t) >= 1 && atoi(t) <= 1024) list[ns++] = atoi(t);
+    } else {
+        for (int S = 1; S <= 8; S++) list[ns++] = S;
+    }
+    list[ns++] = list[0];  // the first S again: a late first-touch or huge-page effect shows as a change
+    for (int i = 0; i < ns; i++) smax = list[i] > smax ? list[i] : smax;
+    float *x = malloc(sizeof(float) * smax * K), *y = malloc(sizeof(float) * smax * N);
+    for (int i = 0; i < smax * K; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
     gg_desc_t d = {1, K, {{type, N, 0, 0, w}}};
     const char *mode = argc > 7 ? argv[7] : "avx512";
     if (strcmp(mode, "avx512") != 0) {
@@ -61,8 +72,8 @@ int main(int argc, char **argv) {
                     gguf_amx_probe());
             return 2;
         }
-        float *ref = malloc(sizeof(float) * 8 * N);
-        for (int S = 1; S <= 8; S++) {  // the tiles' bits against the AVX-512 tiles' before any timing
+        float *ref = malloc(sizeof(float) * smax * N);
+        for (int S = 1; S <= smax; S += S < 20 ? 1 : 37) {  // the tiles' bits against the AVX-512 tiles' before any timing
             gguf_amx(0);
             gguf_matmul(x, &d, ref, S, K, N, threads);
             gguf_amx(want);
@@ -73,7 +84,7 @@ int main(int argc, char **argv) {
                 return 1;
             }
         }
-        printf("%s: the same bits as the AVX-512 tiles at S = 1..8\n", mode);
+        printf("%s: the same bits as the AVX-512 tiles at S = 1..20 and up to %d\n", mode, smax);
         free(ref);
     }
 
@@ -86,8 +97,8 @@ int main(int argc, char **argv) {
     printf("%s N=%d K=%d, %d thread(s), %d cop%s of %.1f MB; int8 peak %.0f G multiply-adds/s\n", argv[1], N, K,
            threads, copies, copies == 1 ? "y" : "ies", bytes / 1e6, peak / 1e9);
     printf("  S   best us  median us   G MAC/s  of peak  weight GB/s\n");
-    for (int r = 0; r < 9; r++) {  // S = 1..8, then 1 again: a late first-touch or huge-page effect shows as a change
-        const int S = r < 8 ? r + 1 : 1;
+    for (int r = 0; r < ns; r++) {
+        const int S = list[r];
         gguf_matmul(x, &d, y, S, K, N, threads);
         double times[4096];
         int n = 0;
@@ -106,7 +117,7 @@ int main(int argc, char **argv) {
                 times[j] = times[j - 1], times[j - 1] = s;
             }
         const double best = times[0], med = times[n / 2], macs = (double)S * N * K;
-        printf("  %d %9.1f %10.1f %9.1f %7.0f%% %12.1f\n", S, best * 1e6, med * 1e6, macs / best / 1e9,
+        printf("%3d %9.1f %10.1f %9.1f %7.0f%% %12.1f\n", S, best * 1e6, med * 1e6, macs / best / 1e9,
                100 * macs / best / peak, bytes / best / 1e9);
     }
     return 0;

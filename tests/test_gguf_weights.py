@@ -199,6 +199,32 @@ def test_each_token_row_gets_the_same_bits_whatever_the_number_of_rows(build, pa
     assert torch.equal(kernels.linear(many, lin), torch.cat([solo] * 7))
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_calls_give_each_row_its_one_row_bits_at_every_row_count_and_chunking(build, threads, path):
+    """1..600 distinct token rows (a long prompt's chunks, many 48-row kernel chunks and 8-row groups, ragged ends)
+    and prompts split into uneven chunks: every row's output is the bits it gets alone, so prefill in chunks, prefill
+    whole and decoding step by step agree (the prompt cache and chunked prefill rely on it)."""
+    path(build)
+    prev = kernels.threads()
+    kernels.set_threads(threads)
+    try:
+        rng = np.random.default_rng(11)
+        K, R = 512, 600
+        lin = layer([(gw.Q4_K, random_blocks(gw.Q4_K, 40, K, rng)), (gw.Q6_K, random_blocks(gw.Q6_K, 24, K, rng)),
+                     (gw.Q4_K, random_blocks(gw.Q4_K, 9, K, rng))], K)
+        x = torch.cat([_x(R - 3, K, seed=7), torch.zeros(1, K), _x(2, K, seed=8) * 1e-33])  # tiny and zero rows too
+        solo = torch.cat([kernels.linear(x[i:i + 1], lin) for i in range(R)])
+        for S in range(1, R + 1):
+            assert torch.equal(kernels.linear(x[:S], lin), solo[:S]), S
+        for cuts in ([1, 7, 48, 49, 95, 96, 97, 300], [8, 9, 16, 17, 511, 512, 513], list(range(0, R, 64))):
+            bounds = sorted(set([0, *cuts, R]))
+            parts = [kernels.linear(x[a:b], lin) for a, b in zip(bounds, bounds[1:])]
+            assert torch.equal(torch.cat(parts), solo), cuts
+    finally:
+        kernels.set_threads(prev)
+
+
 def test_the_kernel_path_is_named_with_amx_exactly_where_the_cpu_and_os_allow_it():
     assert kernels.path() in ("avx512+amx", "avx512", "avx2", "torch")
     flags = kernels._cpu_flags()
