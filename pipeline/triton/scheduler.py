@@ -341,10 +341,18 @@ def _schedule_round(sched: Scheduler) -> None:
         return
     if not sched.waiting and _resume(sched):
         return
-    if not spec:
+    if not spec or _other_group_running(sched, spec):
         _admit_waiting(sched)
     if sched.pool.busy:
         _step_pool(sched)
+
+
+def _other_group_running(sched: Scheduler, spec: list[Job]) -> bool:
+    """The continuous batch holds speculative rows (handed off by a batch that yielded) and a waiting speculative
+    job is of another group: it joins them plainly rather than wait for their longest row (fairness); they all
+    speculate again once one group is left (_resume)."""
+    keys = {group(t.job) for t in sched.pool.tags() if t.job.method != "baseline"}
+    return bool(keys) and any(group(j) not in keys for j in spec)
 
 
 def _drop_cancelled(sched: Scheduler) -> None:
@@ -462,8 +470,12 @@ def _join(sched: Scheduler, key: tuple, spec: list[Job]) -> bool:
     for job in jobs:
         sched.waiting.remove(job)
         job.start()
-    _admit(sched, jobs, chunked=False)  # they speculate with the running rows next: prefilled now
-    if sched.pool.rows:
+    # They speculate with the running rows next: prefilled now, unless a prompt is longer than the prefill chunk
+    # (kv_cache.prefill_chunk): then in chunks beside the running rows' plain steps, so a burst of long prompts
+    # does not stall the streams, and the rows speculate again once it has joined (_resume).
+    chunk = sched.prefill_chunk
+    _admit(sched, jobs, chunked=bool(chunk) and any(len(r.prompt) > chunk for j in jobs for r in j.reqs))
+    if sched.pool.rows and not sched.pool.pending:
         _speculate_pool(sched, key)
     return True
 
@@ -524,9 +536,11 @@ class SpeculativeBatch:
         method, disable_at_batch = key[0], key[3]
         if sched.bundle.spec.off_at(method, rows + sum(len(j.reqs) for j in sched.waiting), disable_at_batch):
             return True
-        return _resumable_method(method) and any(
-            group(j) == key and not j.cancelled and rows + len(j.reqs) <= sched.max_batch_size
-            for j in sched.waiting)
+        # Fairness: a request of another group (baseline, another k or method) never waits for this batch's
+        # longest row; the rows step aside and decode beside it in the continuous batch, speculating again once it
+        # is gone (_resume).
+        return any(not j.cancelled and (group(j) != key or _resumable_method(method))
+                   and rows + len(j.reqs) <= sched.max_batch_size for j in sched.waiting)
 
     def on_finish(self, b: int, result) -> None:
         self.answered.add(b)  # a finished row is answered now, not when the batch's longest row ends
