@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -41,8 +42,11 @@ def served_replicas(tmp_path_factory, tiny_tokenizer):
     from pipeline.engine import build_target
 
     roots = [tmp_path_factory.mktemp(f"replica{i}") for i in range(4)]
-    model = make_model_dir(roots[0] / "models" / "target", layers=4, hidden=256, heads=4, kv_heads=2,
-                           tokenizer=tiny_tokenizer)
+    # The measurement in docs/deploy.md sets a larger model (prefill, which the cache saves, then outweighs the
+    # HTTP and gRPC hops): SPEC_ROUTING_MODEL=hidden,layers, e.g. 512,8.
+    hidden, layers = (int(x) for x in os.environ.get("SPEC_ROUTING_MODEL", "256,4").split(","))
+    model = make_model_dir(roots[0] / "models" / "target", layers=layers, hidden=hidden, heads=hidden // 64,
+                           kv_heads=2, tokenizer=tiny_tokenizer)
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
     proxy_ports = [srvmod.free_port(), srvmod.free_port()]
