@@ -19,6 +19,7 @@ from pipeline.sidebyside import LLAMA_MODES, System, decode_rate, identity, llam
 
 SYSTEM_PROMPT = ("You are a coding assistant. Reply with the complete edited file in one Python code block, "
                  "nothing else.")
+STORE_METHODS = ("suffix", "hybrid")  # the methods whose answers go into the suffix store (pipeline/runtime/suffix.py)
 EXTRA_TOKENS = 160  # new tokens allowed beyond the original file's (hints and docstrings make it longer)
 # Issue 49's done-when figures for the default method, set against the run's (None where the run lacks a side).
 TARGETS = {"default_over_llama_plain": 4.0, "default_over_best_llama_spec": 1.5, "prediction_over_llama_plain": 5.0,
@@ -57,12 +58,26 @@ def messages(case: dict) -> list[dict]:
 
 
 def our_systems(url: str, model: str, methods: list[str | None], default: str | None) -> list[System]:
-    """Ours: every method served (the default marked), then the default with `prediction` set per case (the
-    original file, an unrelated one)."""
-    out = [System(m or "server default", url, model, method=m) for m in methods]
+    """Ours: every method served, the default first (see `store_exposure`), then the default with `prediction` set
+    per case (the original file, an unrelated one)."""
     d = default or (methods[0] if methods else None)
+    out = [System(m or "server default", url, model, method=m) for m in sorted(methods, key=lambda m: m != d)]
     out += [System(f"{d or 'default'} + prediction (the original)", url, model, method=d),
             System(f"{d or 'default'} + prediction (an unrelated file)", url, model, method=d)]
+    return out
+
+
+def store_exposure(ours: list[System]) -> dict[str, list[str]]:
+    """Per system, the systems sent the same case before it whose method feeds the suffix drafter's store of recent
+    outputs (suffix, hybrid): with `speculation.suffix_store_bytes` set, that store holds their answer to the case
+    when this system drafts, which a user's first request would not find. The default method runs first, so its
+    figure never has it."""
+    seen: list[str] = []
+    out = {}
+    for s in ours:
+        out[s.label] = list(seen)
+        if s.method in STORE_METHODS:
+            seen.append(s.label)
     return out
 
 
@@ -98,7 +113,9 @@ def run_edit(spec, url: str, model: str, methods: list[str | None], default: str
               "cases": [{k: c.get(k) for k in ("id", "kind", "source", "license", "tokens", "bug_introduced")}
                         for c in cases],
               "default_method": default, "systems": {s.label: s.unsupported or "ran" for s in systems},
-              "ours": [s.label for s in ours], "llama": [s.label for s in llama], "notes": notes, "runs": rows}
+              "ours": [s.label for s in ours], "llama": [s.label for s in llama], "notes": notes,
+              "suffix_store_bytes": int(getattr(spec.speculation, "suffix_store_bytes", 0) or 0),
+              "after_store_methods": store_exposure(ours), "runs": rows}
     report["summary"] = summarize(report, baseline_label(methods), pred_orig.label, pred_other.label,
                                   default or (methods[0] if methods else None))
     return report
@@ -181,6 +198,11 @@ def markdown(report: dict) -> list[str]:
               "", "Cases: " + "; ".join(f"{c['id']} ({c['kind']}, {c['tokens']} tokens)" for c in report["cases"])
               + f". Source: {report['cases'][0]['license'] if report['cases'] else ''}, see {report['edit_set']}.", "",
               *([f"Notes: {'; '.join(report['notes'])}.", ""] if report.get("notes") else [])]
+    after = {k: v for k, v in (report.get("after_store_methods") or {}).items() if v}
+    if report.get("suffix_store_bytes") and after:
+        lines += ["With the suffix store on (speculation.suffix_store_bytes), these ran after systems that feed it, "
+                  "on the same case, so the store held an answer to it: " + "; ".join(
+                      f"{k} (after {', '.join(v)})" for k, v in after.items()) + ".", ""]
     return lines
 
 

@@ -107,6 +107,15 @@ def test_edit_summary_checks_every_method_against_baseline_and_ratios_against_ll
     assert t["unrelated_prediction_slowdown"]["met"] is None
 
 
+def test_the_default_method_runs_first_on_each_case_and_later_systems_name_the_store_feeders_before_them():
+    ours = edit_run.our_systems("u", "m", ["baseline", "suffix", "hybrid", "draft_target"], "hybrid")
+    assert [x.label for x in ours] == ["hybrid", "baseline", "suffix", "draft_target",
+                                       "hybrid + prediction (the original)", "hybrid + prediction (an unrelated file)"]
+    seen = edit_run.store_exposure(ours)
+    assert seen["hybrid"] == [] and seen["baseline"] == ["hybrid"]
+    assert seen["hybrid + prediction (an unrelated file)"] == ["hybrid", "suffix", "hybrid + prediction (the original)"]
+
+
 def test_the_edit_set_has_12_cases_of_300_to_1500_tokens_with_their_source_and_license():
     cases = edit_run.load_cases(Path(__file__).resolve().parent.parent / "build" / "edit_set.json")
     assert len(cases) >= 12 and len({c["id"] for c in cases}) == len(cases)
