@@ -195,3 +195,13 @@ def test_a_tensor_type_without_a_kernel_is_refused_naming_the_tensor_and_the_typ
         gw.pack(10, np.zeros((16, 84), np.uint8), 256)
     with pytest.raises(ValueError, match="input width 576: a Q4_K part needs whole super-blocks of 256 columns"):
         gw.pack_parts([(gw.Q4_K, np.zeros((16, 288), np.uint8))], 576)
+
+
+def test_llama_q_and_k_rows_come_back_in_the_checkpoints_order():
+    """llama.cpp's llama converter interleaves each head's RoPE halves in attn_q / attn_k (its permute); the rows are
+    put back whole, so the blocks are not touched: SmolLM2's GGUF builds only with this (gguf_state's check)."""
+    heads, rows = 3, 3 * 64
+    hf = np.arange(rows * 2).reshape(rows, 2)
+    gguf_rows = hf.reshape(heads, 2, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows, 2)  # llama.cpp's permute
+    assert not np.array_equal(gguf_rows, hf)
+    assert np.array_equal(gguf_rows[gw.unpermute_rows(rows, heads)], hf)

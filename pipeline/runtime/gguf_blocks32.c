@@ -2,9 +2,10 @@
 // scale d (and, for the _1 types, an fp16 min m): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0. As for the k-quants, each tensor is
 // repacked at build time (pipeline/runtime/gguf_weights.py, pack32), never requantized, into panels of 16 output rows,
 // one record per block of 32 columns, each record:
-//   q: Q4_0 / Q4_1 / Q5_0 / Q5_1: 256 bytes of nibbles, byte 16 k + l holding row l's column k (low nibble) and
-//        k + 16 (high), k < 16, as ggml's own qs[k]; Q5_0 / Q5_1 then 64 bytes of their fifth bits, bit k % 8 of byte
-//        16 (k / 8) + l being row l's column k's; Q8_0: 512 bytes, byte 16 k + l row l's column k (int8);
+//   q: Q4_0 / Q4_1 / Q5_0 / Q5_1: 4 lines of 64 bytes of nibbles, byte 4 l + j of line c holding row l's column
+//        8c + j (low nibble) and 8c + 4 + j (high), as the k-quants' lines; Q5_0 / Q5_1 then one line of their fifth
+//        bits, bit 2c / 2c + 1 of byte 4 l + j being those two columns'; Q8_0: 8 lines of 64 bytes, byte 4 l + j of
+//        line c row l's column 4c + j as q + 128 (uint8);
 //   D[16] fp32: d widened (exact); Q4_1 / Q5_1 then M[16] fp32: m widened.
 // The weight is D (q - z) (z = 8 Q4_0, 16 Q5_0, 0 Q8_0: always exact in fp32, the GGUF's value) or D q + M for the _1
 // types (gguf.quants rounds RN(D q + M); the kernel multiplies by the exact D q and M separately).
@@ -70,86 +71,115 @@ static void gg_quant32_row(const float *x, int K, int8_t *q, float *dx, float *x
     }
 }
 
-// A record's integers q - z, w[k][l] (column k, panel row l).
-static inline void gg32_decode(int type, const uint8_t *r, int8_t w[32][16]) {
-    if (type == GG_Q8_0) {
-        memcpy(w, r, 512);
-        return;
-    }
-    const int z = gg_zero32(type);
-    for (int k = 0; k < 16; k++)
-        for (int l = 0; l < 16; l++) {
-            w[k][l] = (int8_t)(r[16 * k + l] & 15);
-            w[k + 16][l] = (int8_t)(r[16 * k + l] >> 4);
-        }
-    if (type == GG_Q5_0 || type == GG_Q5_1)
-        for (int k = 0; k < 32; k++)
-            for (int l = 0; l < 16; l++) w[k][l] = (int8_t)(w[k][l] | (((r[256 + 16 * (k / 8) + l] >> (k % 8)) & 1) << 4));
-    if (z)
-        for (int k = 0; k < 32; k++)
-            for (int l = 0; l < 16; l++) w[k][l] = (int8_t)(w[k][l] - z);
+// Row l's column k's integer q (as the GGUF holds it, Q8_0's as q + 128) in a record.
+static inline int gg32_q(int type, const uint8_t *r, int l, int k) {
+    if (type == GG_Q8_0) return r[64 * (k / 4) + 4 * l + k % 4];
+    const int c = k / 8, hi = (k % 8) / 4, j = k % 4;
+    int q = (r[64 * c + 4 * l + j] >> (4 * hi)) & 15;
+    if (type == GG_Q5_0 || type == GG_Q5_1) q |= ((r[256 + 4 * l + j] >> (2 * c + hi)) & 1) << 4;
+    return q;
 }
 
-// Panels [p0, p1) of a 32-block part, every token row of the chunk, up to GG_MAXG rows per pass over a panel.
+#if defined(__AVX512F__)
+static inline vi_t gg32_and10(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x10)); }
+static inline vi_t gg32_sub(vi_t a, int z) { return _mm512_sub_epi32(a, _mm512_set1_epi32(z)); }
+// Q8_0: u = q + 128 (0..255) by x8: vpdpbusd sums in int32 without saturating; the offset comes off after (Z8).
+static inline vi_t gg32_dp8(vi_t acc, vi_t u, const int8_t *x4) { return vi_dp(acc, u, x4); }
+#define GG32_Z8 128
+#else
+static inline vi_t gg32_and10(vi_t a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x10)); }
+static inline vi_t gg32_sub(vi_t a, int z) { return _mm256_sub_epi32(a, _mm256_set1_epi32(z)); }
+// Q8_0 in AVX2: vpmaddubsw would saturate 255 * 127 * 2, so the signed q's magnitude times x8 with q's sign
+// (|q| <= 128: pair sums <= 2 * 128 * 127 < 2^15, exact), no offset to take off.
+static inline vi_t gg32_dp8(vi_t acc, vi_t u, const int8_t *x4) {
+    const __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    const __m256i x = _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x4));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#define GG32_Z8 0
+#endif
+
+// Panels [p0, p1) of a 32-block part, every token row of the chunk, up to GG_MAXG rows per pass over a panel, each
+// half of A8_LANES rows (AVX2: two halves) on its own: a record's 8 vectors of weights (4 columns of each lane's row)
+// are decoded once for the group, then each token row's integer sums i_j and float steps.
 static void gg32_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K, int N, int p0, int p1) {
-    const int nb = K / 32, rec = gg_rec32(pt->type), doff = gg_doff32(pt->type), hasm = gg_min32(pt->type);
-    const int64_t pbytes = gg_panel_bytes(pt->type, K);
-    int8_t w[32][16] __attribute__((aligned(64)));
+    const int type = pt->type, nb = K / 32, rec = gg_rec32(type), doff = gg_doff32(type), hasm = gg_min32(type);
+    const int five = type == GG_Q5_0 || type == GG_Q5_1;
+    const int z = type == GG_Q8_0 ? GG32_Z8 : gg_zero32(type);
+    const int64_t pbytes = gg_panel_bytes(type, K);
     for (int p = p0; p < p1; p++) {
         const uint8_t *panel = pt->w + p * pbytes;
         float *yp = y + pt->n0 + 16 * p;
-        const int left = pt->N - 16 * p < 16 ? pt->N - 16 * p : 16;
-        for (int s0 = 0; s0 < S; s0 += GG_MAXG) {
-            const int G = S - s0 < GG_MAXG ? S - s0 : GG_MAXG;
-            float acc[GG_MAXG][16] __attribute__((aligned(64)));
-            memset(acc, 0, sizeof(acc));
-            for (int j = 0; j < nb; j++) {
-                const uint8_t *r = panel + (int64_t)j * rec;
-                __builtin_prefetch(r + GG_PF, 0, 2);
-                gg32_decode(pt->type, r, w);
-                float D[16], M[16];
-                memcpy(D, r + doff, 64);
-                if (hasm) memcpy(M, r + doff + 64, 64);
-                for (int i = 0; i < G; i++) {
-                    const int64_t row = (int64_t)(s0 + i);
-                    const int8_t *x8 = X->q32 + row * K + 32 * j;
-                    const float dx = X->dx32[row * nb + j], xs = X->xs32[row * nb + j];
-                    int32_t is[16] = {0};
-                    for (int k = 0; k < 32; k++)
-                        for (int l = 0; l < 16; l++) is[l] += (int32_t)w[k][l] * (int32_t)x8[k];
-                    for (int l = 0; l < 16; l++) {
-                        const float t = D[l] * dx;
-                        acc[i][l] = fmaf((float)is[l], t, acc[i][l]);
-                    }
-                    if (hasm)
-                        for (int l = 0; l < 16; l++) {
-                            const float u = M[l] * dx;
-                            acc[i][l] = fmaf(u, xs, acc[i][l]);
+        for (int h = 0; h < 16 / A8_LANES; h++) {
+            const int left = pt->N - 16 * p - A8_LANES * h;
+            if (left <= 0) break;
+            const int hb = 4 * A8_LANES * h;  // this half's bytes in a 64-byte line
+            for (int s0 = 0; s0 < S; s0 += GG_MAXG) {
+                const int G = S - s0 < GG_MAXG ? S - s0 : GG_MAXG;
+                vf_t acc[GG_MAXG];
+                for (int i = 0; i < G; i++) acc[i] = vf_zero();
+                for (int j = 0; j < nb; j++) {
+                    const uint8_t *r = panel + (int64_t)j * rec;
+                    __builtin_prefetch(r + GG_PF, 0, 2);
+                    vi_t u[8];
+                    if (type == GG_Q8_0) {
+                        for (int c = 0; c < 8; c++) u[c] = gg_load(r + 64 * c + hb);
+                    } else {
+                        for (int c = 0; c < 4; c++) a8_nibbles(r + 64 * c + hb, &u[2 * c], &u[2 * c + 1]);
+                        if (five) {
+                            const vi_t H = gg_load(r + 256 + hb);
+                            u[0] = gg_or(u[0], gg32_and10(gg_sl(H, 4)));
+                            u[1] = gg_or(u[1], gg32_and10(gg_sl(H, 3)));
+                            u[2] = gg_or(u[2], gg32_and10(gg_sl(H, 2)));
+                            u[3] = gg_or(u[3], gg32_and10(gg_sl(H, 1)));
+                            u[4] = gg_or(u[4], gg32_and10(H));
+                            u[5] = gg_or(u[5], gg32_and10(gg_sr(H, 1)));
+                            u[6] = gg_or(u[6], gg32_and10(gg_sr(H, 2)));
+                            u[7] = gg_or(u[7], gg32_and10(gg_sr(H, 3)));
                         }
+                    }
+                    const vf_t D = gg_loadf((const float *)(r + doff) + A8_LANES * h);
+                    const vf_t M = hasm ? gg_loadf((const float *)(r + doff + 64) + A8_LANES * h) : D;
+                    for (int i = 0; i < G; i++) {
+                        const int64_t row = (int64_t)(s0 + i);
+                        const int8_t *x8 = X->q32 + row * K + 32 * j;
+                        const float dx = X->dx32[row * nb + j], xs = X->xs32[row * nb + j];
+#if defined(__AVX512F__)
+                        vi_t is = _mm512_setzero_si512();
+#else
+                        vi_t is = _mm256_setzero_si256();
+#endif
+                        if (type == GG_Q8_0)
+                            for (int c = 0; c < 8; c++) is = gg32_dp8(is, u[c], x8 + 4 * c);
+                        else
+                            for (int c = 0; c < 8; c++) is = vi_dp(is, u[c], x8 + 4 * c);
+                        if (z) is = gg32_sub(is, z * (int)xs);  // sum (q - z) x8, exact
+                        const vf_t t = gg_mul(D, gg_set1(dx));  // RN(D_j dx_j)
+                        acc[i] = vf_fma(vf_cvt(is), t, acc[i]);
+                        if (hasm) acc[i] = vf_fma(gg_mul(M, gg_set1(dx)), gg_set1(xs), acc[i]);
+                    }
                 }
+                for (int i = 0; i < G; i++) vf_store(yp + (int64_t)(s0 + i) * N + A8_LANES * h, acc[i], left);
             }
-            for (int i = 0; i < G; i++)
-                for (int l = 0; l < left; l++) yp[(int64_t)(s0 + i) * N + l] = acc[i][l];
         }
     }
 }
 
 // A 32-block part's weights out [N, K] as gguf.quants computes them: RN(D (q - z)), or RN(D q + M).
 static void gg32_dequant(const gg_part_t *pt, int K, float *out) {
-    const int nb = K / 32, rec = gg_rec32(pt->type), doff = gg_doff32(pt->type), hasm = gg_min32(pt->type);
-    int8_t w[32][16];
-    for (int p = 0; p < (pt->N + 15) / 16; p++)
+    const int type = pt->type, nb = K / 32, rec = gg_rec32(type), doff = gg_doff32(type), hasm = gg_min32(type);
+    const int z = type == GG_Q8_0 ? 128 : gg_zero32(type);
+    for (int n = 0; n < pt->N; n++)
         for (int j = 0; j < nb; j++) {
-            const uint8_t *r = pt->w + ((int64_t)p * nb + j) * rec;
-            gg32_decode(pt->type, r, w);
-            for (int l = 0; l < 16 && 16 * p + l < pt->N; l++) {
-                float D, M = 0.f;
-                memcpy(&D, r + doff + 4 * l, 4);
-                if (hasm) memcpy(&M, r + doff + 64 + 4 * l, 4);
-                for (int k = 0; k < 32; k++) {
-                    const volatile float Dq = D * (float)w[k][l];
-                    out[(int64_t)(16 * p + l) * K + 32 * j + k] = hasm ? Dq + M : Dq;
-                }
+            const uint8_t *r = pt->w + ((int64_t)(n / 16) * nb + j) * rec;
+            const int l = n % 16;
+            float D, M = 0.f;
+            memcpy(&D, r + doff + 4 * l, 4);
+            if (hasm) memcpy(&M, r + doff + 64 + 4 * l, 4);
+            for (int k = 0; k < 32; k++) {
+                const volatile float Dq = D * (float)(gg32_q(type, r, l, k) - z);
+                out[(int64_t)n * K + 32 * j + k] = hasm ? Dq + M : Dq;
             }
         }
 }

@@ -98,19 +98,22 @@ def panel_bytes(qtype: int, K: int) -> int:
 
 def pack32(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
     """One GGUF tensor of a 32-weight block type -> the kernel's panels (gguf_blocks32.c): per panel and block of 32
-    columns the integers (nibbles, fifth bits or int8), then D[16] (and M[16]) fp32; rows past N are zero."""
+    columns the integers (nibble lines as the k-quants', a line of fifth bits, or Q8_0's q + 128), then D[16] (and
+    M[16]) fp32; rows past N are zero."""
     N, nb = raw.shape[0], K // 32
     Np = -(-N // 16) * 16
     d, m, q = fields32(qtype, raw)
-    q = _pad_rows(q, Np).reshape(Np // 16, 16, nb, 32).transpose(0, 2, 3, 1)  # [P, nb, k, l]
-    if qtype == Q8_0:
-        parts = [q.astype(np.int8).view(np.uint8).reshape(Np // 16, nb, 512)]
+    P = Np // 16
+    q = _pad_rows(q, Np)
+    if qtype == Q8_0:  # line c, byte 4 l + j: row l's column 4c + j, as q + 128
+        u = (q + 128).astype(np.uint8).reshape(P, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+        parts = [u.reshape(P, nb, 512)]
     else:
-        u = q.astype(np.uint8)
-        parts = [((u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)).reshape(Np // 16, nb, 256)]
-        if qtype in (Q5_0, Q5_1):
-            h = ((u >> 4) & 1).reshape(Np // 16, nb, 4, 8, 16)  # [P, nb, k / 8, k % 8, l]
-            parts.append((h << np.arange(8, dtype=np.uint8)[:, None]).sum(3, dtype=np.uint8).reshape(Np // 16, nb, 64))
+        parts = [_nibble_lines(q.astype(np.uint8)).reshape(P, nb, 256)]
+        if qtype in (Q5_0, Q5_1):  # byte 4 l + j, bit 2c + h: the fifth bit of row l's column 8c + 4h + j
+            h = ((q >> 4) & 1).astype(np.uint8).reshape(P, 16, nb, 4, 2, 4)  # [P, l, nb, c, h, j]
+            h = h << (2 * np.arange(4, dtype=np.uint8)[:, None, None] + np.arange(2, dtype=np.uint8)[:, None])
+            parts.append(h.sum((3, 4), dtype=np.uint8).transpose(0, 2, 1, 3).reshape(P, nb, 64))
     parts.append(_lanes(_pad_rows(d, Np)))
     if m is not None:
         parts.append(_lanes(_pad_rows(m, Np)))
@@ -265,18 +268,20 @@ def _unpack32(qtype: int, packed: Tensor, N: int, K: int) -> dict[str, Tensor]:
     P, nb = -(-N // 16), K // 32
     r = packed.reshape(P, nb, RECORD32[qtype])
     if qtype == Q8_0:
-        q = r[..., :512].contiguous().view(torch.int8).long()  # [P, nb, 512]
+        q = r[..., :512].long().reshape(P, nb, 8, 16, 4) - 128  # [P, nb, c, l, j]
         doff = 512
     else:
-        nib = r[..., :256].long().reshape(P, nb, 16, 16)  # [P, nb, k, l]
-        q = torch.cat([nib & 15, nib >> 4], dim=2)  # [P, nb, 32, 16]
+        lines = r[..., :256].long().reshape(P, nb, 4, 1, 16, 4)  # [P, nb, c, 1, l, j]
+        q = torch.cat([lines & 15, lines >> 4], dim=3)  # [P, nb, c, h, l, j]
         doff = 256
         if qtype in (Q5_0, Q5_1):
-            hb = r[..., 256:320].long().reshape(P, nb, 4, 1, 16)
-            q = q | (((hb >> torch.arange(8).reshape(1, 1, 1, 8, 1)) & 1).reshape(P, nb, 32, 16) << 4)
+            hb = r[..., 256:320].long().reshape(P, nb, 1, 1, 16, 4)
+            shift = (2 * torch.arange(4).reshape(4, 1) + torch.arange(2)).reshape(1, 1, 4, 2, 1, 1)
+            q = q | (((hb >> shift) & 1) << 4)
             doff = 320
-        q = q - ZERO32.get(qtype, 0)
-    q = q.reshape(P, nb, 32, 16).permute(0, 3, 1, 2).reshape(P * 16, K)[:N]
+        q = (q - ZERO32.get(qtype, 0)).permute(0, 1, 2, 3, 5, 4)  # [P, nb, c, h, j, l]
+    q = q.reshape(P, nb, 32, 16) if qtype != Q8_0 else q.permute(0, 1, 2, 4, 3).reshape(P, nb, 32, 16)
+    q = q.permute(0, 3, 1, 2).reshape(P * 16, K)[:N]
 
     def lanes(t: Tensor) -> Tensor:  # [P, nb, 64] bytes -> [N, nb] fp32
         return t.contiguous().view(torch.float32).reshape(P, nb, 16).permute(0, 2, 1).reshape(P * 16, nb)[:N]
@@ -476,12 +481,17 @@ def gguf_layers(path, num_layers: int, log=print) -> dict[str, Tensor]:
 
     reader = GGUFReader(str(path))
     by_name = {t.name: t for t in reader.tensors}
+    heads = rope_heads(reader)
 
     def tensor(name: str) -> tuple[int, np.ndarray]:
         if name not in by_name:
             raise ValueError(f"{path}: no tensor {name!r} in the GGUF")
         t = by_name[name]
-        return int(t.tensor_type), np.asarray(t.data)
+        raw = np.asarray(t.data)
+        kind = name.rsplit(".", 2)[-2]
+        if heads and kind in ("attn_q", "attn_k"):  # whole rows of blocks: reordering them requantizes nothing
+            raw = raw[unpermute_rows(raw.shape[0], heads[0] if kind == "attn_q" else heads[1])]
+        return int(t.tensor_type), raw
 
     groups = {"lm_head": ["output.weight"]}
     for i in range(num_layers):
@@ -511,6 +521,23 @@ def gguf_layers(path, num_layers: int, log=print) -> dict[str, Tensor]:
         + ("" if exact == total else f" ({total - exact} hold values the GGUF rounds, by under half an ulp: "
                                       "the kernel multiplies by the exact ones)"))
     return out
+
+
+def rope_heads(reader) -> tuple[int, int] | None:
+    """(heads, kv heads) where the GGUF's attn_q / attn_k rows are in llama.cpp's interleaved RoPE order (its llama
+    converter permutes them; Qwen2's does not), else None."""
+    arch, heads = reader.fields.get("general.architecture"), reader.fields.get("llama.attention.head_count")
+    if arch is None or arch.contents() != "llama" or heads is None:
+        return None  # (a llama file without head counts fails gguf_state's check against the checkpoint)
+    h = int(heads.contents())
+    kv = reader.fields.get("llama.attention.head_count_kv")
+    return h, int(kv.contents()) if kv is not None else h
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's permute(w, heads): gguf[i] = hf[perm[i]], so hf = gguf[argsort(perm)]."""
+    perm = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+    return np.argsort(perm)
 
 
 def gguf_bytes(path) -> tuple[int, int]:
