@@ -94,14 +94,15 @@ def _proxy(spec_path: Path, specs, out: Path, round_robin: bool) -> subprocess.P
     return proc
 
 
-def _chat(port: int, messages: list[dict], session: int, by_header: bool, cache: bool = True) -> dict:
-    """One streamed chat through the proxy: the answer, usage (cached_tokens), time to first token, the replica."""
+def _chat(port: int, messages: list[dict], session: int, by_header: bool | None, cache: bool = True) -> dict:
+    """One streamed chat through the proxy: the answer, usage (cached_tokens), time to first token, the replica.
+    The session key goes in the X-Session-Id header, in the body's `user` (by_header False), or nowhere (None)."""
     body = {"model": "routed", "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     headers = {"Content-Type": "application/json"}
     if by_header:
         headers["X-Session-Id"] = f"conversation-{session}"
-    else:
+    elif by_header is False:
         body["user"] = f"user-{session}"  # the OpenAI body's own session key, for clients that send no header
     if not cache:
         body["cache_prompt"] = False
@@ -171,7 +172,8 @@ def test_sessions_stay_on_their_replica_and_find_their_prompt_cache(served_repli
     """Session affinity: every turn of a conversation reaches the replica that served its first turn, whether the
     key is the X-Session-Id header or the body's `user`; at least 90% of the prompt tokens a session had already
     sent come from the cache; round-robin, on two other replicas in the same run, finds fewer; every greedy answer
-    equals round-robin's and the same request's with the cache off."""
+    equals round-robin's and the same request's with the cache off. Requests with no key are spread (fewest
+    connections)."""
     specs, paths = served_replicas
     ports = [specs[0].deploy.proxy_port, specs[2].deploy.proxy_port]
     proxies = [_proxy(paths[0], specs[:2], tmp_path / "affine.cfg", round_robin=False),
@@ -180,6 +182,7 @@ def test_sessions_stay_on_their_replica_and_find_their_prompt_cache(served_repli
         affine, rr = _drive(ports)
         reference = {key: _chat(ports[0], r["messages"], key[0], by_header=True, cache=False)
                      for key, r in affine.items()}
+        keyless = [_chat(ports[0], [{"role": "user", "content": q}], -1, by_header=None) for q in QUESTIONS[:4]]
     finally:
         for p in proxies:
             p.terminate()
@@ -197,6 +200,7 @@ def test_sessions_stay_on_their_replica_and_find_their_prompt_cache(served_repli
     assert all(len(r) == 1 for r in replicas.values()), replicas
     assert {next(iter(r)) for r in replicas.values()} == {"replica1", "replica2"}, replicas  # both used
     assert {r["replica"] for r in rr.values()} == {"replica1", "replica2"}
+    assert {r["replica"] for r in keyless} == {"replica1", "replica2"}  # no key: fewest connections, both serve
     assert fa["hit_rate_after_first_turn"] >= 0.9, fa
     assert fa["hit_rate"] > fr["hit_rate"], (fa, fr)
     assert all(reference[k]["cached"] == 0 for k in reference)
