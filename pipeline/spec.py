@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from pipeline.deploy.checks import check_deploy
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 
 
@@ -537,9 +538,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
-    from pipeline.deploy.checks import check_deploy  # light (no kubectl, no yaml writing): deploy's own keys
-
-    check_deploy(spec, _check)
+    check_deploy(spec, _check)  # deploy's own keys (pipeline/deploy/checks.py)
     return spec
 
 
