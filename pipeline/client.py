@@ -54,7 +54,7 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
                 num_draft_tokens: int | None = None, use_draft_logits: bool | None = None,
                 return_perf_metrics: bool = True, exclude_input_in_output: bool | None = None,
                 disable_at_batch: int | None = None, cache_prompt: bool | None = None,
-                return_kv_cache_reuse_stats: bool | None = None) -> list:
+                return_kv_cache_reuse_stats: bool | None = None, prediction: str | None = None) -> list:
     """InferInputs for one request (batch 1), with only the optional inputs that were given."""
     text = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     ins = [_tensor("text_input", [[text]], object), _tensor("max_tokens", [[max_tokens]], np.int32),
@@ -69,6 +69,8 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
             ins.append(_tensor(name, [[value]], dt))
     if method:
         ins.append(_tensor("method", [[method.encode()]], object))
+    if prediction is not None:  # Predicted Outputs: the text the answer likely repeats
+        ins.append(_tensor("prediction", [[prediction.encode("utf-8")]], object))
     if stop_words:
         ins.append(_tensor("stop_words", [[w.encode() for w in stop_words]], object))
     return ins

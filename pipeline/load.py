@@ -83,6 +83,8 @@ def served_methods(spec: specmod.Spec) -> list[str]:
         out.append("prompt_lookup")
     if (spec.engine_dir / "medusa" / "config.json").is_file():
         out.append("medusa")
+    if int(bc.get("max_draft_len", 0)) > 0:  # suffix drafting (pipeline/runtime/suffix.py)
+        out += ["suffix"] + (["hybrid"] if "draft_target" in out else [])
     return out
 
 

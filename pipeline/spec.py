@@ -127,6 +127,9 @@ class SpeculationSpec:
     suffix_store_bytes: ByteSize = 0
     # hybrid drafts the suffix continuation where its match is at least this many tokens, the draft model elsewhere.
     suffix_min_match: int = 4
+    # The method a request that names none gets: auto = draft_target where a draft is built, else medusa, else
+    # baseline; or one of them by name (suffix and hybrid: the torch backend).
+    method: str = "auto"
 
 
 @dataclass
@@ -534,7 +537,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_speculation(spec)
     _validate_serving(spec)
     _validate_prompt_cache(spec.prompt_cache)
-    _validate_suffix(spec.speculation)
+    _validate_suffix(spec)
     _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
@@ -558,8 +561,19 @@ def _validate_limits(lim: LimitsSpec) -> None:
            f"must be below limits.max_seq_len ({lim.max_seq_len}) to leave room for output")
 
 
-def _validate_suffix(sp: SpeculationSpec) -> None:
-    """speculation.suffix_*: a byte budget (0 = no store) and a match length the anchor index can find."""
+SPEC_METHODS = ("auto", "baseline", "draft_target", "prompt_lookup", "medusa", "suffix", "hybrid")
+
+
+def _validate_suffix(spec: Spec) -> None:
+    """speculation.suffix_*: a byte budget (0 = no store) and a match length the anchor index can find;
+    speculation.method: a method this spec can serve."""
+    sp = spec.speculation
+    _check(sp.method in SPEC_METHODS, "speculation.method", sp.method, f"must be one of {', '.join(SPEC_METHODS)}")
+    _check(sp.method not in ("draft_target", "hybrid") or spec.has_draft, "speculation.method", sp.method,
+           "needs a draft model: set draft.source, or pick suffix / prompt_lookup")
+    _check(sp.method != "medusa" or spec.has_medusa, "speculation.method", sp.method, "needs medusa.source")
+    _check(sp.method not in ("suffix", "hybrid") or spec.backend == "torch", "speculation.method", sp.method,
+           "suffix drafting runs on the torch backend; use auto or draft_target with tensorrt_llm")
     _check(sp.suffix_store_bytes >= 0, "speculation.suffix_store_bytes", sp.suffix_store_bytes,
            "must be 0 (no store of recent outputs) or a byte budget such as 64MiB")
     _check(sp.suffix_min_match >= 2, "speculation.suffix_min_match", sp.suffix_min_match,

@@ -105,7 +105,7 @@ def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(served
     """The endpoint applies the model's chat template once: its greedy answer is the gRPC path's answer to the
     client-side templated prompt, for every method, with usage and the speculative figures of the request."""
     s = served_deployment
-    for method in ("baseline", "prompt_lookup", "draft_target", "medusa"):
+    for method in ("baseline", "prompt_lookup", "draft_target", "medusa", "suffix", "hybrid"):
         want = _grpc(s, chat_text(tok, PROMPT), 12, method)
         r = client.chat.completions.create(model="oai", messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=12, temperature=0, extra_body={"method": method})
@@ -124,6 +124,47 @@ def test_greedy_chat_through_openai_equals_the_grpc_path_for_every_method(served
             assert fig["draft_tokens"] > 0 and fig["acceptance_rate"] == 1.0
         if method == "baseline":
             assert fig["draft_tokens"] == 0
+
+
+def test_prediction_keeps_the_greedy_answer_and_usage_counts_its_tokens(served_deployment, client, tok):
+    """Predicted Outputs on chat and completions (and the gRPC input): the right prediction, an unrelated one and an
+    empty one give the baseline's greedy answer; usage says how many of the prediction's tokens the answer holds."""
+    import openai
+
+    s = served_deployment
+    msgs = [{"role": "user", "content": PROMPT}]
+    base = client.chat.completions.create(model="oai", messages=msgs, max_tokens=24, temperature=0,
+                                          extra_body={"method": "baseline"})
+    text = base.choices[0].message.content
+    assert base.usage.completion_tokens_details is None or not base.usage.completion_tokens_details.model_extra
+    unrelated = "def unrelated(x):\n    return [x] * 3  # nothing like the answer\n"
+    for method in ("suffix", "hybrid"):
+        for pred, accepted in ((text, len(tok(text, add_special_tokens=False)["input_ids"])), (unrelated, None)):
+            r = client.chat.completions.create(model="oai", messages=msgs, max_tokens=24, temperature=0,
+                                               prediction={"type": "content", "content": pred},
+                                               extra_body={"method": method})
+            assert r.choices[0].message.content == text, (method, pred)
+            d = r.usage.completion_tokens_details
+            n_pred = len(tok(pred, add_special_tokens=False)["input_ids"])
+            assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == n_pred
+            if accepted is not None:
+                assert d.accepted_prediction_tokens == accepted and d.rejected_prediction_tokens == 0
+                assert r.model_extra["speculative"]["accepted_draft_tokens"] > 0
+            else:
+                assert d.rejected_prediction_tokens > 0
+    r = client.chat.completions.create(model="oai", messages=msgs, max_tokens=24, temperature=0,
+                                       prediction={"type": "content", "content": [{"type": "text", "text": text}]})
+    assert r.choices[0].message.content == text  # the default method, content as text parts
+    want = _grpc(s, "Once upon a time", 16, "baseline")["text"]
+    c = client.completions.create(model="oai", prompt="Once upon a time", max_tokens=16, temperature=0,
+                                  extra_body={"method": "suffix", "prediction": {"type": "content", "content": want}})
+    assert c.choices[0].text == want and c.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    g = generate(srvmod.grpc_url(s), "ensemble", "Once upon a time", 16, method="hybrid", prediction=unrelated)
+    assert g["text"] == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="oai", messages=msgs, max_tokens=4,
+                                       prediction={"type": "file", "content": text})
+    assert e.value.body["param"] == "prediction"
 
 
 def test_streamed_chat_and_completions_equal_their_unary_answers_with_usage_last(served_deployment, client):

@@ -318,14 +318,20 @@ def suffix_store(b) -> SuffixStore | None:
     return b.suffix_store
 
 
-def _loop_opts(opts: dict) -> dict:
-    return {k: opts[k] for k in ("yield_to", "resume", "on_finish", "prompt_cache") if k in opts}
+def _loop_opts(opts: dict, rows: int) -> dict:
+    """speculate's options. The load policy (loadpolicy.py) only where rows share the batch: it caps every row at
+    the draft model's k, and a lone row's long match should draft what its odds and the verify curve say."""
+    out = {k: opts[k] for k in ("yield_to", "resume", "on_finish", "prompt_cache") if k in opts}
+    if rows > 1 and opts.get("policy") is not None:
+        out["policy"] = opts["policy"]
+    return out
 
 
 class Suffix:
     """`decode`'s suffix: the suffix drafter alone (a row without a match decodes a plain step that round)."""
 
     name, resumable = "suffix", True
+    adaptive = True  # decode passes the load policy (used from two rows up)
 
     def available(self, b) -> bool:
         return b.max_draft_len > 0
@@ -335,7 +341,7 @@ class Suffix:
         from pipeline.runtime.speculative import speculate
 
         drafter = SuffixDrafter(reqs, k, b.target.embed.weight.device, suffix_store(b), b.verify_cost)
-        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts))
+        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts, len(reqs)))
 
 
 class Hybrid:
@@ -344,6 +350,7 @@ class Hybrid:
     accepted by matching, the draft model's by Leviathan's rule when sampling)."""
 
     name, resumable = "hybrid", True
+    adaptive = True
 
     def available(self, b) -> bool:
         return b.draft is not None and b.max_draft_len > 0
@@ -361,7 +368,7 @@ class Hybrid:
         drafter = _ModelDrafter(b.draft, reqs, k, b.target.cfg.vocab_size, lookup, opts.get("draft_confidence",
                                 sp.draft_confidence), opts.get("use_draft_logits", sp.use_draft_logits),
                                 opts.get("prompt_cache"))
-        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts))
+        return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts, len(reqs)))
 
 
 SUFFIX, HYBRID = Suffix(), Hybrid()

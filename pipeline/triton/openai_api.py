@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import difflib
 import hmac
 import json
 import math
@@ -69,7 +70,6 @@ UNSUPPORTED = {
     "echo": ((None, False), "the prompt is not echoed; omit it"),
     "audio": ((None,), "audio output is not supported; omit it"),
     "modalities": ((None, ["text"]), "text is the only modality; omit it"),
-    "prediction": ((None,), "predicted outputs are not supported; omit it"),
 }
 
 
@@ -394,6 +394,10 @@ class Front:
             raise bad(f"cache_prompt: got {json.dumps(cp)[:80]}; send true or false", "cache_prompt", "invalid_type")
         if cp is False:
             opts["cache_prompt"] = False
+        pred = prediction_text(body.get("prediction"))  # Predicted Outputs: the first draft source (suffix.py)
+        if pred:
+            self._not_too_long(len(pred), "prediction")
+            opts["prediction"] = pred
         method = body.get("method")
         if method is not None:
             if not isinstance(method, str) or (cfg.methods and method not in cfg.methods):
@@ -664,6 +668,9 @@ class Run:
                  "total_tokens": prompt_tokens + out_tokens}
         if complete and r.get("num_cached_tokens") is not None:  # the prompt cache's part of the prompt
             usage["prompt_tokens_details"] = {"cached_tokens": int(r["num_cached_tokens"])}
+        if "prediction" in self.job.options:
+            usage["completion_tokens_details"] = prediction_usage(
+                self.front.tok, self.job.options["prediction"], "".join(self.raw))
         spec = {"method": self.job.method, "acceptance_rate": r.get("acceptance_rate") if complete else None,
                 "accepted_draft_tokens": r.get("total_accepted_draft_tokens") if complete else None,
                 "draft_tokens": r.get("total_draft_tokens") if complete else None}
@@ -673,6 +680,30 @@ class Run:
         if self.scan.hit:
             return "stop"
         return "length" if usage["completion_tokens"] >= self.job.max_tokens else "stop"
+
+
+def prediction_text(pred) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or a list of {"type": "text", "text": ...}}."""
+    if pred is None:
+        return None
+    content = pred.get("content") if isinstance(pred, dict) and pred.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"prediction: got {json.dumps(pred)[:80]}; send {{\"type\": \"content\", \"content\": \"the text "
+                  "the answer likely repeats\"}}", "prediction", "invalid_type")
+    return content
+
+
+def prediction_usage(tok, prediction: str, completion: str) -> dict:
+    """usage.completion_tokens_details as OpenAI defines it: the prediction's tokens that appear in the completion
+    (in order: the longest matching blocks) are accepted, the rest rejected. Counted from the texts, so the figures
+    do not depend on how speculation went."""
+    p = tok(prediction, add_special_tokens=False)["input_ids"] if prediction else []
+    c = tok(completion, add_special_tokens=False)["input_ids"] if completion else []
+    same = sum(b.size for b in difflib.SequenceMatcher(None, p, c, autojunk=False).get_matching_blocks())
+    return {"reasoning_tokens": 0, "accepted_prediction_tokens": same, "rejected_prediction_tokens": len(p) - same}
 
 
 def triton_error(e: Exception) -> ApiError:

@@ -162,6 +162,22 @@ class RequestParser:
             raise BadRequest(f"{name}: got shape {list(arr.shape)}; expected [{batch}, 1] to match text_input")
         return [flat[min(i, flat.shape[0] - 1), 0] for i in range(batch)]
 
+    def _prediction(self, value) -> list[int] | None:
+        """The `prediction` input's tokens (Predicted Outputs; methods suffix and hybrid draft from it first)."""
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest("prediction: not valid UTF-8; send the predicted text as UTF-8 bytes") from None
+        if not isinstance(value, str):
+            raise BadRequest(f"prediction: got {type(value).__name__}; send a BYTES [1, 1] tensor of UTF-8 text")
+        if len(value) > 64 * self.lim.max_seq_len:
+            raise BadRequest(f"prediction: {len(value)} characters, far above max_seq_len={self.lim.max_seq_len} "
+                             "tokens; send at most the expected answer")
+        return self.tok(value, add_special_tokens=False)["input_ids"] or None
+
     def _words(self, arr, name: str, row: int) -> list[str]:
         if arr is None or arr.size == 0:
             return []
@@ -268,7 +284,7 @@ class RequestParser:
                                      "input (TensorRT-LLM renamed random_seed to seed): send one of them")
                 seeds[i] = v
         cols = {n: self._rows(get(n), n, batch) for n in ("max_tokens", "temperature", "top_k", "top_p", "end_id",
-                                                          "cache_prompt")}
+                                                          "cache_prompt", "prediction")}
         stops, bads = get("stop_words"), get("bad_words")
         for i, prompt in enumerate(texts):
             if not prompt:
@@ -300,5 +316,5 @@ class RequestParser:
             stop_ids = [self.tok(w, add_special_tokens=False)["input_ids"] for w in self._words(stops, "stop_words", i)]
             cache_prompt = cols["cache_prompt"][i] is None or bool(cols["cache_prompt"][i])  # the prompt cache
             job.reqs.append(Request(ids, n, params, stop=[s for s in stop_ids if s], end_ids=end_ids,
-                                    cache_prompt=cache_prompt))
+                                    cache_prompt=cache_prompt, prediction=self._prediction(cols["prediction"][i])))
         return job

@@ -48,6 +48,7 @@ EXTRA_INPUTS: list[tuple[str, str, list[int]]] = [
     ("guided_decoding_guide", "TYPE_STRING", [1]),
     ("stop", "TYPE_BOOL", [1]),
     ("cache_prompt", "TYPE_BOOL", [1]),  # false: this request neither reuses nor keeps prompt-cache entries
+    ("prediction", "TYPE_STRING", [1]),  # Predicted Outputs: text the answer likely repeats, the first draft source
 ]
 SERVED_OUTPUTS = ("text_output", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
                   "num_input_tokens", "num_output_tokens")
@@ -93,7 +94,9 @@ def default_methods(spec: Spec) -> list[str]:
 
     The model serves the first one whose engine is built (so a missing draft falls back to Medusa).
     """
-    return [m for m, on in (("draft_target", spec.has_draft), ("medusa", spec.has_medusa)) if on] + ["baseline"]
+    auto = [m for m, on in (("draft_target", spec.has_draft), ("medusa", spec.has_medusa)) if on] + ["baseline"]
+    named = spec.speculation.method  # speculation.method: the spec's choice first (the flagship's hybrid)
+    return auto if named == "auto" else [named] + [m for m in auto if m != named]
 
 
 def default_method(spec: Spec) -> str:

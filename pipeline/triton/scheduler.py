@@ -132,7 +132,7 @@ def pack(jobs: list[Job], limit: int) -> list[Job]:
 def _runtime_options(method: str, use_logits: bool, resume: list | None) -> tuple[str, dict]:
     """The runtime method and decode options of a speculative group (medusa_typical is Medusa's typical rule)."""
     opts, runtime_method = {}, method
-    if method == "draft_target":
+    if method in ("draft_target", "hybrid"):
         opts["use_draft_logits"] = use_logits
     if method == "medusa_typical":
         runtime_method, opts["acceptance"] = "medusa", "typical"
