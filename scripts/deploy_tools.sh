@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What `make deploy`'s tests need beyond the venv (docs/deploy.md): HAProxy (Debian's haproxy package, 2.6 on
 # Debian 12) and a kubectl whose kustomize reads `resources: [../../base]` (kubectl 1.21 or later). Debian 12's own
-# kubectl (package kubernetes-client) is 1.20, too old: then kubectl comes from the Kubernetes project's apt
-# repository (pkgs.k8s.io, package kubectl, pinned minor below). Idempotent; needs root (or sudo) and apt.
+# kubectl (package kubernetes-client) is 1.20, too old: the machine's own kubectl is used (this project's machines
+# ship 1.32 with their image) and the script stops with a message where none is found. Idempotent; needs root (or
+# sudo) and apt for HAProxy.
 set -euo pipefail
-KUBE_MINOR="${KUBE_MINOR:-v1.32}"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
@@ -19,16 +19,10 @@ kubectl_ok() {
 }
 
 if ! kubectl_ok; then
-  need_apt+=(kubectl)
-  if [ ! -f /etc/apt/sources.list.d/kubernetes.list ]; then
-    $SUDO apt-get update -q
-    $SUDO apt-get install -y -q ca-certificates curl gpg
-    $SUDO mkdir -p /etc/apt/keyrings
-    curl -fsSL "https://pkgs.k8s.io/core:/stable:/${KUBE_MINOR}/deb/Release.key" \
-      | $SUDO gpg --dearmor -o /etc/apt/keyrings/kubernetes-apt-keyring.gpg
-    echo "deb [signed-by=/etc/apt/keyrings/kubernetes-apt-keyring.gpg] https://pkgs.k8s.io/core:/stable:/${KUBE_MINOR}/deb/ /" \
-      | $SUDO tee /etc/apt/sources.list.d/kubernetes.list >/dev/null
-  fi
+  # Debian's own kubectl (kubernetes-client) is 1.20: too old for `resources: [../../base]`. These machines' image
+  # ships a current one (google-cloud-sdk's); elsewhere install kubectl 1.21+ by hand.
+  echo "deploy tools: kubectl 1.21 or later is needed for the deploy tests (kubectl kustomize); install it and rerun" >&2
+  exit 1
 fi
 
 if [ "${#need_apt[@]}" -gt 0 ]; then

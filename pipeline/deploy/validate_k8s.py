@@ -26,7 +26,7 @@ LWS_RESTART = ("RecreateGroupOnPodRestart", "None", "Default")
 
 
 def kubectl() -> str | None:
-    """The kubectl on PATH (Debian: apt-get install kubernetes-client, or kubectl from pkgs.k8s.io)."""
+    """The kubectl on PATH (1.21 or later: scripts/deploy_tools.sh says where it comes from)."""
     return shutil.which("kubectl")
 
 
