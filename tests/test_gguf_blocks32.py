@@ -205,3 +205,22 @@ def test_llama_q_and_k_rows_come_back_in_the_checkpoints_order():
     gguf_rows = hf.reshape(heads, 2, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows, 2)  # llama.cpp's permute
     assert not np.array_equal(gguf_rows, hf)
     assert np.array_equal(gguf_rows[gw.unpermute_rows(rows, heads)], hf)
+
+
+@pytest.mark.parametrize("qtype", [*TYPES, gw.Q4_K, gw.Q6_K])
+def test_a_reduced_head_of_gguf_rows_is_those_rows_bit_for_bit(qtype, path):
+    """A reduced-vocabulary head (the draft's, Medusa's proposal vocabulary) on GGUF weights: the chosen rows gathered
+    from the panels decode to the same weights and multiply to the same bits as the full head's columns."""
+    rng = np.random.default_rng(21 + qtype)
+    K = 512
+    raw = random_blocks(qtype, 75, K, rng) if qtype in gw.RECORD32 else random_kquant_blocks(qtype, 75, K, rng)
+    full = layer([(qtype, raw)], K)
+    idx = torch.tensor([74, 0, 17, 16, 3, 40, 41, 15, 60, 2, 33, 70, 9, 31, 50, 49, 48, 1, 5])
+    sub = full.rows(idx)
+    assert sub.out_features == 19 and torch.equal(sub.weight, full.weight[idx])
+    x = _x(3, K, seed=1)
+    for build in BUILDS:
+        path(build)
+        assert torch.equal(kernels.linear(x, sub), kernels.linear(x, full)[:, idx]), build
+    with pytest.raises(ValueError, match="indices must lie in 0..74"):
+        full.rows(torch.tensor([75]))

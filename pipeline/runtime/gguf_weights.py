@@ -38,6 +38,11 @@ GGUF_BLOCK32 = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per 3
 RECORD32 = {Q4_0: 320, Q4_1: 384, Q5_0: 384, Q5_1: 448, Q8_0: 576}  # bytes per 16 rows x 32 columns in the panels
 ZERO32 = {Q4_0: 8, Q5_0: 16}          # w = d (q - z); Q4_1 / Q5_1: w = d q + m; Q8_0: d q (q int8)
 SUPPORTED = (*RECORD, *RECORD32)
+# A record's sections as (bytes, bytes of one panel row per group of 16): every section keeps each of the 16 rows'
+# bytes at a fixed place in each group (gguf_kernels.c / gguf_blocks32.c), so rows can be gathered (GGUFLinear.rows).
+LANE_SECTIONS = {Q4_K: ((2048, 4), (64, 4), (64, 4), (128, 1), (128, 1)),
+                 Q6_K: ((2048, 4), (1024, 4), (64, 4), (256, 1)),
+                 **{t: ((rec, 4),) for t, rec in RECORD32.items()}}
 FORMAT = GGUF_FORMAT  # joins an engine's input hash (quant.layout_tag): a changed layout rebuilds, never misreads
 MAX_PARTS = 4
 
@@ -461,8 +466,31 @@ class GGUFLinear(QLinear):
         lib.gguf_dequant(self.desc_ptr(), part, out.data_ptr())
         return out
 
-    def rows(self, idx: Tensor):
-        raise ValueError("a reduced-vocabulary head of GGUF weights is not supported (the draft keeps int4_a8)")
+    def rows(self, idx: Tensor) -> GGUFLinear:
+        """Output rows `idx` as a GGUF layer of their own (a reduced-vocabulary head: the draft's, Medusa's proposal
+        vocabulary): each row's bytes gathered from its panel lanes into new panels, nothing decoded or rounded."""
+        table = self._table()
+        if len(table) != 1:
+            raise ValueError(f"rows of a GGUF layer of {len(table)} parts: a reduced head is one tensor's rows")
+        qtype, n, _, _ = table[0]
+        idx = idx.to(torch.int64).reshape(-1)
+        if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= n:
+            raise ValueError(f"rows: indices must lie in 0..{n - 1} and not be empty")
+        K, P, m = self.in_features, -(-n // 16), idx.numel()
+        nrec = K // 32 if qtype in RECORD32 else K // 256
+        r = self.qweight.reshape(P, nrec, -1)
+        Pm = -(-m // 16)
+        out, off = [], 0
+        for size, w in LANE_SECTIONS[qtype]:  # (bytes, bytes per lane per group of 16 lanes)
+            g = size // (16 * w)
+            sec = r[..., off:off + size].reshape(P, nrec, g, 16, w).permute(0, 3, 1, 2, 4).reshape(P * 16, nrec, g, w)
+            sel = torch.zeros(Pm * 16, nrec, g, w, dtype=torch.uint8)
+            sel[:m] = sec[idx]
+            out.append(sel.reshape(Pm, 16, nrec, g, w).permute(0, 2, 3, 1, 4).reshape(Pm, nrec, g * 16 * w))
+            off += size
+        packed = torch.cat(out, -1).reshape(-1).contiguous()
+        parts = torch.tensor([[qtype, m, 0, 0, K]], dtype=torch.int64)
+        return GGUFLinear(packed, parts, None if self.bias is None else self.bias[idx])
 
     def rowmajor(self):
         raise ValueError("GGUF weights have no row-major int4 / int8 form")

@@ -396,6 +396,7 @@ def float_state(model: nn.Module) -> dict[str, Tensor]:
     for name, mod in model.named_modules():
         if isinstance(mod, QLinear):
             del state[name + ".qweight"], state[name + ".scales"]
+            state.pop(name + ".parts", None)  # a GGUF layer's part table (gguf_weights.GGUFLinear)
             state[name + ".weight"] = mod.weight.contiguous()
     return state
 
