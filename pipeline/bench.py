@@ -26,7 +26,7 @@ from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
 from pipeline.precision import engine_float_state, gguf_source, precision_table, read_bytes
 from pipeline.runtime import kernels, quant
-from pipeline.runtime.decode import apply_spec, decode, load_bundle
+from pipeline.runtime.decode import VERIFY_COST_FILE, apply_spec, decode, load_bundle
 from pipeline.runtime.engine_io import load_model_dir
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.gguf_weights import GGUFLinear
@@ -293,7 +293,9 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     report["precision"] = _precision(spec, b, ids, quick, probe, log)
     report["bandwidth_gbs"] = report["precision"]["bandwidth_gbs"]
     # Verify cost: one target forward over S new tokens, relative to S = 1.
-    report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 17)
+    # S = 1..33: the suffix drafter drafts up to 32 tokens where this curve says verifying them is cheap enough.
+    report["verify_cost_ms"] = verify_cost_curve(b.target, 8 if quick else 33)
+    store_verify_cost(spec.engine_dir / "target", report["verify_cost_ms"])
     report["verify_floor"] = verify_floor(b.target.cfg, report["verify_cost_ms"], 0.05 if quick else 0.3)
     report["verify_cost_amx"] = verify_cost_amx(b.target, 8, 3 if quick else 9)
     report["temperature_0.7"] = _sampled(b, methods, ids, new)
@@ -302,6 +304,19 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     report["environment"] = environment(spec)
     _write_report(spec, report, log)
     return report
+
+
+def store_verify_cost(target_dir: Path, curve: list[dict]) -> None:
+    """Keep the relative curve beside the target's weights, where the suffix drafter reads it
+    (decode.load_verify_cost): its draft lengths follow this machine's verify cost, not a constant."""
+    rel = [c["relative"] for c in curve]
+    for i in range(1, len(rel)):  # more tokens never cost less (medians of paired rounds can dip)
+        rel[i] = max(rel[i], rel[i - 1])
+    data = {"relative": rel, "tokens": [c["tokens"] for c in curve], "written_by": "make bench",
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    tmp = target_dir / f".{VERIFY_COST_FILE}.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(target_dir / VERIFY_COST_FILE)
 
 
 def verify_cost_curve(model, max_s: int, reps: int = 9) -> list[dict]:

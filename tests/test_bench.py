@@ -84,7 +84,7 @@ def test_bench_figures_have_their_known_answers(bench):
 
     spec, r = bench
     new, m = r["new_tokens"], r["methods"]
-    assert r["prompts"] == 2 and set(m) == {"baseline", "draft_target", "prompt_lookup"}
+    assert r["prompts"] == 2 and set(m) == {"baseline", "draft_target", "prompt_lookup", "suffix", "hybrid"}
     for e in m.values():
         assert (e["greedy_identical"], e["greedy_total"]) == (2, 2)
         assert e["num_output_tokens"] == 2 * new
@@ -160,6 +160,18 @@ def test_bench_writes_what_it_returns(bench):
     dt = r["methods"]["draft_target"]
     row = f"| draft_target | {dt['tokens_per_s']:.1f} | {dt['speedup']:.2f}x | 1.00 | {dt['mean_accepted_len']:.2f} |"
     assert row in md
+
+
+def test_bench_stores_the_verify_curve_where_the_suffix_drafter_reads_it(bench):
+    from pipeline.runtime.decode import load_verify_cost
+
+    spec, r = bench
+    stored = json.loads((spec.engine_dir / "target" / "verify_cost.json").read_text())
+    rel = [c["relative"] for c in r["verify_cost_ms"]]
+    assert stored["tokens"] == [c["tokens"] for c in r["verify_cost_ms"]] and stored["relative"][0] == rel[0] == 1.0
+    assert all(a <= b for a, b in zip(stored["relative"], stored["relative"][1:]))  # never cheaper with more tokens
+    assert stored["relative"] == [max(rel[:i + 1]) for i in range(len(rel))]
+    assert load_verify_cost(spec.engine_dir / "target") == tuple(stored["relative"])
 
 
 def test_bench_md_has_the_precision_table_and_the_groups_it_ran_in(bench):
