@@ -6,7 +6,8 @@ after the other within each step, so that all of them see the same minutes of th
 sections share lives here: a `System` (an endpoint plus the body fields that make it one system: our `method`,
 `cache_prompt`, `prediction`), the llama-server modes, and the pure functions that turn timings into the reports'
 figures. A system whose server refuses a field it sends (HTTP 400 naming the field: a feature not built yet, or not
-built there) is recorded as unsupported with the server's own message, and the run goes on without it.
+built there) is recorded as unsupported with the server's own message, one whose request fails as failed with the
+error, and the run goes on without it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class System:
     def ask(self, messages: list[dict], max_tokens: int, extra: dict | None = None,
             timeout: float = 1800.0) -> dict | None:
         """One greedy streamed chat completion: its figures (`figures`), or None when the system is unsupported or
-        its server just refused a field this system sends (then it is unsupported from here on)."""
+        its server just refused a field this system sends or failed the request (then it is out from here on, with
+        the reason, and the other systems go on)."""
         if self.unsupported:
             return None
         body = {**self.extra, **(extra or {})}
@@ -51,11 +53,9 @@ class System:
         try:
             r = openai_client.complete(self.url, self.model, messages=messages, max_tokens=max_tokens,
                                        temperature=0.0, method=self.method, extra=body, timeout=timeout)
-        except ApiRequestError as e:
-            reason = refused_field(e, [*body, *(["method"] if self.method else [])])
-            if reason is None:
-                raise
-            self.unsupported = reason
+        except ApiRequestError as e:  # a missing feature, or a failure: either way this system stops, said why
+            self.unsupported = (refused_field(e, [*body, *(["method"] if self.method else [])])
+                                or f"failed: {type(e).__name__}: {str(e)[:300]}")
             return None
         return figures(r)
 

@@ -47,6 +47,14 @@ def test_a_400_on_a_field_the_system_sent_is_unsupported_and_any_other_error_is_
     assert refused_field(ApiRequestError(500, {"param": "prediction"}), ["prediction"]) is None
 
 
+def test_a_system_whose_server_is_gone_is_recorded_failed_and_asked_no_more():
+    from pipeline.triton.server import free_port
+
+    s = sidebyside.System("llama-server plain", f"http://127.0.0.1:{free_port()}/v1", "m", ours=False)
+    assert s.ask([{"role": "user", "content": "hi"}], 4) is None
+    assert s.unsupported.startswith("failed: ApiRequestError") and s.ask([], 4) is None
+
+
 def test_llama_server_modes_pass_the_flags_of_the_pinned_llama_cpp():
     exe, gguf, draft = Path("/x/llama-server"), Path("/m/t.gguf"), Path("/m/d.gguf")
     plain = llama_command(exe, gguf, 8123, 2, 20480, "plain")
