@@ -238,7 +238,7 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
 
     def write(tmp: Path) -> dict:
         # Quantize from the source precision, then cast what stays unquantized (embedding, norms).
-        if qz == "gguf":  # the GGUF's own Q4_K / Q6_K blocks, repacked, never re-rounded (gguf_weights.py)
+        if qz == "gguf":  # the GGUF's own blocks (k-quants, blocks of 32), repacked, never re-rounded (gguf_weights.py)
             if src.kind != "gguf":
                 raise EngineError(f"target.quantization: gguf reads a GGUF's own weights, and {src.description} is not "
                                   "a GGUF; use int4_a8 / int4 / int8 or none for it")

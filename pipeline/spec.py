@@ -51,8 +51,8 @@ class TargetSpec:
     # int8 per output channel, int4 group-wise (group_size input columns share a scale). int4_a8: the int4
     # weights with activations quantized to int8 per group at each matmul (W4A8; on tensorrt_llm W4A8_AWQ,
     # fp8 activations). int4_awq and fp8 go through TensorRT-LLM's quantization script (tensorrt_llm only).
-    # gguf: a GGUF source's own Q4_K / Q6_K blocks in the CPU kernels, never re-rounded (torch backend, device cpu;
-    # activations int8 per 256 columns; docs/gguf_weights.md).
+    # gguf: a GGUF source's own Q4_K / Q6_K / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks in the CPU kernels, never
+    # re-rounded (torch backend, device cpu; activations int8 per 256 / 32 columns; docs/gguf_weights.md).
     quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8", "gguf"] = "none"
     group_size: int = 128
 
