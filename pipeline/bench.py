@@ -25,6 +25,7 @@ from pipeline.common import chat_ids
 from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
 from pipeline.precision import engine_float_state, gguf_source, precision_table, read_bytes
+from pipeline.rows_per_step import rows_per_step_lines
 from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import VERIFY_COST_FILE, apply_spec, decode, load_bundle
 from pipeline.runtime.engine_io import load_model_dir
@@ -530,7 +531,7 @@ def precision_lines(t: dict) -> list[str]:
                   + "; ".join(", ".join(g) for g in groups) + "."]
     if t.get("skipped"):
         lines += ["", f"Left out: {t['skipped']}."]
-    return lines
+    return lines + rows_per_step_lines(t)
 
 
 def bench_markdown(r: dict) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from pipeline import sources
+from pipeline import rows_per_step, sources
 from pipeline.runtime import kernels, quant
 from pipeline.runtime.engine_io import read_config
 from pipeline.runtime.generate import Request, generate
@@ -211,10 +211,15 @@ def precision_table(cfg: ModelConfig, state: dict[str, torch.Tensor], ids: list[
         out["bandwidth_probes_gbs"] = probes
     bandwidth = statistics.median(probes)
     out["bandwidth_gbs"] = bandwidth
+    out["int8_macs_per_s"] = kernels.int8_peak(0.1)["macs_per_s"] if kernels.available() else None
+    from pipeline.bench import macs_per_token  # bench imports this module
     for prec in order:
         if prec in rows:
             rows[prec]["roofline_fraction_at_median_bandwidth"] = (
                 rows[prec]["tokens_per_s"] / (bandwidth * 1e9 / rows[prec]["bytes_per_token"]))
+            rows[prec]["rows_per_step"] = rows_per_step.limits(
+                rows[prec].pop("rows_per_step_ms"), rows[prec]["bytes_per_token"], macs_per_token(cfg), bandwidth,
+                out["int8_macs_per_s"])
             out[prec] = rows[prec]
     return out
 
@@ -241,6 +246,7 @@ def _row(prec: str, model: Transformer, runs: list[tuple], ref_runs: list[tuple]
            "roofline_fraction": statistics.median(s * b / (g * 1e9) for s, g in zip(tps, around)),
            "agreement_vs_reference": agree / max(total, 1), "mean_logprob": logp / max(total, 1),
            "agreement_prompts": len(ids) + len(extra), "agreement_positions": total}
+    row["rows_per_step_ms"] = rows_per_step.step_ms(model)  # issue 51: 1..32 token rows per step
     if prec == "gguf":
         tensors, embd = gguf_bytes(gguf_path)
         row.update(gguf_tensor_bytes=tensors - embd, bytes_vs_gguf=b / (tensors - embd), kernel_path=kernels.path())

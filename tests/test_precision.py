@@ -262,3 +262,33 @@ def test_a_budget_that_holds_no_variant_keeps_the_reference_and_says_what_was_le
                         precisions=("float32", "int8"), log=logs.append, memory_bytes=_cost() + 1)
     assert t["groups"] == [["float32"]] and "int8" not in t and t["float32"]["agreement_vs_reference"] == 1.0
     assert "int8" in t["skipped"] and "larger machine" in t["skipped"] and any("not one fits" in m for m in logs)
+
+
+def test_each_precision_is_timed_at_1_to_32_token_rows_against_the_larger_of_its_two_limits(table):
+    """Issue 51: the table's rows-per-step columns. Every precision has a step time per row count; each limit is
+    the weights read once at the table's bandwidth or the rows' multiply-adds at the measured int8 peak."""
+    from pipeline.bench import macs_per_token, precision_lines
+
+    peak = table["int8_macs_per_s"]
+    assert peak is None or peak > 0
+    for prec in ("float32", "int8", "int4_a8"):
+        steps = table[prec]["rows_per_step"]
+        assert list(steps) == ["1", "4", "8", "16", "32"]
+        for s, c in steps.items():
+            bw = 1000 * table[prec]["bytes_per_token"] / (table["bandwidth_gbs"] * 1e9)
+            i8 = 1000 * int(s) * macs_per_token(CFG) / peak if peak else None
+            assert c["ms"] > 0 and c["bandwidth_ms"] == pytest.approx(bw) and c["int8_ms"] == pytest.approx(i8)
+            assert c["of_limit"] == pytest.approx(max(bw, i8 or 0) / c["ms"])
+    md = "\n".join(precision_lines(table))
+    assert "Token rows per step" in md and "| 1 rows: ms (of limit) |" in md and "| 32 rows: ms (of limit) |" in md
+
+
+def test_the_rows_per_step_limit_switches_from_bandwidth_to_int8_as_rows_grow():
+    from pipeline.rows_per_step import limits
+
+    # 1 GB of weights at 10 GB/s: 100 ms; 1 G multiply-adds a token at 100 G/s: 10 ms a row
+    got = limits({"1": 200.0, "8": 100.0, "32": 400.0}, 1e9, 1e9, 10.0, 1e11)
+    assert [got[s]["limit"] for s in ("1", "8", "32")] == ["bandwidth", "bandwidth", "int8"]
+    assert [got[s]["of_limit"] for s in ("1", "8", "32")] == pytest.approx([0.5, 1.0, 0.8])
+    assert limits({"4": 50.0}, 1e9, 1e9, 10.0, None)["4"] == {
+        "ms": 50.0, "bandwidth_ms": 100.0, "int8_ms": None, "limit": "bandwidth", "of_limit": 2.0}
