@@ -224,6 +224,8 @@ def test_side_by_side_end_to_end_through_our_endpoint_with_llama_server_recorded
     assert all(ed["systems"][k] == "ran" for k in methods)
     for k in ed["ours"]:  # prediction: measured where the endpoint takes it, else unsupported with its reason
         assert ed["systems"][k] == "ran" or "`prediction`" in ed["systems"][k]
+        if "prediction" in k and ed["systems"][k] == "ran":  # OpenAI's usage.completion_tokens_details read back
+            assert ed["summary"]["systems"][k]["accepted_prediction_tokens"] is not None
     assert all(ed["systems"][k].startswith("the target is not a GGUF") for k in ed["llama"])
     ran = [k for k in ed["ours"] if ed["systems"][k] == "ran"]
     i = ed["summary"]["ours_identical"]
