@@ -210,12 +210,13 @@ def server_threads(spec) -> int:
 
 
 def server_command(exe: Path, gguf: Path, port: int, threads: int, ctx: int = SERVER_CTX,
-                   mode: Mode = Mode()) -> list[str]:
+                   mode: Mode = Mode(), slots: int = 1) -> list[str]:
     """llama-server's command line: one slot, 127.0.0.1, the GGUF's chat template (jinja), no web UI; with a
     draft, `--spec-type draft-simple` (without it the server loads the draft and never drafts) and the draft's
-    thread count (its context follows the target's: this llama.cpp has no flag for it)."""
+    thread count (its context follows the target's: this llama.cpp has no flag for it). `slots`: `-np`, requests it
+    decodes at once (the concurrency curve, pipeline/peer_curve.py; `-c` is shared among them)."""
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-tb", str(threads), "-c", str(ctx), "-np", "1", "--jinja", "--no-webui"]
+           "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", "--no-webui"]
     if mode.draft is not None:
         cmd += ["-md", str(mode.draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(mode.n_max),
                 "-td", str(threads)]
@@ -311,6 +312,7 @@ def parse_completion(data: dict, wall_s: float) -> dict:
     return {"tokens": n, "tokens_per_s": n / wall_s if wall_s > 0 else 0.0,
             "decode_tokens_per_s": float(tm["predicted_per_second"]), "prompt_ms": float(tm["prompt_ms"]),
             "prompt_tokens": int(tm.get("prompt_n", 0)), "draft_n": int(tm.get("draft_n", 0)),
+            "decode_ms": float(tm.get("predicted_ms", 1e3 * n / max(float(tm["predicted_per_second"]), 1e-9))),
             "draft_n_accepted": int(tm.get("draft_n_accepted", 0)),
             "text": data["choices"][0]["message"].get("content") or ""}
 
@@ -484,15 +486,15 @@ def llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str |
                           "interleaved": False}
         if plain is not None and plain.failed:
             entry["plain"]["interleaving_failed"] = plain.failed
-    best = ("plain", entry["plain"])
     draft = gguf_of(spec, "draft")
     if draft is not None:
         entry["draft_gguf"] = draft.name
         entry["draft"] = best_draft_mode(
             lambda n, ps, first: run_mode(exe, gguf, Mode(draft, n), ps, new, threads, log_dir, log, warm, first,
                                           len(prompts)), prompts, n_maxes, entry["plain"]["per_prompt_tokens_per_s"])
-        if entry["draft"]["tokens_per_s"] > best[1]["tokens_per_s"]:
-            best = (f"draft n-max {entry['draft']['spec_draft_n_max']}", entry["draft"])
+    from pipeline.peer_curve import best_mode  # lazy: peer_curve imports this module
+
+    best = best_mode(entry)
     entry["best"] = best[0]
     entry["tokens_per_s"] = best[1]["tokens_per_s"]  # the best of plain and speculative, end to end
     entry["decode_tokens_per_s"] = best[1]["decode_tokens_per_s"]

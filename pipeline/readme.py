@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import spec as specmod
+from pipeline.peer_curve import ratio as peer_ratio
 
 if TYPE_CHECKING:
     from pipeline.spec import Spec
@@ -61,8 +62,8 @@ def _peers(report: dict) -> list[str]:
                                            "and with the draft's GGUF)"),):
         tps = (peers.get(key) or {}).get("tokens_per_s")
         if tps:
-            ratio = (f" (draft_target {methods['draft_target']['tokens_per_s'] / tps:.2f}x it)"
-                     if "draft_target" in methods else "")
+            r = peer_ratio(methods.get("draft_target", {}).get("tokens_per_s"), peers.get(key))
+            ratio = f" (draft_target {r:.2f}x it)" if r is not None else ""
             parts.append(f"{what} {tps:.1f} tokens/s{ratio}")
     return [f"In the same run: {'; '.join(parts)}."] if parts else []
 

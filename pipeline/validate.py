@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline import client, peers
+from pipeline import client, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
@@ -36,11 +36,11 @@ PEER_TOKENS = 32  # transformers' tokens per prompt in validate (bench runs the 
 
 
 def _request(url: str, text: str, max_tokens: int, method: str, temperature: float = 0.0, seed: int | None = None,
-             stream: bool = True) -> dict:
+             stream: bool = True, **kw) -> dict:
 
     # disable_at_batch=0: validation measures each method itself, whatever the server's switch-off setting.
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
-                           temperature=temperature, seed=seed, return_perf_metrics=True, disable_at_batch=0)
+                           temperature=temperature, seed=seed, return_perf_metrics=True, disable_at_batch=0, **kw)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -143,6 +143,10 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     # 3b. Concurrency curve.
     report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
     report["crossover"] = crossover(report["batch_curve"], methods)
+    # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
+    report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, min(new, CURVE_TOKENS), log)
+    report["vs_llama_server_at_concurrency"] = {
+        m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
     report["disable_at_batch"] = spec.speculation.disable_at_batch
     if "draft_target" in report["methods"]:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
@@ -470,15 +474,31 @@ def suspicious(report: dict, bundle) -> list[str]:
 
 
 def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
+    """c streamed requests at once: aggregate tokens/s, latency p50, time to first token and inter-token latency
+    (the gaps between a stream's pieces after its first, all streams pooled; a speculative piece holds the tokens of
+    a round) p50/p99."""
+    gaps: list[list[float]] = [[] for _ in range(c)]
+
     def one(i: int) -> dict:
-        return _request(url, texts[i % len(texts)], new, method)
+        last = [0.0]
+
+        def piece(_text: str) -> None:
+            now = time.perf_counter()
+            if last[0]:
+                gaps[i].append(1e3 * (now - last[0]))
+            last[0] = now
+
+        return _request(url, texts[i % len(texts)], new, method, on_piece=piece)
 
     t = time.perf_counter()
     with ThreadPoolExecutor(c) as ex:
         rs = list(ex.map(one, range(c)))
     wall = time.perf_counter() - t
+    itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
     return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
-            "latency_ms_p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5)}
+            "latency_ms_p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5),
+            "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
+            "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99)}
 
 
 def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:
@@ -625,18 +645,23 @@ def plots(report: dict, out: Path) -> None:
     import matplotlib.pyplot as plt  # lazy: as above, after use("Agg")
 
     ms = list(report["methods"])
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = ms + list(report["peers"])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 1.5), 4.2))
     vals = [report["methods"][m]["tokens_per_s"] for m in ms]
-    ax.bar(ms + list(report["peers"]), vals + [p.get("tokens_per_s") or 0 for p in report["peers"].values()])
+    ax.bar(range(len(names)), vals + [p.get("tokens_per_s") or 0 for p in report["peers"].values()])
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")  # long names side by side ran into each other
     ax.set_ylabel("tokens/s (concurrency 1, gRPC)")
     ax.set_title(f"{report['spec']}: speed by method")
     fig.tight_layout()
     fig.savefig(out / "speed.png", dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for m in ms:
-        pts = [(e["concurrency"], e["tokens_per_s"]) for e in report["batch_curve"] if e["method"] == m]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    for m in ms + [peer_curve.PEER_METHOD]:
+        pts = [(e["concurrency"], e["tokens_per_s"]) for e in report["batch_curve"]
+               if e["method"] == m and e.get("concurrency") and e.get("tokens_per_s") is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m + (" -np N" if m not in ms else ""),
+                    linestyle="--" if m not in ms else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate tokens/s")
@@ -705,12 +730,31 @@ def markdown(r: dict) -> str:
     if r["suspicious"]:
         lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
     lines += ["", "## Concurrency curve (aggregate tokens/s)", ""]
-    levels = sorted({e["concurrency"] for e in r["batch_curve"]})
+    levels = sorted({e["concurrency"] for e in r["batch_curve"] if e.get("concurrency") is not None})
     ms = list(r["methods"])
-    lines += ["| concurrency | " + " | ".join(ms) + " |", "|---" * (len(ms) + 1) + "|"]
-    by = {(e["concurrency"], e["method"]): e["tokens_per_s"] for e in r["batch_curve"]}
+    peer = [m for m in [peer_curve.PEER_METHOD] if any(e["method"] == m for e in r["batch_curve"])]
+    cols = ms + [f"{m} -np N" for m in peer]
+    lines += ["| concurrency | " + " | ".join(cols) + " | ttft p50/p99 ms | itl p50/p99 ms |",
+              "|---" * (len(cols) + 3) + "|"]
+    by = {(e["concurrency"], e["method"]): e for e in r["batch_curve"]}
+
+    def cell(c: int, m: str) -> str:
+        tps = (by.get((c, m)) or {}).get("tokens_per_s")
+        return f"{tps:.1f}" if tps is not None else "n/a"
+
+    def lat(c: int, what: str) -> str:
+        return ", ".join(f"{m} {e[what + '_p50']:.0f}/{e[what + '_p99']:.0f}" for m in ms + peer
+                         if (e := by.get((c, m))) and what + "_p50" in e)
+
     for c in levels:
-        lines.append(f"| {c} | " + " | ".join(f"{by[(c, m)]:.1f}" for m in ms) + " |")
+        lines.append(f"| {c} | " + " | ".join(cell(c, m) for m in ms + peer) + f" | {lat(c, 'ttft')} | "
+                     f"{lat(c, 'itl')} |")
+    if r.get("vs_llama_server_at_concurrency"):
+        lines += ["", "Ours over `llama-server -np N` at the same concurrency, same run: " + "; ".join(
+            f"{m} " + ", ".join(f"{c}: {x:.2f}x" for c, x in v.items())
+            for m, v in r["vs_llama_server_at_concurrency"].items() if v) + ". Our inter-token latency is the gap "
+            "between a stream's pieces (a speculative piece holds a round's tokens); llama-server's (not streamed) "
+            "its decode time over its tokens, and its time to first token its wall time less that decode time."]
     lines += ["", f"Crossover (first concurrency where the method is no faster than baseline): {r['crossover']}. "
               f"Measured with speculation forced on; the served setting is `speculation.disable_at_batch: "
               f"{r.get('disable_at_batch', 0)}` (0 = never switch off).", "",

@@ -155,7 +155,7 @@ def test_decode_applies_the_stored_costs_unless_the_spec_fixes_the_draft_length(
 def test_draft_length_is_load_or_fixed_in_the_spec_and_the_config():
     s = specmod.parse({"name": "x", "speculation": {"draft_length": "fixed"}})
     assert s.speculation.draft_length == "fixed"
-    assert specmod.parse({"name": "x"}).speculation.draft_length == "load"
+    assert specmod.parse({"name": "x"}).speculation.draft_length == "fixed"
     with pytest.raises(specmod.SpecError, match="speculation.draft_length"):
         specmod.parse({"name": "x", "speculation": {"draft_length": "sometimes"}})
     with pytest.raises(SpeculationError, match="speculation.draft_length: got 'often'"):

@@ -53,9 +53,19 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     report = run_validate(s, log=lines.append)
     ran = MIN_BUDGET_PROMPTS
     # llama-server (a stand-in: it cannot be built in the tests) decoded each prompt plainly right after ours: its
-    # warm-up, then prompt i between our prompt i and i + 1, and nothing after the pass
+    # warm-up, then prompt i between our prompt i and i + 1; after the pass only the concurrency curve's servers
+    # (llama-server -np N per level: a warm-up request, then N at once)
     warm, *prompts = spec_prompts(s, s.validate.max_prompts + 1)
-    assert [r["prompt"] for r in stand_in_server()] == [warm, *prompts[:ran]]
+    reqs = stand_in_server()
+    assert [r["prompt"] for r in reqs[:ran + 1]] == [warm, *prompts[:ran]]
+    levels = s.validate.concurrency
+    curve = reqs[ran + 1:]
+    assert len(curve) == sum(1 + c for c in levels) and len({r["port"] for r in curve}) == len(levels)
+    peer = [e for e in report["batch_curve"] if e["method"] == "llama-server"]
+    assert [e["concurrency"] for e in peer] == levels and all(e["itl_ms_p99"] >= e["itl_ms_p50"] for e in peer)
+    ours = [e for e in report["batch_curve"] if e["method"] == "baseline"]
+    assert [e["concurrency"] for e in ours] == levels and all(e["ttft_ms_p99"] >= e["ttft_ms_p50"] > 0 for e in ours)
+    assert set(report["vs_llama_server_at_concurrency"]["baseline"]) == {str(c) for c in levels}
     passes = [ln for ln in lines if ln.lstrip().startswith("prompt ") and "tokens/s" in ln]
     assert len(passes) == ran and all("llama-server plain" in ln for ln in passes), passes
     plain = report["peers"]["llama_cpp_server"]["plain"]
@@ -97,7 +107,8 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
         assert on_disk["peers"][peer]["tokens_per_s"] > 0 and on_disk["peers"][peer]["new_tokens"] == 8
     assert "transformers hf_generate (2 prompts x 8 tokens)" in (s.report_dir / "validate.md").read_text()
     curve = on_disk["batch_curve"]
-    assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2) for m in methods}
+    assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2)
+                                                               for m in [*methods, "llama-server"]}
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
     env = on_disk["environment"]  # the kernel build, and why the AVX-512 one does not use AMX tiles where it does not
     assert env["kernel_path"] == kernels.path()
@@ -163,7 +174,7 @@ def test_trimmed_says_what_a_short_run_leaves_out(tmp_path):
     assert out[0] == "4 of 10 prompts (validate.max_prompts)"
     assert any(x.startswith("64 new tokens per request (full run: 128") for x in out)
     assert any(x.startswith("60 distribution samples (full run: 200") for x in out)
-    assert any("concurrency curve to 2 (full run: to 32" in x for x in out)
+    assert any("concurrency curve to 2 (full run: to 16" in x for x in out)
     assert any(x.startswith("temperatures [0.7]") for x in out)
     full = specmod.parse({"name": "t", "validate": {"prompts": str(prompts)}}, root=tmp_path)
     assert trimmed(full) == []

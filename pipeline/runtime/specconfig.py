@@ -47,7 +47,7 @@ class SpecDecodeConfig:
     disable_at_batch: int = 0  # from this many rows in flight, speculative requests decode plainly (0: never)
     draft_lookup_min_ngram: int = 0  # draft_target takes a prompt-lookup continuation this long or longer
     draft_confidence: float = 0.0  # draft_target stops a row's drafting below this draft probability
-    draft_length: str = "load"  # "load": per round and row from the load (loadpolicy); "fixed": k every round
+    draft_length: str = "fixed"  # "load": per round and row from the load (loadpolicy); "fixed": k every round
     suffix_store_bytes: int = 0  # suffix / hybrid: bytes of recent outputs kept to draft from (0: none)
     suffix_min_match: int = 4  # hybrid: the suffix draft from a match this long, the draft model below it
 
@@ -127,7 +127,7 @@ class SpecDecodeConfig:
                    prompt_lookup_num_tokens=sp.prompt_lookup_num_tokens,
                    prompt_lookup_max_ngram=sp.prompt_lookup_max_ngram, use_draft_logits=sp.use_draft_logits,
                    disable_at_batch=sp.disable_at_batch, draft_lookup_min_ngram=sp.draft_lookup_min_ngram,
-                   draft_confidence=sp.draft_confidence, draft_length=getattr(sp, "draft_length", "load"),
+                   draft_confidence=sp.draft_confidence, draft_length=getattr(sp, "draft_length", "fixed"),
                    suffix_store_bytes=int(sp.suffix_store_bytes),
                    suffix_min_match=sp.suffix_min_match)
 
@@ -154,7 +154,7 @@ class SpecDecodeConfig:
                    disable_at_batch=int(param("disable_at_batch", "0") or 0),
                    draft_lookup_min_ngram=int(param("draft_lookup_min_ngram", "0") or 0),
                    draft_confidence=float(param("draft_confidence", "0") or 0),
-                   draft_length=param("draft_length", "load") or "load",
+                   draft_length=param("draft_length", "fixed") or "fixed",
                    suffix_store_bytes=int(param("suffix_store_bytes", "0") or 0),
                    suffix_min_match=int(param("suffix_min_match", "4") or 4))
 

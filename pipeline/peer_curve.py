@@ -1,0 +1,108 @@
+"""llama.cpp's llama-server at concurrency, beside our concurrency curve, and the figures published against it.
+
+validate's concurrency curve (`validate.batch_curve`) measures ours at each level; `peer_curve` starts
+`llama-server -np N` (N slots, the same GGUF, the context scaled so each slot keeps `peers.SERVER_CTX`) at each level
+N, sends N greedy requests at once and records the same figures: aggregate tokens/s, time to first token and
+inter-token latency p50/p99. The entries join validate.json's `batch_curve` as method `llama-server`.
+
+The figures that compare us with the peer are computed here, once: `best_mode` (which of the peer's modes is its
+best: the one with more end-to-end tokens/s) and `ratio` (ours over the peer's best), so the choice cannot be
+inverted in one place and not another (tests/test_peer_figures.py pins both on a stand-in llama-server).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pipeline import peers
+
+PEER_METHOD = "llama-server"  # the method name of the peer's entries in batch_curve
+
+
+def best_mode(entry: dict) -> tuple[str, dict]:
+    """The peer's best mode in a `llama_cpp_server` entry: ("plain", its summary) or ("draft n-max K", the draft's),
+    whichever ran more end-to-end tokens/s (plain on a tie: the simpler one)."""
+    best = ("plain", entry["plain"])
+    d = entry.get("draft")
+    if d and d.get("tokens_per_s") is not None and d["tokens_per_s"] > entry["plain"]["tokens_per_s"]:
+        best = (f"draft n-max {d['spec_draft_n_max']}", d)
+    return best
+
+
+def ratio(ours_tokens_per_s: float | None, peer: dict | None) -> float | None:
+    """Ours over the peer's best tokens/s (the ratio published in validate.md and the README); None where either is
+    missing (the peer not built, failed, or a note)."""
+    tps = (peer or {}).get("tokens_per_s")
+    if not ours_tokens_per_s or not tps:
+        return None
+    return ours_tokens_per_s / tps
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs by the nearest rank (0.0 for none)."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def burst(srv: peers.LlamaServer, texts: list[str], c: int, new: int) -> dict:
+    """c requests at once on a server with c slots: aggregate tokens/s over the burst's wall time; per request, time
+    to first token (its wall time less the server's decode time: queueing and prompt) and inter-token latency (its
+    decode time over its tokens), as p50/p99 over the requests."""
+    def one(i: int) -> tuple[dict, float]:
+        t = time.perf_counter()
+        r = srv.chat(texts[i % len(texts)], new)
+        return r, time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as ex:
+        rs = list(ex.map(one, range(c)))
+    wall = time.perf_counter() - t0
+    ttft = [1e3 * w - r["decode_ms"] for r, w in rs]
+    itl = [r["decode_ms"] / r["tokens"] for r, _ in rs if r["tokens"]]
+    return {"tokens_per_s": sum(r["tokens"] for r, _ in rs) / wall,
+            "latency_ms_p50": pct([1e3 * w for _, w in rs], 0.5),
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
+
+
+def peer_curve(spec, texts: list[str], levels: list[int], new: int, log=print) -> list[dict]:
+    """`llama-server -np N` at each level N on the spec's target GGUF, plain: batch_curve entries (method
+    `llama-server`). [] where the target is not a GGUF; one entry with a `note` where the server is not built or
+    failed (the run goes on)."""
+    gguf = peers.gguf_of(spec)
+    if gguf is None:
+        return []
+    exe = peers.binary()
+    if exe is None:
+        return [{"concurrency": None, "method": PEER_METHOD, "tokens_per_s": None, "note": peers.NOT_BUILT}]
+    threads, out = peers.server_threads(spec), []
+    log_dir = spec.report_dir / "llama-server"
+    for c in levels:
+        port = peers.free_port()
+        cmd = peers.server_command(exe, gguf, port, threads, ctx=peers.SERVER_CTX * c, slots=c)
+        try:
+            with peers.LlamaServer(cmd, port, log_dir / f"llama-server-np{c}.log") as srv:
+                srv.chat(texts[0], 8)  # warm
+                out.append({"concurrency": c, "method": PEER_METHOD, "slots": c, **burst(srv, texts, c, new)})
+        except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+            log(f"  llama-server -np {c} failed: {type(e).__name__}: {str(e)[:300]}")
+            out.append({"concurrency": c, "method": PEER_METHOD, "tokens_per_s": None,
+                        "note": f"llama-server failed: {type(e).__name__}: {str(e)[:300]}"})
+            break
+        log(f"  concurrency {c}: llama-server -np {c} {out[-1]['tokens_per_s']:.1f} tokens/s")
+    return out
+
+
+def ratios_at_concurrency(curve: list[dict], method: str) -> dict[str, float]:
+    """Per level, `method`'s aggregate tokens/s over llama-server's at the same level in the same curve."""
+    by = {(e["concurrency"], e["method"]): e.get("tokens_per_s") for e in curve}
+    out = {}
+    for c in sorted({e["concurrency"] for e in curve if e["method"] == PEER_METHOD and e["concurrency"]}):
+        r = ratio(by.get((c, method)), {"tokens_per_s": by.get((c, PEER_METHOD))})
+        if r is not None:
+            out[str(c)] = round(r, 3)
+    return out
