@@ -122,3 +122,19 @@ def test_suffix_and_hybrid_sampling_preserve_target_distribution(temperature, me
     exact = exact_two_token_dist(t, prompt, params)
     emp = sampled(b, method, prompt, params, 6000, prediction=prediction)
     assert 0.5 * (emp - exact).abs().sum() < 0.045
+
+
+def test_speculation_method_names_the_default_and_is_checked():
+    from pipeline import spec as specmod
+    from pipeline.triton.repo import default_methods
+
+    assert default_methods(specmod.parse({"name": "x", "speculation": {"method": "suffix"}})) == ["suffix", "baseline"]
+    assert default_methods(specmod.parse({"name": "x"})) == ["baseline"]
+    assert default_methods(specmod.load("build/qwen_coder.yaml"))[0] == "hybrid"  # the flagship's default
+    for method, words in (("hybrid", "needs a draft model"), ("nope", "must be one of")):
+        with pytest.raises(specmod.SpecError, match=f"speculation.method: got '{method}'; {words}"):
+            specmod.parse({"name": "x", "speculation": {"method": method}})
+    with pytest.raises(specmod.SpecError, match="speculation.suffix_store_bytes"):
+        specmod.parse({"name": "x", "speculation": {"suffix_store_bytes": -1}})
+    assert specmod.parse({"name": "x", "speculation": {"suffix_store_bytes": "64MiB"}}).speculation.suffix_store_bytes \
+        == 64 << 20
