@@ -259,7 +259,8 @@ class SuffixDrafter:  # a Drafter
             n = 0
             while n < len(draft) and n < len(new) and draft[n] == new[n]:
                 n += 1
-            self.odds.add(source, m, len(draft), n)
+            # n == len(new): the round verified fewer tokens than drafted (the load policy cut it): no rejection seen
+            self.odds.add(source, m, len(draft) if n < len(new) else n, n)
             row.last = None
         if row.pred:
             out = c[row.prompt_len:]
