@@ -210,9 +210,10 @@ def test_attention_matches_sdpa_and_ignores_threads_padding_and_build(threads, s
 
 @pytest.mark.parametrize("shape", [(6, 12, 2, 128, 206), (5, 14, 2, 64, 70), (3, 6, 3, 36, 41), (2, 4, 4, 20, 9)])
 def test_a_query_attends_alike_alone_and_grouped_with_the_heads_that_share_its_kv_head(threads, shape):
-    """Attention works in units of up to four (query, head) pairs that read one kv head (each K and V row loaded once
-    for all of them): a query's result is the bits it gets computed alone, for every unit size the shapes give (6
-    heads a kv head at 1 query: 3 + 3; 7: 4 + 3; 5 x 7: nine units), on 1 and 2 threads."""
+    """Attention works in units of up to ATT_UNIT (query, head) pairs that read one kv head (8 in the AVX-512 build,
+    4 in AVX2; each K and V row loaded once for all of them): a query's result is the bits it gets computed alone,
+    for every unit size the shapes give (AVX-512: 36 pairs 8 + 7 x 4, 35: 7 x 5, 6: one unit; AVX2: 6 heads a kv
+    head at 1 query 3 + 3, 7: 4 + 3), on 1 and 2 threads."""
     S, Hq, Hkv, D, kv = shape
     g = torch.Generator().manual_seed(sum(shape))
     q = torch.randn(1, S, Hq, D, generator=g) * 2

@@ -1544,7 +1544,13 @@ static inline float dot_d(const float *q, const float *k, int D) {
 // over the 8-column blocks of d from 0, the fixed lane sum hsum256, the D % 8 tail in order; per output column: FMA
 // over the slots in order, skipping slots whose exponential is 0), so grouping changes no bit.
 // Returns SK_OK, SK_EARG (shapes: Hq a multiple of Hkv, kv_len <= L), or SK_ENOMEM (some outputs not written).
+// 8 pairs in the AVX-512 build (its 32 ymm hold 8 pairs' two-slot sums or value columns; the 1.5B's 6 heads of a
+// query then read their kv head once, and a prefill chunk's units stream K and V half as often as at 4), 4 in AVX2.
+#if defined(__AVX512F__)
+#define ATT_UNIT 8
+#else
 #define ATT_UNIT 4
+#endif
 typedef struct {
     const float *q, *kc, *vc;
     const uint8_t *mask;
@@ -1565,20 +1571,20 @@ static inline __attribute__((always_inline)) void att_scores(const float *const 
     int l = 0;
     for (; l + 2 <= kv_len; l += 2) {
         __m256 a[ATT_UNIT][2];
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
         const float *k0 = K + (int64_t)l * D, *k1 = k0 + D;
         int d = 0;
         for (; d + 8 <= D; d += 8) {
             const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
-            _Pragma("GCC unroll 4")
+            _Pragma("GCC unroll 8")
             for (int i = 0; i < NI; i++) {
                 const __m256 qq = _mm256_loadu_ps(qv[i] + d);
                 a[i][0] = _mm256_fmadd_ps(qq, x0, a[i][0]);
                 a[i][1] = _mm256_fmadd_ps(qq, x1, a[i][1]);
             }
         }
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
             float v0 = hsum256(a[i][0]), v1 = hsum256(a[i][1]);
             for (int dd = d; dd < D; dd++) v0 = fmaf(qv[i][dd], k0[dd], v0), v1 = fmaf(qv[i][dd], k1[dd], v1);
@@ -1587,7 +1593,7 @@ static inline __attribute__((always_inline)) void att_scores(const float *const 
         }
     }
     for (; l < kv_len; l++)
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) sc[i][l] = SEES(i, l) ? dot_d(qv[i], K + (int64_t)l * D, D) * scale : -INFINITY;
 #undef SEES
 }
@@ -1602,7 +1608,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
         const int dn = D - d0 < 16 ? D - d0 : 16, full = dn / 8;
         __m256 acc[ATT_UNIT][2];
         float tail[ATT_UNIT][8];
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
             acc[i][0] = acc[i][1] = _mm256_setzero_ps();
             for (int j = 0; j < 8; j++) tail[i][j] = 0.f;
@@ -1612,7 +1618,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
             const float *v = V + (int64_t)l * D + d0;
             if (full == 2 && nz[l] == all) {  // every pair sees the slot: no test per pair
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
-                _Pragma("GCC unroll 4")
+                _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
                     const __m256 pv = _mm256_broadcast_ss(p[i] + l);
                     acc[i][0] = _mm256_fmadd_ps(pv, x0, acc[i][0]);
@@ -1620,7 +1626,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
                 }
             } else if (full == 2) {
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
-                _Pragma("GCC unroll 4")
+                _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
                     if (e[i][l] != 0.f) {
                         const __m256 pv = _mm256_broadcast_ss(p[i] + l);
@@ -1629,7 +1635,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
                     }
                 }
             } else {
-                _Pragma("GCC unroll 4")
+                _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
                     if (e[i][l] == 0.f) continue;
                     const float pl = p[i][l];
@@ -1638,7 +1644,7 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
                 }
             }
         }
-        _Pragma("GCC unroll 4")
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
             for (int j = 0; j < full; j++) _mm256_storeu_ps(o[i] + d0 + 8 * j, acc[i][j]);
             for (int dd = 8 * full; dd < dn; dd++) o[i][d0 + dd] = tail[i][dd - 8 * full];
@@ -1683,7 +1689,15 @@ static void attention_share(void *ctx, int share) {
         case 1: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 1); break;
         case 2: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 2); break;
         case 3: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 3); break;
+#if ATT_UNIT > 4
+        case 4: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 4); break;
+        case 5: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 5); break;
+        case 6: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 6); break;
+        case 7: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 7); break;
+        default: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 8); break;
+#else
         default: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 4); break;
+#endif
         }
         memset(nz, 0, (size_t)kv_len);
         for (int i = 0; i < NI; i++) {  // softmax weights, pair by pair
@@ -1710,7 +1724,15 @@ static void attention_share(void *ctx, int share) {
         case 1: att_values(sc, pr, nz, V, ov, D, kv_len, 1); break;
         case 2: att_values(sc, pr, nz, V, ov, D, kv_len, 2); break;
         case 3: att_values(sc, pr, nz, V, ov, D, kv_len, 3); break;
+#if ATT_UNIT > 4
+        case 4: att_values(sc, pr, nz, V, ov, D, kv_len, 4); break;
+        case 5: att_values(sc, pr, nz, V, ov, D, kv_len, 5); break;
+        case 6: att_values(sc, pr, nz, V, ov, D, kv_len, 6); break;
+        case 7: att_values(sc, pr, nz, V, ov, D, kv_len, 7); break;
+        default: att_values(sc, pr, nz, V, ov, D, kv_len, 8); break;
+#else
         default: att_values(sc, pr, nz, V, ov, D, kv_len, 4); break;
+#endif
         }
     }
     if (buf != stack) scratch_done(buf, o_sc);
@@ -1721,7 +1743,7 @@ int attention(const float *q, const float *kc, const float *vc, const uint8_t *m
     if (B < 0 || S < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || kv_len < 0 || kv_len > L) return SK_EARG;
     const int items = B * S * Hq, per_kv = S * (Hq / Hkv);
     if (items == 0) return SK_OK;
-    // Units of (query, head) pairs on one kv head, as even as ATT_UNIT allows (7 pairs: 4 + 3, 6: 3 + 3).
+    // Units of (query, head) pairs on one kv head, as even as ATT_UNIT allows (ATT_UNIT 4: 7 pairs 4 + 3, 6: 3 + 3).
     const int n_units = (per_kv + ATT_UNIT - 1) / ATT_UNIT, unit = (per_kv + n_units - 1) / n_units;
     const int units = B * Hkv * ((per_kv + unit - 1) / unit);
     const int parts = units > 1 && (int64_t)items * kv_len >= 512 ? (threads < units ? threads : units) : 1;
