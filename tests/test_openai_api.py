@@ -387,7 +387,7 @@ def test_validate_through_the_endpoint_reports_every_method_exact(served_deploym
 
     s = served_deployment
     r = run_validate_api(s, log=lambda *a: None)
-    assert set(r["methods"]) == {"baseline", "draft_target", "prompt_lookup", "medusa"}
+    assert set(r["methods"]) == {"baseline", "draft_target", "prompt_lookup", "medusa", "suffix", "hybrid"}
     for m, e in r["methods"].items():
         assert e["greedy_identical"] == e["greedy_total"] == 2 and e["complete"] == 2, m
         assert e["tokens_per_s"] > 0
