@@ -21,9 +21,10 @@ from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
 from pipeline.figures import Run, mean_accepted_len, summarize
+from pipeline.sidebyside import System
 from pipeline.spec import Spec, ValidateSpec
-from pipeline.triton import server
-from pipeline.validate_api import run_validate_api
+from pipeline.triton import openai_api, server
+from pipeline.validate_api import run_validate_api, served
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
 # New tokens per request in the concurrency curve; at 64 its 32-request bursts of forced-on speculation took
@@ -171,9 +172,6 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
     """report's `context` and `edit` (reports/<name>/context.json, edit.json): through our OpenAI endpoint (started
     here unless it runs, and stopped again) against llama-server. A section that fails is a note naming why."""
     from pipeline import context_run, edit_run  # lazy: as the other sections' imports
-    from pipeline.sidebyside import System
-    from pipeline.triton import openai_api
-    from pipeline.validate_api import served
 
     v = spec.validate
     if not v.context_sizes and not v.edit_set:

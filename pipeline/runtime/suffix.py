@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from pipeline.runtime.generate import Handoff, Request
+from pipeline.runtime.speculative import _ModelDrafter, speculate
 
 ANCHOR = 2  # tokens one index key holds: matches start from this many tokens
 MAX_CANDIDATES = 16  # latest occurrences of an anchor whose backward match is measured
@@ -339,8 +340,6 @@ class Suffix:
 
     @torch.inference_mode()
     def run(self, b, reqs: list[Request], k: int, on_emit, **opts):
-        from pipeline.runtime.speculative import speculate
-
         drafter = SuffixDrafter(reqs, k, b.target.embed.weight.device, suffix_store(b), b.verify_cost)
         return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts, len(reqs)))
 
@@ -358,8 +357,6 @@ class Hybrid:
 
     @torch.inference_mode()
     def run(self, b, reqs: list[Request], k: int, on_emit, **opts):
-        from pipeline.runtime.speculative import _ModelDrafter, speculate
-
         sp = b.spec
         if b.draft.cfg.vocab_size != b.target.cfg.vocab_size:
             raise ValueError(f"draft vocab_size {b.draft.cfg.vocab_size} differs from the target's "
