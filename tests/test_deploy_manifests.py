@@ -119,13 +119,21 @@ def test_validation_finds_a_wrong_field_a_wrong_type_and_a_bad_leaderworkerset_f
     ({"deploy": {"session_header": "X Session"}}, "deploy.session_header"),
     ({"deploy": {"namespace": "Spec_Pipeline"}}, "deploy.namespace"),
     ({"deploy": {"replicas": 0}}, "deploy.replicas"),
-    ({"openai": {"enabled": False}}, "openai.enabled"),
 ])
 def test_broken_deploy_values_are_refused_at_check_with_the_key_named(tiny_root, capsys, sections, key):
     path = write_spec(tiny_root, name="broken", **sections)
     assert main(["check", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {key}: got"), err
+
+
+def test_deploy_refuses_a_spec_without_the_openai_endpoint_that_check_accepts(tiny_root, capsys, tmp_path):
+    path = write_spec(tiny_root, name="noapi", openai={"enabled": False})
+    assert main(["check", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["deploy", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("error: openai.enabled: got False"), "deploy needs the endpoint"
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("change, key", [

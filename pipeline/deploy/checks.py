@@ -38,6 +38,12 @@ def gpus_per_pod(spec) -> int:
     return world if nodes(spec) == 1 else spec.deploy.gpus_per_node
 
 
+def check_deployable(spec, check: Check) -> None:
+    """What only `deploy` needs of a spec: a spec that serves without the OpenAI endpoint is valid elsewhere."""
+    check(spec.openai.enabled, "openai.enabled", spec.openai.enabled,
+          "the proxy routes sessions to the replicas' OpenAI endpoints: set openai.enabled: true to deploy")
+
+
 def check_deploy(spec, check: Check) -> None:
     """deploy: replicas, names, the proxy's port (a port of its own) and how the parallel plan lands on nodes."""
     d = spec.deploy
@@ -57,8 +63,6 @@ def check_deploy(spec, check: Check) -> None:
     clash = next((k for k, v in taken.items() if v == d.proxy_port), None)
     check(clash is None, "deploy.proxy_port", d.proxy_port,
           f"is also {clash}: give the proxy a port of its own (it runs beside the replicas on one host too)")
-    check(spec.openai.enabled, "openai.enabled", spec.openai.enabled,
-          "the proxy routes sessions to the replicas' OpenAI endpoints: set openai.enabled: true to deploy")
     check(d.gpus_per_node >= 1, "deploy.gpus_per_node", d.gpus_per_node, "must be 1 or more GPUs per node")
     check(d.storage >= 2**30, "deploy.storage", d.storage, "must be at least 1GiB for the engines' volume")
     if spec.backend == "tensorrt_llm":

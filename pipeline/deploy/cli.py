@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pipeline import spec as specmod
 from pipeline.deploy import haproxy, manifests
+from pipeline.deploy.checks import check_deployable
 
 
 def _host_port(text: str) -> tuple[str, int]:
@@ -18,6 +19,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def cmd_deploy(args) -> int:
     s = specmod.load(args.spec)
+    check_deployable(s, specmod._check)  # deploy's own needs; `check` accepts a spec without the endpoint
     if args.replica:
         # One host: the replicas' OpenAI endpoints given here, the proxy on loopback at deploy.proxy_port.
         out = Path(args.out) if args.out else s.report_dir / "haproxy.cfg"
