@@ -165,7 +165,8 @@ class OpenAISpec:
     # Requests running at once (in Triton); past it a request gets 429 with Retry-After. 0: twice
     # limits.max_batch_size (rows for all, plus as many waiting their turn).
     max_concurrent: int = 0
-    # Connections held open at once; past it uvicorn answers 503 (0: 4 x the request limit + 64).
+    # Connections held open at once; past it uvicorn answers 503 (0: 2,048). Idle and slow ones count too until
+    # their header or body time runs out, so it is sized for a crowd of them, not for the requests.
     max_connections: int = 0
     # A client has this long to send its request's headers (from connecting), then its body; else 408 and closed.
     header_timeout_s: float = 10.0
@@ -708,7 +709,7 @@ def _validate_serving(spec: Spec) -> None:
     _check(oa.max_concurrent >= 0, "openai.max_concurrent", oa.max_concurrent,
            "must be 0 (twice limits.max_batch_size) or a positive number of requests")
     _check(oa.max_connections >= 0, "openai.max_connections", oa.max_connections,
-           "must be 0 (4 x the request limit + 64) or a positive number of connections")
+           "must be 0 (2,048) or a positive number of connections")
     for key in ("header_timeout_s", "body_timeout_s"):
         v = getattr(oa, key)
         _check(0 < v <= 3600, f"openai.{key}", v, "must be a number of seconds above 0 and at most 3600")

@@ -107,7 +107,7 @@ class FrontConfig:
     decoupled: bool = True
     request_timeout_s: float = 600.0
     max_concurrent: int = 16  # requests running at once; past it 429
-    max_connections: int = 128  # uvicorn's limit_concurrency
+    max_connections: int = 2048  # uvicorn's limit_concurrency
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     allowed_hosts: list[str] = field(default_factory=list)
@@ -160,7 +160,7 @@ def front_config(spec: Spec) -> FrontConfig:
                        max_draft_len=int(bc.get("max_draft_len", spec.limits.max_draft_len)),
                        methods=methods, default_method=default,
                        decoupled=spec.triton.decoupled if spec.backend == "torch" else spec.tensorrt_llm.decoupled,
-                       max_concurrent=limit, max_connections=oa.max_connections or 4 * limit + 64,
+                       max_concurrent=limit, max_connections=oa.max_connections or 2048,
                        header_timeout_s=oa.header_timeout_s, body_timeout_s=oa.body_timeout_s,
                        allowed_hosts=list(oa.allowed_hosts))
 
