@@ -72,5 +72,13 @@ def measured() -> None:
               f"fixed k={K} {n / tf:.0f}, load {n / tl:.0f}")
 
 
+def main(argv: list[str]) -> None:
+    """An engine directory: its stored costs' choices; nothing: the tiny pair, measured here."""
+    if argv:
+        stored(Path(argv[0]))
+    else:
+        measured()
+
+
 if __name__ == "__main__":
-    stored(Path(sys.argv[1])) if len(sys.argv) > 1 else measured()
+    main(sys.argv[1:])
