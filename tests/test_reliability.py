@@ -193,7 +193,7 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     # the 8 greedy references (--prompts' default) and every request of the run are ended by the time it reports.
     assert sum(server_counters(s, *ENDED).values()) - ended_before == 8 + r["requests"]
     assert r["errors"] == r["incomplete"] == r["greedy_mismatches"] == 0, r["problems"]
-    assert r["methods"] == ["baseline", "prompt_lookup"] and r["temperatures"] == [0.0, 0.7, 1.0]
+    assert r["methods"] == ["baseline", "prompt_lookup", "suffix"] and r["temperatures"] == [0.0, 0.7, 1.0]
     assert r["models"] == ["ensemble", "tensorrt_llm_bls"], "the soak sends to every served model"
     assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
