@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import time
 
 from pipeline.sidebyside import System, identity, llama_systems, median, ratio
+from pipeline.sidebyside import fmt as _f
 
 # Text the prompts are cut from: Python's standard library (PSF-2.0), as shipped with the running Python.
 SOURCES = ("argparse", "configparser", "difflib", "textwrap", "shlex", "calendar", "statistics", "heapq")
@@ -204,15 +204,6 @@ def summarize(report: dict, ours: str, theirs: str | None) -> dict:
                                                               else got[k] <= lim)}
                       for k, lim in TARGETS.items()}
     return out
-
-
-def write(spec, report: dict) -> None:
-    spec.report_dir.mkdir(parents=True, exist_ok=True)
-    (spec.report_dir / "context.json").write_text(json.dumps(report, indent=2))
-
-
-def _f(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:{fmt}}{unit}"
 
 
 def markdown(report: dict) -> list[str]:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.sidebyside import LLAMA_MODES, System, decode_rate, identity, llama_systems, median, ratio
+from pipeline.sidebyside import fmt as _f
 
 SYSTEM_PROMPT = ("You are a coding assistant. Reply with the complete edited file in one Python code block, "
                  "nothing else.")
@@ -161,15 +162,6 @@ def summarize(report: dict, base: str, pred_orig: str, pred_other: str, default:
                             "met": None if got[k] is None else (got[k] <= lim if k == "unrelated_prediction_slowdown"
                                                                 else got[k] >= lim)}
                         for k, lim in TARGETS.items()}}
-
-
-def write(spec, report: dict) -> None:
-    spec.report_dir.mkdir(parents=True, exist_ok=True)
-    (spec.report_dir / "edit.json").write_text(json.dumps(report, indent=2))
-
-
-def _f(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:{fmt}}{unit}"
 
 
 def markdown(report: dict) -> list[str]:

@@ -13,6 +13,7 @@ error, and the run goes on without it.
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -106,6 +107,17 @@ def decode_rate(parts: list[tuple[int, float]]) -> float | None:
     tokens = sum(max(0, n - 1) for n, _ in parts)
     secs = sum(s for n, s in parts if n > 1)
     return tokens / secs if tokens and secs > 0 else None
+
+
+def fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
+    """A figure for the reports' markdown ("n/a" where it was not measured)."""
+    return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def write_report(spec, name: str, report: dict) -> None:
+    """reports/<name>/<name>.json (context.json, edit.json)."""
+    spec.report_dir.mkdir(parents=True, exist_ok=True)
+    (spec.report_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
 
 
 def median(xs: list[float | None]) -> float | None:

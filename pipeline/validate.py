@@ -22,6 +22,7 @@ from pipeline.client import chat_text
 from pipeline.common import chat_ids
 from pipeline.figures import Run, mean_accepted_len, summarize
 from pipeline.sidebyside import System
+from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
 from pipeline.triton import openai_api, server
 from pipeline.validate_api import run_validate_api, served
@@ -195,7 +196,7 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
                 log(f"  {key} section failed: {type(e).__name__}: {str(e)[:500]}")
                 report[key] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
                 continue
-            (context_run if key == "context" else edit_run).write(spec, out)
+            write_section(spec, key, out)
             report[key] = {k: x for k, x in out.items() if k != "runs"}
             lap(key)
     except (OSError, RuntimeError, ValueError, TimeoutError) as e:
