@@ -24,7 +24,7 @@ from pipeline import peers as gguf
 from pipeline.common import chat_ids
 from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
-from pipeline.precision import engine_float_state, gguf_source, precision_table, read_bytes
+from pipeline.precision import engine_float_state, gguf_source, macs_per_token, precision_table, read_bytes
 from pipeline.rows_per_step import rows_per_step_lines
 from pipeline.runtime import kernels, quant
 from pipeline.runtime.decode import VERIFY_COST_FILE, apply_spec, decode, load_bundle
@@ -383,15 +383,6 @@ def verify_cost_amx_lines(v: dict | None) -> list[str]:
     return [f"AMX tiles against the AVX-512 tiles ({v['rounds']} alternating rounds, {v['mode']}; same bits: "
             f"{'yes' if v['same_bits'] else 'NO'}): {a['tokens']} tokens {a['ms']:.1f} against {b['ms']:.1f} ms "
             f"({r:.2f}x the time), {a['relative']:.2f} against {b['relative']:.2f} one-token steps.", ""]
-
-
-def macs_per_token(cfg) -> int:
-    """Multiply-adds of one token's forward through the decoder's projections and the full output head (attention
-    over the context is left out: a few percent at bench's 128-token context)."""
-    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    q = cfg.num_heads * cfg.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * layer + h * cfg.vocab_size
 
 
 def verify_floor(cfg, curve: list[dict], seconds: float, tokens: int = 8) -> dict:

@@ -5,9 +5,10 @@ validate's concurrency curve (`validate.batch_curve`) measures ours at each leve
 N, sends N greedy requests at once and records the same figures: aggregate tokens/s, time to first token and
 inter-token latency p50/p99. The entries join validate.json's `batch_curve` as method `llama-server`.
 
-The figures that compare us with the peer are computed here, once: `best_mode` (which of the peer's modes is its
-best: the one with more end-to-end tokens/s) and `ratio` (ours over the peer's best), so the choice cannot be
-inverted in one place and not another (tests/test_peer_figures.py pins both on a stand-in llama-server).
+The figures that compare us with the peer are computed in one place, pipeline/peers.py: `best_mode` (which of the
+peer's modes is its best: the one with more end-to-end tokens/s) and `ratio` (ours over the peer's best), so the
+choice cannot be inverted in one place and not another (tests/test_peer_figures.py pins both on a stand-in
+llama-server).
 """
 
 from __future__ import annotations
@@ -17,27 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import peers
+from pipeline.peers import ratio
 
 PEER_METHOD = "llama-server"  # the method name of the peer's entries in batch_curve
-
-
-def best_mode(entry: dict) -> tuple[str, dict]:
-    """The peer's best mode in a `llama_cpp_server` entry: ("plain", its summary) or ("draft n-max K", the draft's),
-    whichever ran more end-to-end tokens/s (plain on a tie: the simpler one)."""
-    best = ("plain", entry["plain"])
-    d = entry.get("draft")
-    if d and d.get("tokens_per_s") is not None and d["tokens_per_s"] > entry["plain"]["tokens_per_s"]:
-        best = (f"draft n-max {d['spec_draft_n_max']}", d)
-    return best
-
-
-def ratio(ours_tokens_per_s: float | None, peer: dict | None) -> float | None:
-    """Ours over the peer's best tokens/s (the ratio published in validate.md and the README); None where either is
-    missing (the peer not built, failed, or a note)."""
-    tps = (peer or {}).get("tokens_per_s")
-    if not ours_tokens_per_s or not tps:
-        return None
-    return ours_tokens_per_s / tps
 
 
 def pct(xs: list[float], q: float) -> float:

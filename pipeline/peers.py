@@ -492,8 +492,6 @@ def llama_server_peer(spec, prompts: list[str], new: int, log=print, warm: str |
         entry["draft"] = best_draft_mode(
             lambda n, ps, first: run_mode(exe, gguf, Mode(draft, n), ps, new, threads, log_dir, log, warm, first,
                                           len(prompts)), prompts, n_maxes, entry["plain"]["per_prompt_tokens_per_s"])
-    from pipeline.peer_curve import best_mode  # lazy: peer_curve imports this module
-
     best = best_mode(entry)
     entry["best"] = best[0]
     entry["tokens_per_s"] = best[1]["tokens_per_s"]  # the best of plain and speculative, end to end
@@ -534,3 +532,22 @@ def cmd_peers(args) -> int:
 def register(verb) -> None:
     p = verb("peers", cmd_peers, "build llama.cpp's llama-server and llama-bench for this CPU into the cache")
     p.add_argument("--jobs", type=int, default=0, help="parallel compile jobs (0: every core)")
+
+
+def best_mode(entry: dict) -> tuple[str, dict]:
+    """The peer's best mode in a `llama_cpp_server` entry: ("plain", its summary) or ("draft n-max K", the draft's),
+    whichever ran more end-to-end tokens/s (plain on a tie: the simpler one)."""
+    best = ("plain", entry["plain"])
+    d = entry.get("draft")
+    if d and d.get("tokens_per_s") is not None and d["tokens_per_s"] > entry["plain"]["tokens_per_s"]:
+        best = (f"draft n-max {d['spec_draft_n_max']}", d)
+    return best
+
+
+def ratio(ours_tokens_per_s: float | None, peer: dict | None) -> float | None:
+    """Ours over the peer's best tokens/s (the ratio published in validate.md and the README); None where either is
+    missing (the peer not built, failed, or a note)."""
+    tps = (peer or {}).get("tokens_per_s")
+    if not ours_tokens_per_s or not tps:
+        return None
+    return ours_tokens_per_s / tps

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline import spec as specmod
-from pipeline.peer_curve import ratio as peer_ratio
+from pipeline.peers import ratio as peer_ratio
 
 if TYPE_CHECKING:
     from pipeline.spec import Spec

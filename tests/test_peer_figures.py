@@ -96,8 +96,8 @@ def test_the_published_ratio_is_ours_over_the_peers_best_mode(stand_in, monkeypa
     spec, _ = stand_in
     entry = _peer(spec, plain_s=0.25, draft_s=0.05, monkeypatch=monkeypatch)
     ours = 2.0 * entry["draft"]["tokens_per_s"]
-    assert peer_curve.ratio(ours, entry) == pytest.approx(2.0)
-    assert peer_curve.ratio(ours, {"tokens_per_s": None, "note": peers.NOT_BUILT}) is None
+    assert peers.ratio(ours, entry) == pytest.approx(2.0)
+    assert peers.ratio(ours, {"tokens_per_s": None, "note": peers.NOT_BUILT}) is None
     report = {"methods": {"draft_target": {"tokens_per_s": ours}}, "peers": {"llama_cpp_server": entry}}
     (line,) = _peers(report)
     assert "(draft_target 2.00x it)" in line  # against the draft mode (the faster), not plain (5x slower)

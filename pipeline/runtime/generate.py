@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from pipeline.figures import mean_accepted_len
-from pipeline.runtime.model import KVCache, Transformer
+from pipeline.runtime.model import KVCache, Transformer, prefill  # noqa: F401 (prefill: callers import it from here)
+from pipeline.runtime.prompt_cache import keep_rows, prefill_cached
 from pipeline.runtime.sampling import SamplingParams, next_token
 
 
@@ -183,40 +184,6 @@ def grow(cache: KVCache, need: int) -> KVCache:
     return cache.resized(cache.batch, (n + 63) // 64 * 64, cache.batch, cache.length)
 
 
-PREFILL_TOKENS = 2048  # tokens (all rows) of one prefill forward: bounds the kernels' per-layer scratch (the 1.5B's
-# fused gate/up output alone is 70 KB a token) on long prompts and wide admissions
-
-
-@torch.inference_mode()
-def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], starts: list[int] | None = None,
-            chunk: int | None = None) -> Tensor:
-    """Run the prompts (row b from token `starts[b]`, its slots before that already filled, e.g. by the prompt
-    cache) in forwards of at most `chunk` tokens per row (default: PREFILL_TOKENS over the rows, at least 64);
-    return each row's last hidden state [B, H].
-
-    Shorter rows are padded at the slots after their end (never read before a real token overwrites them); the
-    kernels give every token the same bits whatever the chunking and padding, so this equals one whole forward."""
-    dev = model.embed.weight.device
-    starts = starts or [0] * len(prompts)
-    B = len(prompts)
-    S = max(len(p) - s for p, s in zip(prompts, starts, strict=True))
-    tokens = torch.zeros(B, S, dtype=torch.long)
-    for b, (p, s) in enumerate(zip(prompts, starts)):
-        tokens[b, : len(p) - s] = torch.tensor(p[s:], dtype=torch.long)
-    pos = (torch.tensor(starts)[:, None] + torch.arange(S)[None]).clamp_max(cache.length - 1)
-    last = [len(p) - s - 1 for p, s in zip(prompts, starts)]
-    out = None
-    chunk = max(1, chunk or max(64, PREFILL_TOKENS // B))
-    for c in range(0, S, chunk):
-        hidden = model(tokens[:, c:c + chunk].to(dev), pos[:, c:c + chunk].to(dev), cache)
-        if out is None:
-            out = torch.empty(B, hidden.shape[-1], dtype=hidden.dtype, device=dev)
-        for b, i in enumerate(last):
-            if c <= i < c + chunk:
-                out[b] = hidden[b, i - c]
-    return out
-
-
 def finish(seqs: list[Sequence], start: float | list[float], stats: list[dict] | None = None) -> list[Result]:
     """Results with timings from `start` (one time, or one per row: rows resumed from handoffs began earlier)."""
     end = time.perf_counter()
@@ -247,7 +214,6 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
     training data builders (draft distillation, Medusa self-distillation) record what they need through it
     instead of running decode loops of their own. `prompt_cache` (pipeline/runtime/prompt_cache.py): prompts
     start from their cached prefix, and prompt + answer are kept when the batch ends."""
-    from pipeline.runtime.prompt_cache import keep_rows, prefill_cached  # cycle: it imports prefill from here
 
     start = time.perf_counter()
     dev = model.embed.weight.device

@@ -461,3 +461,37 @@ def build_model(cfg: ModelConfig, state: dict[str, Tensor], dtype: torch.dtype, 
         if hugepages:
             to_hugepages(model)
     return model.eval().requires_grad_(False)
+
+
+PREFILL_TOKENS = 2048  # tokens (all rows) of one prefill forward: bounds the kernels' per-layer scratch (the 1.5B's
+# fused gate/up output alone is 70 KB a token) on long prompts and wide admissions
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, cache: KVCache, prompts: list[list[int]], starts: list[int] | None = None,
+            chunk: int | None = None) -> Tensor:
+    """Run the prompts (row b from token `starts[b]`, its slots before that already filled, e.g. by the prompt
+    cache) in forwards of at most `chunk` tokens per row (default: PREFILL_TOKENS over the rows, at least 64);
+    return each row's last hidden state [B, H].
+
+    Shorter rows are padded at the slots after their end (never read before a real token overwrites them); the
+    kernels give every token the same bits whatever the chunking and padding, so this equals one whole forward."""
+    dev = model.embed.weight.device
+    starts = starts or [0] * len(prompts)
+    B = len(prompts)
+    S = max(len(p) - s for p, s in zip(prompts, starts, strict=True))
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    for b, (p, s) in enumerate(zip(prompts, starts)):
+        tokens[b, : len(p) - s] = torch.tensor(p[s:], dtype=torch.long)
+    pos = (torch.tensor(starts)[:, None] + torch.arange(S)[None]).clamp_max(cache.length - 1)
+    last = [len(p) - s - 1 for p, s in zip(prompts, starts)]
+    out = None
+    chunk = max(1, chunk or max(64, PREFILL_TOKENS // B))
+    for c in range(0, S, chunk):
+        hidden = model(tokens[:, c:c + chunk].to(dev), pos[:, c:c + chunk].to(dev), cache)
+        if out is None:
+            out = torch.empty(B, hidden.shape[-1], dtype=hidden.dtype, device=dev)
+        for b, i in enumerate(last):
+            if c <= i < c + chunk:
+                out[b] = hidden[b, i - c]
+    return out

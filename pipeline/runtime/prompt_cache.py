@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pipeline.runtime.generate import prefill
-from pipeline.runtime.model import KVCache, Transformer
+from pipeline.runtime.model import KVCache, Transformer, prefill
 
 KINDS = ("target", "draft")
 
@@ -253,7 +252,7 @@ def keep_rows(cache: PromptCache | None, kind: str, prompts: list[list[int]], kv
 
 def prefill_cached(model: Transformer, kv: KVCache, prompts: list[list[int]], cache: PromptCache | None,
                    kind: str, use: list[bool] | None = None) -> tuple[Tensor, list[int]]:
-    """`generate.prefill` through the prompt cache: each row's cached prefix is copied in, the rest is run, and the
+    """`model.prefill` through the prompt cache: each row's cached prefix is copied in, the rest is run, and the
     prompts' whole blocks are stored once the prefill succeeded. Returns (last hidden states [B, H], tokens reused
     per row)."""
     starts = rows_to_run(cache, kind, prompts, kv, use)
