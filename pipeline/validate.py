@@ -41,6 +41,10 @@ def _request(url: str, text: str, max_tokens: int, method: str, temperature: flo
              stream: bool = True, **kw) -> dict:
 
     # disable_at_batch=0: validation measures each method itself, whatever the server's switch-off setting.
+    # cache_prompt=False: each method on each prompt as on a fresh one: no prompt-cache K/V and no suffix-store
+    # drafts left by the methods measured before it on the same prompt (the long-context and edit sections measure
+    # the caches on purpose, through the OpenAI endpoint).
+    kw.setdefault("cache_prompt", False)
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
                            temperature=temperature, seed=seed, return_perf_metrics=True, disable_at_batch=0, **kw)
 

@@ -61,6 +61,25 @@ def test_suffix_drafts_long_runs_from_the_store_of_recent_outputs(pair):
     assert warm.steps < len(warm.tokens) / 4 < cold.steps  # long drafts accepted: a few target forwards in all
 
 
+def test_a_request_without_the_cache_neither_drafts_from_the_store_nor_feeds_it(pair):
+    """`cache_prompt: false` (what validate sends to time each method as on a fresh prompt): no draft from earlier
+    requests' outputs and nothing left for later ones; the answer is the same either way."""
+    t, _ = pair
+    p = prompts(1, 48, seed=5, lo=12, hi=13)[0]
+    (ref,) = generate(t, [Request(p, 40)])
+    b = bundle(t, suffix_store_bytes=1 << 20)
+    (first,) = decode(b, "suffix", [Request(p, 40, cache_prompt=False)])
+    assert b.suffix_store.bytes == 0, "a request without the cache left its answer in the store"
+    (fed,) = decode(b, "suffix", [Request(p, 40)])
+    assert b.suffix_store.bytes > 0
+    (fresh,) = decode(b, "suffix", [Request(p, 40, cache_prompt=False)])
+    (warm,) = decode(b, "suffix", [Request(p, 40)])
+    assert first.tokens == fed.tokens == fresh.tokens == warm.tokens == ref.tokens
+    # The store's answer drafted would take a few target forwards (as `warm` does); without it, many (the store's
+    # learned odds may still move a draft length by a token: statistics, not content).
+    assert warm.steps < len(warm.tokens) / 4 < min(first.steps, fresh.steps)
+
+
 @pytest.mark.parametrize("method", ["suffix", "hybrid"])
 def test_prediction_right_or_wrong_never_changes_the_answer(pair, method):
     t, d = pair

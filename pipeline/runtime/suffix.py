@@ -237,6 +237,8 @@ class SuffixDrafter:  # a Drafter
         self.width = k
         self.odds = store.odds if store is not None else Odds()
         self.rows = [_Row(r) for r in reqs]
+        # `cache_prompt: false`: this request neither drafts from earlier requests' outputs nor leaves its own
+        self.use_store = [r.cache_prompt for r in reqs]
 
     def prefill(self, prompts: list[list[int]]) -> None:
         pass
@@ -248,10 +250,11 @@ class SuffixDrafter:  # a Drafter
         return None
 
     def remember(self, outputs: list[list[int]]) -> None:
-        """Finished rows' outputs into the store."""
+        """Finished rows' outputs into the store (not those of rows sent with `cache_prompt: false`)."""
         if self.store is not None:
-            for t in outputs:
-                self.store.add(t)
+            for t, use in zip(outputs, self.use_store, strict=True):
+                if use:
+                    self.store.add(t)
 
     def _update(self, row: _Row, c: list[int]) -> None:
         if row.last is not None:
@@ -285,7 +288,7 @@ class SuffixDrafter:  # a Drafter
             source, m, cont = "prediction", MAX_MATCH, row.pred[row.pp:row.pp + self.k]
         else:
             m1, e = row.index.best(c)
-            m2, cont2 = self.store.best(c) if self.store is not None else (0, [])
+            m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
             if max(m1, m2) >= self.min_match:
                 if m1 >= m2:
                     source, m, cont = "context", m1, row.index.toks[e:e + self.k]
