@@ -106,9 +106,10 @@ def _hf_generate(hf, ids: list[list[int]], new: int, assistant=None, k: int = 4)
 
 
 def _timed(b, method: str, prompt: list[int], new: int, params=None, **opts) -> tuple[float, Any]:
-    """One batch-1 decode of `new` tokens after `prompt`: (seconds, its result)."""
-
-    req = Request(prompt, new, params or SamplingParams())
+    """One batch-1 decode of `new` tokens after `prompt`: (seconds, its result). Without the caches
+    (`cache_prompt=False`): every method decodes each prompt as a fresh one, not from the suffix store's copy of the
+    answer a method before it left."""
+    req = Request(prompt, new, params or SamplingParams(), cache_prompt=False)
     t = time.perf_counter()
     (res,) = decode(b, method, [req], **opts)
     return time.perf_counter() - t, res
