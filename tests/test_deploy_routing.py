@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import spec as specmod
+from pipeline.triton import openai_api
 from pipeline.triton import server as srvmod
 from tests.conftest import make_model_dir, prompts, stop_later, write_spec
 
@@ -73,6 +74,8 @@ def served_replicas(tmp_path_factory, tiny_tokenizer):
             assert list(pool.map(lambda p: main(["serve", str(p)]), paths)) == [0] * len(paths)
         yield specs, paths
     finally:
+        with ThreadPoolExecutor(4) as pool:  # `serve` started an OpenAI front beside each server: stop those too
+            list(pool.map(openai_api.stop, specs))
         stop_later(*specs)
 
 
