@@ -237,11 +237,11 @@ def _fma32(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.where(fix, torch.nextafter(s, toward), s).float()
 
 
-def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 256], xs [R, K / 32], o [R, K / 16]) as gg_quant_row: one
-    scale per 256 columns; xs the sum of each 32 columns' x8 (an exact integer, as fp32), o -32 times each 16's."""
+def _quantize_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Rows x [R, K] fp32 -> (x8 int64 [R, K / group, group], dx [R, K / group]): one int8 scale per `group` columns,
+    as gg_quant_row (256) and gg_quant32_row (32) do; a group with a non-finite value gets dx NaN, an all-zero one 0."""
     R, K = x.shape
-    xb = x.float().reshape(R, K // 256, 256)
+    xb = x.float().reshape(R, K // group, group)
     bad = ~torch.isfinite(xb).all(-1)
     mx = torch.where(bad, torch.zeros(()), xb.abs().nan_to_num(0.0).amax(-1))
     zero = (mx < 1e-30) & ~bad
@@ -249,6 +249,14 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     inv = torch.tensor(127.0) / torch.where(skip, torch.ones(()), mx)
     q = torch.round(torch.where(skip[..., None], torch.zeros(()), xb.nan_to_num(0.0) * inv[..., None])).long()
     dx = torch.where(bad, torch.full_like(mx, float("nan")), torch.where(zero, torch.zeros(()), mx / 127.0))
+    return q, dx
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 256], xs [R, K / 32], o [R, K / 16]) as gg_quant_row: one
+    scale per 256 columns; xs the sum of each 32 columns' x8 (an exact integer, as fp32), o -32 times each 16's."""
+    R, K = x.shape
+    q, dx = _quantize_groups(x, 256)
     xs = q.reshape(R, K // 32, 32).sum(-1).float()
     o = -32 * q.reshape(R, K // 16, 16).sum(-1)
     return q.reshape(R, K), dx, xs, o
@@ -258,14 +266,7 @@ def quantize_activations32(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Rows x [R, K] fp32 -> (x8 int64 [R, K], dx [R, K / 32], xs [R, K / 32]) as gg_quant32_row: one scale per 32
     columns, xs the sum of each block's x8 (an exact integer, as fp32)."""
     R, K = x.shape
-    xb = x.float().reshape(R, K // 32, 32)
-    bad = ~torch.isfinite(xb).all(-1)
-    mx = torch.where(bad, torch.zeros(()), xb.abs().nan_to_num(0.0).amax(-1))
-    zero = (mx < 1e-30) & ~bad
-    skip = zero | bad
-    inv = torch.tensor(127.0) / torch.where(skip, torch.ones(()), mx)
-    q = torch.round(torch.where(skip[..., None], torch.zeros(()), xb.nan_to_num(0.0) * inv[..., None])).long()
-    dx = torch.where(bad, torch.full_like(mx, float("nan")), torch.where(zero, torch.zeros(()), mx / 127.0))
+    q, dx = _quantize_groups(x, 32)
     return q.reshape(R, K), dx, q.sum(-1).float()
 
 
