@@ -7,6 +7,11 @@ endpoint, case by case, each case to every system in turn: ours with each method
 with `--spec-type ngram-mod` (its model-free drafter) and `draft-simple` with the draft GGUF. Every answer of ours
 is checked greedy-identical to ours' baseline. Decode tokens/s (the tokens after the first over the time after it,
 summed over the cases) per system. Written to reports/<name>/edit.json.
+
+Every request of ours carries `cache_prompt: false`: each system meets each case as a user's first request would,
+with no prompt-cache K/V and no suffix store (pipeline/runtime/suffix.py: such a request neither drafts from earlier
+outputs nor leaves its own). Without it the systems after the first drafted the earlier systems' answer to the same
+case from the store, and the prediction figures measured that replay, not the prediction.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pipeline.sidebyside import fmt as _f
 SYSTEM_PROMPT = ("You are a coding assistant. Reply with the complete edited file in one Python code block, "
                  "nothing else.")
 STORE_METHODS = ("suffix", "hybrid")  # the methods whose answers go into the suffix store (pipeline/runtime/suffix.py)
+FRESH = {"cache_prompt": False}  # every request of ours: no prompt cache, no suffix store (the module's docstring)
 EXTRA_TOKENS = 160  # new tokens allowed beyond the original file's (hints and docstrings make it longer)
 # Issue 49's done-when figures for the default method, set against the run's (None where the run lacks a side).
 TARGETS = {"default_over_llama_plain": 4.0, "default_over_best_llama_spec": 1.5, "prediction_over_llama_plain": 5.0,
@@ -59,25 +65,26 @@ def messages(case: dict) -> list[dict]:
 
 
 def our_systems(url: str, model: str, methods: list[str | None], default: str | None) -> list[System]:
-    """Ours: every method served, the default first (see `store_exposure`), then the default with `prediction` set
-    per case (the original file, an unrelated one)."""
+    """Ours: every method served, the default first, then the default with `prediction` set per case (the original
+    file, an unrelated one); every one sends `cache_prompt: false` (FRESH)."""
     d = default or (methods[0] if methods else None)
-    out = [System(m or "server default", url, model, method=m) for m in sorted(methods, key=lambda m: m != d)]
-    out += [System(f"{d or 'default'} + prediction (the original)", url, model, method=d),
-            System(f"{d or 'default'} + prediction (an unrelated file)", url, model, method=d)]
+    out = [System(m or "server default", url, model, method=m, extra=dict(FRESH))
+           for m in sorted(methods, key=lambda m: m != d)]
+    out += [System(f"{d or 'default'} + prediction (the original)", url, model, method=d, extra=dict(FRESH)),
+            System(f"{d or 'default'} + prediction (an unrelated file)", url, model, method=d, extra=dict(FRESH))]
     return out
 
 
 def store_exposure(ours: list[System]) -> dict[str, list[str]]:
-    """Per system, the systems sent the same case before it whose method feeds the suffix drafter's store of recent
-    outputs (suffix, hybrid): with `speculation.suffix_store_bytes` set, that store holds their answer to the case
-    when this system drafts, which a user's first request would not find. The default method runs first, so its
-    figure never has it."""
+    """Per system, the systems sent the same case before it whose answer the suffix store held when it drafted: those
+    of a method that feeds the store (suffix, hybrid) sent without `cache_prompt: false`, counted for a system that
+    reads it (sent without it too). Empty throughout when every system sends it, as `our_systems` makes them."""
     seen: list[str] = []
     out = {}
     for s in ours:
-        out[s.label] = list(seen)
-        if s.method in STORE_METHODS:
+        fresh = s.extra.get("cache_prompt") is False
+        out[s.label] = [] if fresh else list(seen)
+        if s.method in STORE_METHODS and not fresh:
             seen.append(s.label)
     return out
 
@@ -116,6 +123,7 @@ def run_edit(spec, url: str, model: str, methods: list[str | None], default: str
               "default_method": default, "systems": {s.label: s.unsupported or "ran" for s in systems},
               "ours": [s.label for s in ours], "llama": [s.label for s in llama], "notes": notes,
               "suffix_store_bytes": int(getattr(spec.speculation, "suffix_store_bytes", 0) or 0),
+              "cache_prompt": {s.label: s.extra.get("cache_prompt", True) for s in ours},
               "after_store_methods": store_exposure(ours), "runs": rows}
     report["summary"] = summarize(report, baseline_label(methods), pred_orig.label, pred_other.label,
                                   default or (methods[0] if methods else None))
@@ -140,6 +148,13 @@ def system_figures(rows: list[dict | None], reference: list[dict | None]) -> dic
             "rejected_prediction_tokens": sum(rej) if rej else None}
 
 
+def paired(rows: list[dict | None], reference: list[dict | None]) -> float | None:
+    """The median over cases of one system's decode tokens/s over the reference's on the same case (cases where
+    either is missing left out): the two ran minutes apart at most, so the machine's drift cancels case by case."""
+    return median([ratio(a["decode_tokens_per_s"], b["decode_tokens_per_s"]) for a, b in zip(rows, reference)
+                   if a is not None and b is not None])
+
+
 def summarize(report: dict, base: str, pred_orig: str, pred_other: str, default: str | None) -> dict:
     """Each system's figures and the ratios issue 49 asks for, with its targets set against them."""
     runs = report["runs"]
@@ -155,7 +170,12 @@ def summarize(report: dict, base: str, pred_orig: str, pred_other: str, default:
            "prediction_over_llama_plain": ratio(with_pred, plain),
            "unrelated_prediction_slowdown": None if ratio(unrelated, d) is None else 1 - ratio(unrelated, d)}
     ours_ids = [per[k]["identical_to_baseline"] for k in report["ours"] if per[k]["cases"]]
+    none = runs.get(default or "") or runs.get("server default") or []
+    prediction = {"original_over_none": ratio(with_pred, d), "unrelated_over_none": ratio(unrelated, d),
+                  "original_over_none_per_case_median": paired(runs.get(pred_orig) or [], none),
+                  "unrelated_over_none_per_case_median": paired(runs.get(pred_other) or [], none)}
     return {"systems": per, "default_method": default, "best_llama_spec_tokens_per_s": best_spec,
+            "prediction": prediction,
             "ours_identical": {"identical": sum(i["identical"] for i in ours_ids),
                                "total": sum(i["total"] for i in ours_ids)},
             "targets": {k: {"target": lim, "measured": got[k],
@@ -181,6 +201,14 @@ def markdown(report: dict) -> list[str]:
                      f"{_f(ratio(e['decode_tokens_per_s'], plain), '.2f', 'x')} | {ident} | {pred} | "
                      f"{'' if status == 'ran' else status} |")
     i = s["ours_identical"]
+    pr = s.get("prediction") or {}
+    if pr:
+        lines += ["", f"Predicted Outputs with the default method ({s['default_method']}), each request of ours sent "
+                  "with `cache_prompt: false` (no prompt cache, no suffix store): with the original file as the "
+                  f"prediction {_f(pr['original_over_none'], '.2f', 'x')} the speed without one (per-case median "
+                  f"{_f(pr['original_over_none_per_case_median'], '.2f', 'x')}); with an unrelated file "
+                  f"{_f(pr['unrelated_over_none'], '.2f', 'x')} (per-case median "
+                  f"{_f(pr['unrelated_over_none_per_case_median'], '.2f', 'x')})."]
     lines += ["", f"Ours greedy-identical to our baseline: {i['identical']}/{i['total']} answers (llama-server's rows "
               "compare its answers with ours' baseline for reference; its numerics differ).", "",
               "Issue 49's targets (default method " + str(s["default_method"]) + "): " + "; ".join(
@@ -205,8 +233,12 @@ def readme_lines(report: dict) -> list[str]:
     parts = [f"{k} {_f(e['decode_tokens_per_s'], '.1f')}" for k, e in sy.items() if e["decode_tokens_per_s"]]
     t = s["targets"]
     i = s["ours_identical"]
+    pred = t["prediction_over_llama_plain"]["measured"]
+    unrelated = (s.get("prediction") or {}).get("unrelated_over_none")
     return [f"Edits through the OpenAI endpoint (`reports/{report['spec']}/edit.json`, run {report['date']}, "
             f"{len(report['cases'])} cases), decode tokens/s: " + ", ".join(parts)
             + f". Default method ({s['default_method']}) {_f(t['default_over_llama_plain']['measured'], '.2f', 'x')} "
             f"llama-server plain, {_f(t['default_over_best_llama_spec']['measured'], '.2f', 'x')} its best speculative "
-            f"mode; ours greedy-identical to baseline {i['identical']}/{i['total']}."]
+            f"mode; with `prediction` = the original file {_f(pred, '.2f', 'x')} llama-server plain, with an unrelated "
+            f"file {_f(unrelated, '.2f', 'x')} the speed without one (each request of ours with `cache_prompt: false`);"
+            f" ours greedy-identical to baseline {i['identical']}/{i['total']}."]

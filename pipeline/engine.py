@@ -47,32 +47,62 @@ def is_current(dest: Path, want: str) -> bool:
 
 
 SERVING_LIMITS = ("max_batch_size", "max_input_len", "max_seq_len")  # size the runtime's caches, never the weights
+# Also rewritten in place: no weight of the torch backend depends on max_draft_len (it sizes per-round buffers and
+# the requests' k limit); only whether it is 0 does (the target's speculative_decoding_mode, hashed on its own), and
+# a draft's pick-k table reads min(max_draft_len, 8) (its `same` check). Medusa's tree does depend on it: its engine
+# hashes max_draft_len itself and rebuilds.
+REFRESHABLE = (*SERVING_LIMITS, "max_draft_len")
 
 
-def refresh_limits(dest: Path, limits: dict, want: Callable[[dict], str], max_positions: int | None = None) -> bool:
-    """When `dest`'s weights were built from these inputs and only `SERVING_LIMITS` changed (`want(limits)` hashes
-    the build inputs), write the new limits into its config.json in place and return True: a longer context or a
-    bigger batch does not rebuild (nor retrain) what it never changed. The engine keeps its input_hash (what its
-    weights were built from), so the engines built on it stay current too."""
+def built_limits(cfg: dict, fallback: dict | None = None) -> dict:
+    """The limits an engine's input_hash was computed from: `built_limits` in its config.json (recorded by builds
+    and kept by in-place refreshes), else, for engines built before it was recorded, its build_config's values with
+    `fallback` over them (right until a first refresh rewrote them)."""
+    if isinstance(cfg.get("built_limits"), dict):
+        return dict(cfg["built_limits"])
+    bc = cfg.get("build_config") or {}
+    return {**{k: bc[k] for k in REFRESHABLE if k in bc}, **(fallback or {})}
+
+
+def refresh_limits(dest: Path, limits: dict, want: Callable[[dict], str], max_positions: int | None = None,
+                   written: tuple[str, ...] = REFRESHABLE, fallback: dict | None = None,
+                   same: Callable[[dict, dict], bool] | None = None) -> str:
+    """When `dest`'s weights were built from these inputs and at most `REFRESHABLE` limits changed (`want(limits)`
+    hashes the build inputs; `same(built, limits)`, when given, must also hold): "current" when its config.json
+    already says these limits, else "written" after writing the `written` ones into it in place. "" when it must be
+    rebuilt. A longer context, a bigger batch or a longer draft does not rebuild (nor retrain) what it never changed.
+    The engine keeps its input_hash and `built_limits` (what its weights were built from), so the engines built on
+    it stay current and every later change is checked against the same inputs."""
     cfg_path = dest / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        return ""
     bc = cfg.get("build_config") or {}
-    if any(k not in bc for k in SERVING_LIMITS) or cfg.get("input_hash") != want({**limits, **{
-            k: bc[k] for k in SERVING_LIMITS}}):
-        return False
+    built = built_limits(cfg, fallback)
+    if any(k not in built for k in REFRESHABLE) or any(k not in bc for k in written) or cfg.get("input_hash") != want(
+            {**limits, **{k: built[k] for k in REFRESHABLE}}):
+        return ""
+    if same is not None and not same(built, limits):
+        return ""
     if max_positions is not None and limits["max_seq_len"] > max_positions:
         raise EngineError(f"limits.max_seq_len {limits['max_seq_len']} exceeds the model's max_position_embeddings "
                           f"{max_positions}; lower it")
-    if all(bc[k] == limits[k] for k in SERVING_LIMITS):
-        return True
-    bc.update({k: limits[k] for k in SERVING_LIMITS})
-    tmp = cfg_path.with_name(f".config.json.tmp-{os.getpid()}")
+    if all(bc[k] == limits[k] for k in written):
+        if cfg.get("built_limits") != built:  # an engine from before built_limits: record them while they are known
+            cfg["built_limits"] = built
+            _write_config(cfg_path, cfg)
+        return "current"
+    bc.update({k: limits[k] for k in written})
+    cfg["built_limits"] = built
+    _write_config(cfg_path, cfg)
+    return "written"
+
+
+def _write_config(path: Path, cfg: dict) -> None:
+    tmp = path.with_name(f".config.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(cfg, indent=2))
-    tmp.replace(cfg_path)
-    return True
+    tmp.replace(path)
 
 
 def write_atomic(dest: Path, write: Callable[[Path], dict]) -> None:
@@ -210,12 +240,11 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
     qpart = () if qz == "none" else ((qz, gs, *quant.layout_tag(qz)),)
     want = input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, vars(spec.limits), mode, *qpart)
     hf_ok = src.kind != "gguf" or (spec.engine_dir / "target_hf" / "config.json").is_file()
-    if not force and is_current(dest, want) and hf_ok:
-        log(f"target engine {dest} is up to date")
-        return dest
     rehash = lambda lim: input_hash(ENGINE_FORMAT, src.fingerprint(), spec.dtype, lim, mode, *qpart)  # noqa: E731
-    if not force and hf_ok and refresh_limits(dest, vars(spec.limits), rehash, _max_positions(dest)):
-        log(f"target engine {dest} is up to date; limits {', '.join(SERVING_LIMITS)} written to its config.json")
+    done = "" if force or not hf_ok else refresh_limits(dest, vars(spec.limits), rehash, _max_positions(dest))
+    if done:
+        log(f"target engine {dest} is up to date" + (
+            f"; limits {', '.join(REFRESHABLE)} written to its config.json" if done == "written" else ""))
         return dest
     t0 = time.perf_counter()
     log(f"loading {src.description} ...")
@@ -259,7 +288,7 @@ def build_target(spec: Spec, force: bool = False, log=print) -> Path:
         save_tokenizer(tok, tmp)
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
         return engine_config(mcfg, spec, spec.dtype, mode, spec.limits.max_draft_len, qz, gs,
-                             input_hash=want, source=src.description,
+                             input_hash=want, built_limits=dict(vars(spec.limits)), source=src.description,
                              **({"hf_checkpoint": str(hf_dir)} if hf_dir else {}))
 
     log(f"writing {dest} ({spec.dtype}{'' if qz == 'none' else f', {qz} weights'}) ...")

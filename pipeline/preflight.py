@@ -92,7 +92,8 @@ def check_draft_len(spec: Spec, target_config: dict | None = None, draft_config:
         built = int(target_config.get("build_config", {}).get("max_draft_len", 0))
         if built != lim:
             raise PreflightError(f"limits.max_draft_len is {lim} but the target engine was built with max_draft_len "
-                                 f"{built}; rebuild it with `python -m pipeline engine SPEC --force`")
+                                 f"{built}; run `python -m pipeline engine SPEC` (`make engine`: the torch backend "
+                                 "writes a new max_draft_len into the engines' config.json in place)")
         notes.append(f"max_draft_len {lim} in the spec and the target engine")
     if draft_config is not None:
         stored = (draft_config.get("speculation") or {}).get("num_draft_tokens")

@@ -130,3 +130,41 @@ def test_pick_k_verb_prints_the_table_and_stores_the_choice(trained, capsys):
     block = json.loads((out / "config.json").read_text())["speculation"]
     assert block["chosen_by"] == "measured" and 1 <= block["num_draft_tokens"] <= 3 and len(block["table"]) == 3
     assert load_bundle(s.engine_dir).spec.num_draft_tokens == block["num_draft_tokens"]
+
+
+def test_a_longer_max_draft_len_leaves_target_and_draft_weights_and_a_shorter_pick_k_range_rebuilds_the_draft(
+        tiny_root, tiny_tokenizer):
+    """limits.max_draft_len 8 -> 32 (long suffix drafts; the draft model's k unchanged) rewrites config.json only, also
+    for engines built before `built_limits` was recorded; below 8 the draft's pick-k table changes, so it rebuilds."""
+    import os
+
+    make_model_dir(tiny_root / "models" / "lendraft", layers=1, seed=6, tokenizer=tiny_tokenizer)
+    draft = {"source": "models/lendraft", "dtype": "float32"}
+    s, out = _build(tiny_root, "dlen", draft)
+    tdir = s.engine_dir / "target"
+    mtimes = lambda: (os.stat(tdir / "model.safetensors").st_mtime_ns,  # noqa: E731
+                      os.stat(out / "model.safetensors").st_mtime_ns)
+    before = mtimes()
+    for mdl, legacy in ((32, False), (16, True)):
+        if legacy:  # as engines built before built_limits: the hash's limits read from the target's build_config
+            for d in (tdir, out):
+                cfg = json.loads((d / "config.json").read_text())
+                cfg.pop("built_limits")
+                if d == tdir:
+                    cfg["build_config"]["max_draft_len"] = 8  # what it was built with, as such engines say
+                (d / "config.json").write_text(json.dumps(cfg))
+        logs = []
+        s2 = specmod.load(write_spec(tiny_root, name="dlen", draft=draft, speculation={"num_draft_tokens": 3},
+                                     limits={"max_draft_len": mdl}))
+        build_target(s2, log=logs.append)
+        build_draft(s2, log=logs.append)
+        assert mtimes() == before, (mdl, logs)
+        assert json.loads((tdir / "config.json").read_text())["build_config"]["max_draft_len"] == mdl
+        assert all("up to date" in m for m in logs), logs
+        assert load_bundle(s2.engine_dir).max_draft_len == mdl
+    s3 = specmod.load(write_spec(tiny_root, name="dlen", draft=draft, speculation={"num_draft_tokens": 3},
+                                 limits={"max_draft_len": 4}))
+    build_target(s3, log=lambda *a: None)
+    build_draft(s3, log=lambda *a: None)
+    t_after, d_after = mtimes()
+    assert t_after == before[0] and d_after != before[1]  # the target in place, the draft's pick-k table re-measured

@@ -83,8 +83,7 @@ def test_missing_source_is_a_clear_error(tmp_path):
 
 def test_a_longer_context_updates_the_config_in_place_without_rebuilding(tmp_path, tiny_root, tiny_engine):
     """limits.max_input_len / max_seq_len / max_batch_size size the runtime's caches, never the weights: changing them
-    rewrites config.json and keeps the weights and the input hash (engines built on it stay current); max_draft_len
-    still rebuilds."""
+    rewrites config.json and keeps the weights and the input hash (engines built on it stay current)."""
     import shutil
 
     root = tmp_path / "proj"
@@ -103,5 +102,29 @@ def test_a_longer_context_updates_the_config_in_place_without_rebuilding(tmp_pat
     with pytest.raises(EngineError, match="max_position_embeddings"):
         E.build_target(specmod.load(write_spec(root, limits={"max_input_len": 300, "max_seq_len": 4096})),
                        log=lambda *a: None)
-    E.build_target(specmod.load(write_spec(root, limits={"max_draft_len": 6})), log=lambda *a: None)
-    assert os.stat(dest / "model.safetensors").st_mtime_ns != before  # a limit the weights' build reads
+
+
+def test_a_longer_max_draft_len_is_written_in_place_again_and_again_and_speculation_on_or_off_rebuilds(
+        tmp_path, tiny_root, tiny_engine):
+    """No weight depends on max_draft_len (suffix drafts of 32 on the flagship need only config.json to say so); the
+    limits the weights were built from stay recorded, so a second and third change are taken in place too. Whether
+    the engine speculates at all (max_draft_len 0) is its build mode: that rebuilds."""
+    import shutil
+
+    root = tmp_path / "proj"
+    shutil.copytree(tiny_root, root)
+    dest = E.build_target(specmod.load(root / "build" / "tiny.yaml"), log=lambda *a: None)
+    before = os.stat(dest / "model.safetensors").st_mtime_ns
+    old = json.loads((dest / "config.json").read_text())
+    for lim in ({"max_draft_len": 32}, {"max_draft_len": 32, "max_seq_len": 200}, {"max_draft_len": 8}):
+        logs = []
+        E.build_target(specmod.load(write_spec(root, limits=lim)), log=logs.append)
+        cfg = json.loads((dest / "config.json").read_text())
+        assert cfg["build_config"]["max_draft_len"] == lim["max_draft_len"]
+        assert cfg["build_config"]["max_seq_len"] == lim.get("max_seq_len", 256)
+        assert cfg["input_hash"] == old["input_hash"] and cfg["built_limits"]["max_draft_len"] == 8
+        assert os.stat(dest / "model.safetensors").st_mtime_ns == before, lim
+        assert any("written to its config.json" in m for m in logs), logs
+    E.build_target(specmod.load(write_spec(root, limits={"max_draft_len": 0}, speculation={
+        "num_draft_tokens": "auto", "prompt_lookup_num_tokens": 1})), log=lambda *a: None)
+    assert os.stat(dest / "model.safetensors").st_mtime_ns != before  # speculative_decoding_mode none: rebuilt

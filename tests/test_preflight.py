@@ -87,7 +87,7 @@ def _spec(**over):
 def test_max_draft_len_must_match_the_target_engine():
     s = _spec()
     assert check_draft_len(s, {"build_config": {"max_draft_len": 8}})
-    with pytest.raises(PreflightError, match="built with max_draft_len 4.*--force"):
+    with pytest.raises(PreflightError, match="built with max_draft_len 4; run `python -m pipeline engine SPEC`"):
         check_draft_len(s, {"build_config": {"max_draft_len": 4}})
 
 

@@ -115,13 +115,39 @@ def test_edit_summary_checks_every_method_against_baseline_and_ratios_against_ll
     assert t["unrelated_prediction_slowdown"]["met"] is None
 
 
-def test_the_default_method_runs_first_on_each_case_and_later_systems_name_the_store_feeders_before_them():
+def test_every_request_of_ours_is_sent_without_caches_so_no_system_drafts_an_earlier_systems_answer():
+    """Each of ours sends `cache_prompt: false` (no prompt cache, no suffix store): the prediction rows measure the
+    prediction, not the store's copy of the default method's answer to the same case. A system sent without it
+    would still be named with the store feeders before it."""
     ours = edit_run.our_systems("u", "m", ["baseline", "suffix", "hybrid", "draft_target"], "hybrid")
     assert [x.label for x in ours] == ["hybrid", "baseline", "suffix", "draft_target",
                                        "hybrid + prediction (the original)", "hybrid + prediction (an unrelated file)"]
+    assert all(x.extra == {"cache_prompt": False} for x in ours)
+    assert all(v == [] for v in edit_run.store_exposure(ours).values())
+    for x in ours:
+        x.extra = {}
     seen = edit_run.store_exposure(ours)
     assert seen["hybrid"] == [] and seen["baseline"] == ["hybrid"]
     assert seen["hybrid + prediction (an unrelated file)"] == ["hybrid", "suffix", "hybrid + prediction (the original)"]
+
+
+def test_prediction_ratios_set_each_case_against_the_default_without_a_prediction_on_that_case():
+    runs = {"baseline": [_edit("a", 101, 4.0), _edit("b", 101, 4.0)],
+            "hybrid": [_edit("a", 101, 2.0), _edit("b", 101, 1.0)],
+            "hybrid + prediction (the original)": [_edit("a", 101, 0.5), None],
+            "hybrid + prediction (an unrelated file)": [_edit("a", 101, 2.0), _edit("b", 101, 1.25)]}
+    report = {"runs": runs, "ours": list(runs)}
+    s = edit_run.summarize(report, "baseline", "hybrid + prediction (the original)",
+                           "hybrid + prediction (an unrelated file)", "hybrid")
+    pr = s["prediction"]
+    assert pr["original_over_none_per_case_median"] == pytest.approx(4.0)  # case b has no answer: left out
+    assert pr["unrelated_over_none_per_case_median"] == pytest.approx((1.0 + 0.8) / 2)
+    assert pr["unrelated_over_none"] == pytest.approx(200 / 3.25 / (200 / 3.0))  # summed tokens over summed time
+    t = s["targets"]["unrelated_prediction_slowdown"]
+    assert t["measured"] == pytest.approx(1 - pr["unrelated_over_none"]) and t["met"] is False
+    md = "\n".join(edit_run.markdown({**report, "summary": s, "cases": [], "edit_set": "e.json",
+                                      "systems": {k: "ran" for k in runs}}))
+    assert "`cache_prompt: false`" in md and "per-case median 4.00x" in md
 
 
 def test_the_edit_set_has_12_cases_of_300_to_1500_tokens_with_their_source_and_license():

@@ -97,6 +97,58 @@ def test_prediction_right_or_wrong_never_changes_the_answer(pair, method):
     assert all(r.steps <= len(r.tokens) // 4 + 1 for r in right)  # the right prediction drafts the whole answer
 
 
+# A verify curve as flat as bench measures where verification is cheap (33 tokens at 2.6 one-token steps, less than
+# two 8-token verifies on the Zen 4): the suffix drafter then drafts up to limits.max_draft_len.
+FLAT = tuple(1.0 + 0.05 * s for s in range(64))
+
+
+def _widest(per_position: list[int]) -> int:
+    """The most tokens one round drafted (proposed_per_position) or had accepted (accepted_per_position): the last
+    nonzero slot (the lists are as long as the method's k)."""
+    return max((i + 1 for i, n in enumerate(per_position) if n), default=0)
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_a_repeated_answer_is_drafted_and_accepted_past_8_tokens_in_one_round_up_to_max_draft_len(pair, method):
+    """limits.max_draft_len 32 with the draft model's k still 3: a resent request (its answer in the store) and a
+    prediction that is the answer both draft and commit more than 8 tokens in a round, at most 32; with 8, at most 8.
+    Greedy output is the baseline's throughout."""
+    t, d = pair
+    p = prompts(1, 48, seed=5, lo=12, hi=13)[0]
+    (ref,) = generate(t, [Request(p, 80)])
+    assert len(ref.tokens) == 80
+    for mdl in (32, 8):
+        b = bundle(t, d, max_draft_len=mdl, suffix_store_bytes=1 << 20, suffix_min_match=2)
+        b.verify_cost = FLAT
+        (cold,) = decode(b, method, [Request(p, 80)])
+        (warm,) = decode(b, method, [Request(p, 80)])  # the store holds the answer
+        (pred,) = decode(b, method, [Request(p, 80, cache_prompt=False, prediction=ref.tokens)])
+        assert cold.tokens == warm.tokens == pred.tokens == ref.tokens
+        for r in (warm, pred):
+            assert _widest(r.proposed_per_position) <= mdl
+            if mdl == 32:
+                assert _widest(r.accepted_per_position) > 8 and r.steps <= 80 // 9
+            else:
+                assert _widest(r.accepted_per_position) == 8  # the cap, reached
+        assert b.spec.num_draft_tokens == 3  # the draft model's k is its own
+
+
+def test_long_drafts_follow_the_verify_curve_not_the_cap(pair):
+    """The same right prediction with limits.max_draft_len 32: on the flat curve rounds draft the cap; on the Zen 4
+    curve bench measured (16 tokens at 3.93 steps) no round drafts more than its best length there."""
+    t, _ = pair
+    p = prompts(1, 48, seed=5, lo=12, hi=13)[0]
+    (ref,) = generate(t, [Request(p, 80)])
+    widths = {}
+    for name, cost in (("flat", FLAT), ("zen4", VERIFY_COST)):
+        b = bundle(t, max_draft_len=32)
+        b.verify_cost = cost
+        (r,) = decode(b, "suffix", [Request(p, 80, cache_prompt=False, prediction=ref.tokens)])
+        assert r.tokens == ref.tokens
+        widths[name] = _widest(r.proposed_per_position)
+    assert widths["flat"] == 32 and 8 <= widths["zen4"] <= best_length(0.999, 32, VERIFY_COST) < 16
+
+
 def test_store_stays_within_its_byte_budget_and_drops_the_oldest():
     s = SuffixStore(100 * TOKEN_BYTES)
     for i in range(30):

@@ -31,9 +31,9 @@ from pipeline.common import chat_ids, split_prompts
 from pipeline.engine import (
     ENGINE_FORMAT,
     SERVING_LIMITS,
+    built_limits,
     engine_config,
     input_hash,
-    is_current,
     refresh_limits,
     save_hf,
     write_atomic,
@@ -273,11 +273,16 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, lim, spec.speculation.num_draft_tokens,
         *quant.layout_tag(spec.draft.quantization))
     want = rehash(vars(spec.limits))
-    if not force and is_current(dest, want) and (hf_dest / "config.json").is_file():
-        log(f"draft engine {dest} is up to date")
-        return dest
-    if not force and (hf_dest / "config.json").is_file() and refresh_limits(dest, vars(spec.limits), rehash):
-        log(f"draft engine {dest} is up to date; limits {', '.join(SERVING_LIMITS)} written to its config.json")
+    # The draft's config keeps max_draft_len 0 (it verifies nothing) and its pick-k table reads min(max_draft_len, 8);
+    # engines built before `built_limits` was recorded were hashed with the target's max_draft_len of then, which the
+    # target's built_limits keep.
+    done = "" if force or not (hf_dest / "config.json").is_file() else refresh_limits(
+        dest, vars(spec.limits), rehash, written=SERVING_LIMITS,
+        fallback={"max_draft_len": built_limits(tcfg).get("max_draft_len")},
+        same=lambda built, now: pick_k_max(built["max_draft_len"]) == pick_k_max(now["max_draft_len"]))
+    if done:
+        log(f"draft engine {dest} is up to date" + (
+            f"; limits {', '.join(SERVING_LIMITS)} written to its config.json" if done == "written" else ""))
         return dest
     t0 = time.perf_counter()
     eng = load_engine(tdir, "cpu")
@@ -359,7 +364,8 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
             save_file({**head, "ids": vocab_ids.int()}, str(tmp / DRAFT_HEAD_FILE))
         draft_tok.save_pretrained(str(tmp))
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
-        return engine_config(draft.cfg, spec, dtype, "none", 0, qz, gs, input_hash=want, source=source_desc,
+        return engine_config(draft.cfg, spec, dtype, "none", 0, qz, gs, input_hash=want,
+                             built_limits=dict(vars(spec.limits)), source=source_desc,
                              draft={"layers": draft.cfg.num_layers, "vocab": 0 if vocab_ids is None else len(vocab_ids),
                                     "hf_checkpoint": str(hf_dest), "training": stats},
                              speculation=speculation)
@@ -386,6 +392,12 @@ def pretrained_vocab(tok, texts: list[list[int]], n: int, V: int) -> Tensor:
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
+def pick_k_max(max_draft_len: int) -> int:
+    """The largest k the build's pick-k table measures: limits.max_draft_len up to 8 (a draft model's k past 8 never
+    paid here), so a longer max_draft_len for model-free drafts (suffix, prediction) leaves the draft engine as is."""
+    return max(1, max_draft_len and min(max_draft_len, 8))
+
+
 def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[list[int]], dtype: str,
              log=print) -> dict:
     """The speculation block stored in the draft config: the spec's k, or the measured best when 'auto'. Either
@@ -396,7 +408,7 @@ def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[
     if dtype != "float32" or spec.draft.quantization != "none":
         d = quant.quantize_model(cast_draft(draft, DTYPES[dtype]), spec.draft.quantization, spec.draft.group_size)
         quant.to_hugepages(d)  # as the served draft's weights are (build_model): quantizing made new tensors
-    max_k = max(1, spec.limits.max_draft_len and min(spec.limits.max_draft_len, 8))
+    max_k = pick_k_max(spec.limits.max_draft_len)
     if k != "auto":
         return measure_and_pick(target, d, prompts, max(k, max_k), log=log, fixed=k)
     return measure_and_pick(target, d, prompts, max_k, log=log)
