@@ -4,7 +4,7 @@ Serves a tiny random model (made here, as the tests make theirs) with PIPELINE_A
 latency alone; the same while `--idle` connections sit silent and `--slow` clients trickle their body a byte at a
 time; how the crowd was answered (408 for both kinds once their time is up); a burst past `openai.max_concurrent`
 (429 with Retry-After); and the front's threads and file descriptors before (after a warm-up at the request limit,
-which makes the checking pool the front keeps), during and after.
+which makes the checking pool the front keeps), during and after, with its connections to Triton's gRPC port.
 
     PYTHONPATH=. .venv/bin/python experiments/front_door_crowd.py --idle 512 --slow 256
 """
@@ -106,13 +106,19 @@ def main() -> int:
         body = {"model": s.name, "prompt": "Explain how rain forms over the ocean.", "max_tokens": args.tokens,
                 "temperature": 0}
         front = psutil.Process(openai_api.running_pid(s))
+
+        def state() -> dict:  # threads, file descriptors, and TCP connections to Triton's gRPC port (one channel)
+            grpc = [c for c in front.net_connections("inet") if c.raddr and c.raddr.port == s.triton.grpc_port
+                    and c.status == psutil.CONN_ESTABLISHED]
+            return {"threads": front.num_threads(), "fds": front.num_fds(), "triton_connections": len(grpc)}
+
         warm = [threading.Thread(target=post, args=(url, body)) for _ in range(args.limit)]
         for w in warm:  # the limit's worth at once: the front's checking pool (one thread a running request) is made
             w.start()
         for w in warm:
             w.join()
         latencies(url, body, 3)
-        out["before"] = {"threads": front.num_threads(), "fds": front.num_fds()}
+        out["before"] = state()
         out["quiet_s"] = statistics.median(latencies(url, body, 7))
 
         port = s.openai.port
@@ -135,7 +141,7 @@ def main() -> int:
         t = threading.Thread(target=trickle, daemon=True)
         t.start()
         time.sleep(1.0)
-        out["during"] = {"threads": front.num_threads(), "fds": front.num_fds()}
+        out["during"] = state()
         out["crowded_s"] = statistics.median(latencies(url, body, 7))
         out["crowded_vs_quiet"] = out["crowded_s"] / out["quiet_s"]
         t0 = time.monotonic()
@@ -154,12 +160,15 @@ def main() -> int:
         burst = [threading.Thread(target=lambda: results.append(post(url, long))) for _ in range(2 * args.limit)]
         for b in burst:
             b.start()
+        time.sleep(0.5)
+        running = state()  # the limit's worth of requests running at once
         for b in burst:
             b.join()
         out["burst"] = {"sent": len(burst), "answers": count([r[0] for r in results]),
-                        "retry_after": sorted({r[2].get("Retry-After", "") for r in results if r[0] == 429})}
+                        "retry_after": sorted({r[2].get("Retry-After", "") for r in results if r[0] == 429}),
+                        "during": running}
         time.sleep(3)
-        out["after"] = {"threads": front.num_threads(), "fds": front.num_fds()}
+        out["after"] = state()
     finally:
         cli(["stop", str(path)])
     print(json.dumps(out, indent=2))

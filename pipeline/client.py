@@ -76,6 +76,26 @@ def make_inputs(prompt: str | bytes, max_tokens: int, method: str | None = None,
     return ins
 
 
+def infer_request(model: str, inputs: list, request_id: str = "", stream: bool = True) -> object:
+    """The ModelInferRequest protobuf for `inputs` (from make_inputs), as both clients send it: the sync client on its
+    stream (infer_stream) and the front's shared grpc.aio channel (pipeline/triton/grpc_channel.py). A streamed
+    request asks for the empty final response (`triton_enable_empty_final_response`) that marks its end."""
+    from tritonclient.grpc._utils import _get_inference_request  # what tritonclient's own infer calls build it with
+
+    req = _get_inference_request(model_name=model, inputs=inputs, model_version="", request_id=request_id,
+                                 outputs=None, sequence_id=0, sequence_start=False, sequence_end=False, priority=0,
+                                 timeout=None, parameters=None)
+    if stream:
+        req.parameters["triton_enable_empty_final_response"].bool_param = True
+    return req
+
+
+def is_final(response) -> bool:
+    """Is this ModelInferResponse the request's last (the stream's `triton_final_response` flag)?"""
+    final = response.parameters.get("triton_final_response")
+    return bool(final and final.bool_param)
+
+
 def _first(result, name: str):
     arr = result.as_numpy(name)
     return None if arr is None else arr.reshape(-1)[0]
@@ -103,7 +123,7 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
     deadline = time.monotonic() + timeout
     try:
         try:
-            c.async_stream_infer(model, inputs, enable_empty_final_response=True, request_id=request_id)
+            c._stream._enqueue_request(infer_request(model, inputs, request_id))  # async_stream_infer's own step
         except InferenceServerException as e:  # the stream is already gone, e.g. its deadline passed before sending
             answered = True  # nothing was sent, so there is nothing to cancel
             if stream_timeout is not None:
@@ -125,13 +145,11 @@ def infer_stream(url: str, model: str, inputs: list, timeout: float = 300.0,
                 answered = True  # the server's error ends the request
                 raise RequestError(error.message() if isinstance(error, InferenceServerException) else str(error))
             resp = result.get_response()
-            final = resp.parameters.get("triton_final_response")
-            is_final = bool(final and final.bool_param)
             if resp.outputs:
                 responses.append(result)
                 if on_response:
                     on_response(result)
-            if is_final:
+            if is_final(resp):
                 complete = True
                 break
             if cancel and cancel():
@@ -175,6 +193,46 @@ def stop(url: str, model: str, request_id: str, unary: bool = False) -> None:
         infer_stream(url, model, ins, timeout=60, request_id=request_id)
 
 
+class Reading:
+    """What `generate` makes of a request's results, for both clients (this one and the front's grpc.aio channel):
+    the text pieces as they come (to `on_piece`), the time to the first, and the perf outputs of the last."""
+
+    def __init__(self, method: str | None, on_piece: Callable[[str], None] | None = None):
+        self.method, self.on_piece = method, on_piece
+        self.t0 = time.perf_counter()
+        self.pieces: list[str] = []
+        self.first: list[float] = []
+
+    def seen(self, result) -> None:
+        """One result (a tritonclient InferResult) with outputs."""
+        arr = result.as_numpy("text_output")
+        if arr is None:
+            return
+        piece = b"".join(v for v in arr.reshape(-1)).decode("utf-8", errors="replace")
+        if piece and not self.first:
+            self.first.append(time.perf_counter() - self.t0)
+        self.pieces.append(piece)
+        if self.on_piece and piece:
+            self.on_piece(piece)
+
+    def outcome(self, responses: list, complete: bool) -> dict:
+        """generate's answer: text, pieces, perf outputs, latency_s, ttft_s."""
+        latency = time.perf_counter() - self.t0
+        out = {"text": "".join(self.pieces), "pieces": self.pieces, "complete": complete,
+               "responses": len(responses), "latency_s": latency,
+               "ttft_s": self.first[0] if self.first else latency, "method": self.method}
+        if responses:
+            last = responses[-1]
+            for name in PERF_OUTPUTS:
+                v = _first(last, name)
+                if v is not None:
+                    out[name] = float(v) if name == "acceptance_rate" else int(v)
+        n = out.get("num_output_tokens")
+        if n is not None:
+            out["tokens_per_s"] = n / latency if latency > 0 else 0.0
+        return out
+
+
 def generate(url: str, model: str, prompt: str | bytes, max_tokens: int, method: str | None = None,
              stream: bool = False, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None,
              client=None, unary: bool = False, request_id: str = "", cancel: Callable[[], bool] | None = None,
@@ -183,42 +241,16 @@ def generate(url: str, model: str, prompt: str | bytes, max_tokens: int, method:
 
     `unary` sends one ModelInfer call (a model served with `triton.decoupled: false`); otherwise a gRPC stream,
     which `cancel()` returning True cancels (or, with `disconnect`, abandons)."""
-    t0 = time.perf_counter()
-    pieces: list[str] = []
-    first: list[float] = []
-
-    def seen(result) -> None:
-        arr = result.as_numpy("text_output")
-        if arr is None:
-            return
-        piece = b"".join(v for v in arr.reshape(-1)).decode("utf-8", errors="replace")
-        if piece and not first:
-            first.append(time.perf_counter() - t0)
-        pieces.append(piece)
-        if on_piece and piece:
-            on_piece(piece)
-
+    reading = Reading(method, on_piece)
     inputs = make_inputs(prompt, max_tokens, method=method, stream=stream, **opts)
     if unary:
         result = infer_unary(url, model, inputs, timeout, request_id=request_id)
-        seen(result)
+        reading.seen(result)
         responses, complete = [result], True
     else:
-        responses, complete = infer_stream(url, model, inputs, timeout, on_response=seen, client=client,
+        responses, complete = infer_stream(url, model, inputs, timeout, on_response=reading.seen, client=client,
                                            request_id=request_id, cancel=cancel, disconnect=disconnect)
-    latency = time.perf_counter() - t0
-    out = {"text": "".join(pieces), "pieces": pieces, "complete": complete, "responses": len(responses),
-           "latency_s": latency, "ttft_s": first[0] if first else latency, "method": method}
-    if responses:
-        last = responses[-1]
-        for name in PERF_OUTPUTS:
-            v = _first(last, name)
-            if v is not None:
-                out[name] = float(v) if name == "acceptance_rate" else int(v)
-    n = out.get("num_output_tokens")
-    if n is not None:
-        out["tokens_per_s"] = n / latency if latency > 0 else 0.0
-    return out
+    return reading.outcome(responses, complete)
 
 
 def chat_text(tokenizer, prompt: str) -> str:

@@ -316,6 +316,121 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(served_
     assert _grpc(s, LONG_PROMPT, 5, "baseline")["num_output_tokens"] == 5
 
 
+def _open_stream(s, budget: int = 400) -> socket.socket:
+    """A raw HTTP client that starts a long greedy stream and has read its first event (the request is running)."""
+    body = json.dumps({"model": "oai", "prompt": LONG_PROMPT, "max_tokens": budget, "temperature": 0,
+                       "stream": True, "method": "baseline"}).encode()
+    sock = socket.create_connection(("127.0.0.1", s.openai.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def _first_event(sock: socket.socket) -> None:
+    seen = b""
+    while b"data: {" not in seen:
+        part = sock.recv(4096)
+        assert part, seen
+        seen += part
+    assert seen.startswith(b"HTTP/1.1 200"), seen[:200]
+
+
+def _front_state(s) -> tuple[int, int, int]:
+    """The front process's threads, open file descriptors and TCP connections to Triton's gRPC port."""
+    import psutil
+
+    p = psutil.Process(openai_api.running_pid(s))
+    to_triton = [c for c in p.net_connections("inet") if c.raddr and c.raddr.port == s.triton.grpc_port
+                 and c.status == psutil.CONN_ESTABLISHED]
+    return p.num_threads(), p.num_fds(), len(to_triton)
+
+
+def test_concurrent_streams_share_one_grpc_channel_and_take_no_thread_each(served_deployment):
+    """N streamed requests running at once reach Triton over the front's one gRPC connection, and the front's
+    threads do not grow with them (a thread and a channel per request would add 2N threads and N connections); its
+    file descriptors grow by the N HTTP sockets only, and threads and descriptors come back when they end. Two
+    rounds first let the checking pool (one thread per running request at most) make what it keeps."""
+    s = served_deployment
+    n = 8  # the deployment's batch: every stream runs (none waits in the queue for its first piece)
+
+    def crowd() -> tuple[int, int, int]:
+        socks = [_open_stream(s) for _ in range(n)]
+        for c in socks:
+            _first_event(c)
+        during = _front_state(s)
+        for c in socks:
+            c.close()  # cancels their Triton requests
+        return during
+
+    for _ in range(2):
+        crowd()
+    time.sleep(1.0)
+    threads0, fds0, conns0 = _front_state(s)
+    assert conns0 == 1, "the front holds its one channel between requests"
+    threads, fds, conns = crowd()
+    assert conns == 1, f"{n} running streams, {conns} connections to Triton"
+    assert threads <= threads0 + 3, (threads, threads0)
+    assert fds <= fds0 + n + 3, (fds, fds0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_front_state(s)[0] > threads0 + 1 or _front_state(s)[1] > fds0 + 1):
+        time.sleep(0.2)
+    threads1, fds1, conns1 = _front_state(s)
+    assert threads1 <= threads0 + 1 and fds1 <= fds0 + 1 and conns1 == 1, (threads1, threads0, fds1, fds0)
+    assert _grpc(s, LONG_PROMPT, 5, "baseline")["num_output_tokens"] == 5
+
+
+def test_a_cancelled_request_cancels_its_grpc_call_and_the_shared_channel_serves_on(served_deployment):
+    """The front's channel (pipeline/triton/grpc_channel.py) in this process: its greedy answer and figures are the
+    sync client's; cancelling a running request's task cancels its gRPC call (the server counts the request
+    cancelled, far short of its budget); a `cancel()` that says yes does the same; the channel then serves the next
+    request."""
+    import asyncio
+
+    from pipeline.triton.grpc_channel import TritonChannel
+
+    s = served_deployment
+    budget = 440
+    want = _grpc(s, PROMPT, 12, "draft_target")
+
+    async def scenario() -> dict:
+        ch = TritonChannel(srvmod.grpc_url(s))
+        out: dict = {}
+        try:
+            out["same"] = await ch.generate("ensemble", PROMPT, 12, method="draft_target")
+            assert await ch.ready("ensemble") and not await ch.ready("no_such_model")
+            before = _metric(s, "spec_decode_requests_cancelled_total")
+            tokens_before = _metric(s, "spec_decode_cancelled_tokens_total")
+            started = asyncio.Event()
+            task = asyncio.create_task(ch.generate("ensemble", LONG_PROMPT, budget, method="baseline", stream=True,
+                                                   on_piece=lambda piece: started.set()))
+            await asyncio.wait_for(started.wait(), 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 60
+            while _metric(s, "spec_decode_requests_cancelled_total") == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            out["cancelled"] = _metric(s, "spec_decode_requests_cancelled_total") - before
+            out["cancelled_tokens"] = _metric(s, "spec_decode_cancelled_tokens_total") - tokens_before
+            pieces: list[str] = []
+            r = await ch.generate("ensemble", LONG_PROMPT, budget, method="baseline", stream=True,
+                                  on_piece=pieces.append, cancel=lambda: len(pieces) >= 2)
+            out["by_cancel"] = r
+            out["next"] = await ch.generate("ensemble", LONG_PROMPT, 5, method="baseline")
+        finally:
+            await ch.close()
+        return out
+
+    out = asyncio.run(scenario())
+    got = out["same"]
+    assert got["text"] == want["text"] and got["complete"]
+    for key in ("num_output_tokens", "num_input_tokens", "total_draft_tokens", "total_accepted_draft_tokens"):
+        assert got[key] == want[key], key
+    assert out["cancelled"] == 1 and out["cancelled_tokens"] < budget, out
+    assert not out["by_cancel"]["complete"] and len(out["by_cancel"]["pieces"]) < budget
+    assert out["next"]["num_output_tokens"] == 5 and out["next"]["complete"]
+
+
 def test_api_key_from_the_environment_is_required_when_set(served_deployment, monkeypatch):
     """A second endpoint on the same deployment started with PIPELINE_API_KEY refuses requests without it."""
     import dataclasses
@@ -407,6 +522,30 @@ def test_stop_scanner_holds_back_what_may_begin_a_stop_sequence():
     assert sc.text == "abc ENx"
     none = openai_api.StopScanner([])
     assert none.feed("a") == "a" and none.flush() == ""
+
+
+def test_an_unreachable_triton_is_not_ready_and_its_requests_are_answered_503():
+    """The front's channel to a port nobody listens on: /health's probe says not ready, and a request fails as a
+    RequestError that the front answers 503 service_unavailable (not a 500, and nothing hangs)."""
+    import asyncio
+
+    from pipeline.client import RequestError
+    from pipeline.triton.grpc_channel import TritonChannel
+
+    async def scenario() -> tuple[bool, Exception]:
+        ch = TritonChannel(f"127.0.0.1:{srvmod.free_port()}")
+        try:
+            ready = await ch.ready("ensemble")
+            with pytest.raises(RequestError) as e:
+                await asyncio.wait_for(ch.generate("ensemble", PROMPT, 4, stream=True, timeout=30), 30)
+            return ready, e.value
+        finally:
+            await ch.close()
+
+    ready, err = asyncio.run(scenario())
+    assert ready is False
+    api = openai_api.triton_error(err)
+    assert api.status == 503 and api.code == "service_unavailable", str(err)
 
 
 def test_openai_port_is_checked_in_the_spec(tiny_root):

@@ -694,6 +694,40 @@ def test_unary_infer_works_on_both_models_of_a_non_decoupled_deployment(served, 
     assert _metric(s, "spec_decode_requests_cancelled_total") - before == 1
 
 
+def test_the_fronts_shared_channel_answers_a_unary_deployment_as_the_sync_client_does(unary_served):
+    """The OpenAI front's grpc.aio channel (pipeline/triton/grpc_channel.py) on a non-decoupled deployment: one
+    ModelInfer call, the same answer and figures as pipeline.client's unary call, the model's refusal the same
+    RequestError, and a deadline that passes a RequestTimeout."""
+    import asyncio
+
+    from pipeline.triton.grpc_channel import TritonChannel
+
+    s, srv = unary_served
+    want = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 12, unary=True, end_id=UNUSED_END)
+
+    async def scenario() -> tuple[dict, str, str]:
+        ch = TritonChannel(srv.grpc_url)
+        try:
+            got = await ch.generate("ensemble", "Tell me about the moon.", 12, unary=True, end_id=UNUSED_END)
+            with pytest.raises(RequestError) as refused:
+                await ch.generate("ensemble", "Tell me about the moon.", 0, unary=True)
+            with pytest.raises(RequestTimeout) as late:
+                await ch.generate("ensemble", STREAMY, 480, unary=True, timeout=0.05, end_id=UNUSED_END)
+            return got, str(refused.value), str(late.value)
+        finally:
+            await ch.close()
+
+    before = _metric(s, "spec_decode_requests_cancelled_total")
+    got, refused, late = asyncio.run(scenario())
+    deadline = time.monotonic() + 10  # let the model drop the timed-out call before the next test counts its own
+    while _metric(s, "spec_decode_requests_cancelled_total") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert got["complete"] and got["text"] == want["text"] and got["responses"] == 1
+    for key in ("num_output_tokens", "num_input_tokens", "total_draft_tokens"):
+        assert got[key] == want[key], key
+    assert "max_tokens: got 0" in refused and "within 0s" in late
+
+
 @pytest.fixture(scope="module")
 def step_holder(unary_served):
     yield from _holder(unary_served[0].repo_dir)

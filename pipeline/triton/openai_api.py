@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP endpoint in front of a running deployment (docs/openai.md).
 
 `serve` starts it beside tritonserver, bound to triton.host on openai.port, as its own process
-(Starlette on uvicorn); `stop` stops it. Every request becomes one Triton request over a gRPC
-stream through the project's client (pipeline.client), so the served model's contract is the
-only one: a client that goes away cancels its stream, and the model stops decoding it at its next
-step. The front applies the model's chat template (once) to chat messages, checks every parameter
+(Starlette on uvicorn); `stop` stops it. Every request becomes one Triton request, a gRPC stream
+on the front's one channel (pipeline/triton/grpc_channel.py: a coroutine, no thread per request),
+built and read by the project's client code (pipeline.client), so the served model's contract is
+the only one: a client that goes away cancels its stream, and the model stops decoding it at its
+next step. The front applies the model's chat template (once) to chat messages, checks every parameter
 against the engine's limits before Triton sees it, answers errors as OpenAI does
 (`{"error": {message, type, param, code}}` with the matching status), cuts the text before a stop
 sequence, and adds the request's speculative figures as the `speculative` extension field. With
@@ -31,7 +32,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,12 +41,13 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.client import RequestError, RequestTimeout, generate
+from pipeline.client import RequestTimeout
 from pipeline.load import served_methods
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
 from pipeline.triton import door, fim
 from pipeline.triton.door import API_KEY_ENV
+from pipeline.triton.grpc_channel import TritonChannel
 from pipeline.triton.repo import client_model, default_methods
 from pipeline.triton.server import ServerError, grpc_url, log_tail, port_free
 
@@ -604,23 +605,33 @@ class StopScanner:
 
 
 class Run:
-    """One Triton request on its own thread (pipeline.client.generate over a gRPC stream); events to asyncio."""
+    """One Triton request as a task on the event loop, over the front's shared channel; its events on `queue`."""
 
-    def __init__(self, front: Front, job: Job, loop: asyncio.AbstractEventLoop, rid: str):
-        self.front, self.job, self.loop, self.rid = front, job, loop, rid
+    running: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def __init__(self, front: Front, job: Job, channel: TritonChannel, rid: str):
+        self.front, self.job, self.channel, self.rid = front, job, channel, rid
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.gone = threading.Event()  # the HTTP client left: cancel the Triton request
+        self.gone = False  # the HTTP client left
         self.scan = StopScanner(job.stop)
         self.raw: list[str] = []
         self.hit_at = 0.0
         self.pieces_after_hit = 0
-        self.thread = threading.Thread(target=self._work, daemon=True, name=f"openai-{rid}")
+        self.task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self.thread.start()
+        self.task = asyncio.get_running_loop().create_task(self._work(), name=f"openai-{self.rid}")
+        Run.running.add(self.task)
+        self.task.add_done_callback(Run.running.discard)
+
+    def leave(self) -> None:
+        """The HTTP client left (or its answer is over): cancel the task, which cancels its gRPC call at once."""
+        self.gone = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
 
     def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.queue.put_nowait(item)
 
     def _piece(self, piece: str) -> None:
         if self.scan.hit:
@@ -636,24 +647,23 @@ class Run:
     def _cancel(self) -> bool:
         """Cancel when the client left, or when a stop sequence showed and the model did not stop by itself (another
         piece came, or STOP_GRACE_S passed): a stop it matched itself ends with its final response and figures."""
-        return self.gone.is_set() or (self.scan.hit and (self.pieces_after_hit > 0
-                                                         or time.monotonic() - self.hit_at > STOP_GRACE_S))
+        return self.gone or (self.scan.hit and (self.pieces_after_hit > 0
+                                                or time.monotonic() - self.hit_at > STOP_GRACE_S))
 
-    def _work(self) -> None:
+    async def _work(self) -> None:
         cfg, job = self.front.cfg, self.job
         try:
-            r = generate(cfg.grpc_url, cfg.triton_model, job.prompt, job.max_tokens, method=job.method,
-                         stream=cfg.decoupled, unary=not cfg.decoupled, timeout=cfg.request_timeout_s,
-                         on_piece=self._piece if cfg.decoupled else None,
-                         cancel=self._cancel if cfg.decoupled else None,
-                         request_id=self.rid, stop_words=job.stop or None, exclude_input_in_output=True,
-                         return_perf_metrics=True, **job.options)
+            r = await self.channel.generate(cfg.triton_model, job.prompt, job.max_tokens, method=job.method,
+                                            stream=cfg.decoupled, unary=not cfg.decoupled,
+                                            timeout=cfg.request_timeout_s,
+                                            on_piece=self._piece if cfg.decoupled else None,
+                                            cancel=self._cancel if cfg.decoupled else None,
+                                            request_id=self.rid, stop_words=job.stop or None,
+                                            exclude_input_in_output=True, return_perf_metrics=True, **job.options)
             if not cfg.decoupled:
                 self._piece(r["text"])
             self._put(("done", r))
-        except RequestError as e:
-            self._put(("error", e))
-        except Exception as e:  # noqa: BLE001 - an unreachable server, a broken stream: answered, never raised
+        except Exception as e:  # noqa: BLE001 - RequestError, an unreachable server, a broken stream: answered
             self._put(("error", e))
 
     def finish(self, r: dict) -> tuple[str, dict, dict]:
@@ -773,6 +783,7 @@ def make_app(front: Front):
     ready = {"at": 0.0, "ok": False}
 
     running = {"n": 0}  # requests between their checked body and their answer's end (openai.max_concurrent)
+    triton: dict = {}  # "channel": the one gRPC channel to Triton, made on the event loop at startup (lifespan)
 
     def error(e: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status == 429 else None
@@ -837,20 +848,9 @@ def make_app(front: Front):
             return error(e)
         return JSONResponse(model_card())
 
-    def triton_ready() -> bool:
-        import tritonclient.grpc as grpcclient  # lazy: tritonclient.grpc (~0.5 s) only for /health's probe
-
-        try:
-            with grpcclient.InferenceServerClient(cfg.grpc_url) as c:
-                h = door.grpc_headers()
-                return bool(c.is_server_ready(headers=h, client_timeout=2)
-                            and c.is_model_ready(cfg.triton_model, headers=h, client_timeout=2))
-        except Exception:  # noqa: BLE001 - not reachable is not ready
-            return False
-
     async def health_route(request: Request):
         if time.monotonic() - ready["at"] > 1.0:
-            ready["ok"], ready["at"] = await asyncio.to_thread(triton_ready), time.monotonic()
+            ready["ok"], ready["at"] = await triton["channel"].ready(cfg.triton_model), time.monotonic()
         if ready["ok"]:  # ready or not, nothing else: /health answers without the key
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -890,7 +890,7 @@ def make_app(front: Front):
                 if done:
                     return getter.result()
                 if poll and await request.is_disconnected():
-                    run.gone.set()  # cancels the Triton request
+                    run.leave()  # cancels the Triton request
                     return "gone", None
         finally:
             if not getter.done():
@@ -924,7 +924,7 @@ def make_app(front: Front):
             return error(e)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid, created = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
-        run = Run(front, job, asyncio.get_running_loop(), rid)
+        run = Run(front, job, triton["channel"], rid)
         run.start()
         if not job.stream:
             text: list[str] = []
@@ -940,7 +940,7 @@ def make_app(front: Front):
                     else:
                         break
             except BaseException:
-                run.gone.set()  # the client left (or the server stops): cancel the Triton request
+                run.leave()  # the client left (or the server stops): cancel the Triton request
                 raise
             tail, usage, spec = run.finish(value)
             content = "".join(text) + tail
@@ -962,7 +962,7 @@ def make_app(front: Front):
         try:
             first = await next_event(run, request, poll=True)
         except BaseException:
-            run.gone.set()
+            run.leave()
             raise
         if first[0] == "error":
             return error(triton_error(first[1]))
@@ -1002,7 +1002,7 @@ def make_app(front: Front):
                     what, value = await run.queue.get()
                 yield "data: [DONE]\n\n"
             finally:
-                run.gone.set()  # a client that left mid-stream: its Triton request is cancelled at once
+                run.leave()  # a client that left mid-stream: its Triton request is cancelled at once
                 running["n"] -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -1054,7 +1054,7 @@ def make_app(front: Front):
                     break
                 what, value = await run.queue.get()
         finally:
-            run.gone.set()
+            run.leave()
             running["n"] -= 1
 
     async def infill(request: Request):
@@ -1086,8 +1086,13 @@ def make_app(front: Front):
         # Templating and tokenizing run on this pool: at most one thread per running request (openai.max_concurrent).
         pool = concurrent.futures.ThreadPoolExecutor(cfg.max_concurrent, thread_name_prefix="openai-check")
         asyncio.get_running_loop().set_default_executor(pool)
-        yield
-        pool.shutdown(wait=False, cancel_futures=True)
+        # Every Triton request is a call on this one channel, run on the event loop: no thread per request.
+        triton["channel"] = TritonChannel(cfg.grpc_url)
+        try:
+            yield
+        finally:
+            await triton["channel"].close()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: crash},
                      lifespan=lifespan)
