@@ -66,7 +66,8 @@ class DraftSpec:
     vocab: int = 0
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     # Quantization of the draft, as target.quantization (the draft's bytes set its cost; its numerics never change
-    # the output, so int4_a8, the cheapest per step on CPU, costs at most some acceptance).
+    # the output, so int4_a8, the cheapest per step on CPU, costs at most some acceptance). gguf: a GGUF draft.source
+    # on its own blocks (not a trained draft: it has none).
     quantization: Literal["none", "int8", "int4", "int4_a8", "int4_awq", "fp8", "gguf"] = "none"
     group_size: int = 128
     train: TrainBudget = field(default_factory=TrainBudget)
@@ -634,9 +635,9 @@ def _validate_quantization(spec: Spec, cuda_available: bool | None) -> None:
                    "backend: tensorrt_llm)")
             _check(q != "gguf" or device == "cpu", f"{key}.quantization", q,
                    f"the GGUF's own weights run in the CPU kernels, the {on}: set device: cpu, or use int4 on CUDA")
-            _check(q != "gguf" or key == "target", f"{key}.quantization", q,
-                   "the draft's GGUF types (Q5_0 / Q8_0 in the 0.5B Qwen2.5-Coder) have no kernel yet: use int4_a8 "
-                   "for the draft")
+            _check(q != "gguf" or key == "target" or spec.draft.source != "train", f"{key}.quantization", q,
+                   "runs a pretrained draft's own GGUF blocks, and a draft the pipeline distils (draft.source: "
+                   "train) has none: use int4_a8 (or none) for it, or give a GGUF draft.source")
             _check(q != "int4_a8" or device != "cuda", f"{key}.quantization", q,
                    f"int8 activations run in the CPU kernels (on CUDA torch would only emulate them, slowly), the "
                    f"{on}: use int4 on CUDA, device: cpu, or backend: tensorrt_llm, which builds int4_a8 as "

@@ -45,6 +45,7 @@ from pipeline.runtime.generate import (
     row_stats,
     start_length,
 )
+from pipeline.runtime.gguf_weights import GGUFLinear
 from pipeline.runtime.loadpolicy import DraftPolicy
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache, keep_rows, prefill_cached, rows_to_run
@@ -127,6 +128,7 @@ def load_draft(engine_dir: Path, device: str = "cpu", verify: bool = True) -> tu
         dev = model.embed.weight.device
         head = (QLinear(st["qweight"].to(dev), st["scales"].to(dev),
                         act8=quant.int8_activations(cfg) and st["qweight"].dtype == torch.uint8) if "qweight" in st
+                else GGUFLinear(st["gguf_w"].to(dev), st["gguf_parts"]) if "gguf_w" in st  # a GGUF head's own rows
                 else st["weight"].to(device=dev, dtype=model.embed.weight.dtype))
         attach_draft_head(model, head, st["ids"])
     return model, cfg

@@ -38,7 +38,7 @@ from pipeline.engine import (
     save_hf,
     write_atomic,
 )
-from pipeline.runtime import quant
+from pipeline.runtime import gguf_weights, quant
 from pipeline.runtime.engine_io import DTYPES, EngineError, load_engine, read_config
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import (
@@ -267,7 +267,11 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
                               "prompt set")
         src_fp = input_hash(prompts_path.read_text(), train_path.read_text() if train_path.is_file() else "")
     else:
-        src_fp = sources.resolve(spec.draft.source, Path(spec.root), key="draft.source").fingerprint()
+        src = sources.resolve(spec.draft.source, Path(spec.root), key="draft.source")
+        if spec.draft.quantization == "gguf" and src.kind != "gguf":
+            raise EngineError(f"draft.quantization: gguf reads a GGUF's own weights, and {src.description} is not a "
+                              "GGUF; use int4_a8 / int4 / int8 or none for it, or give a .gguf draft.source")
+        src_fp = src.fingerprint()
     rehash = lambda lim: input_hash(  # noqa: E731
         ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
         {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, lim, spec.speculation.num_draft_tokens,
@@ -292,7 +296,7 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     texts = read_prompts(prompts_path) if prompts_path.is_file() else []
     train_texts, held_texts = split_prompts(texts, spec.validate.max_prompts,
                                             read_prompts(train_path) if train_path.is_file() else None)
-    vocab_ids, stats = None, {}
+    vocab_ids, stats, on_gguf = None, {}, None
     if spec.draft.source == "train":
         b = spec.draft.train
         ids = [chat_ids(tok, p) for p in train_texts]
@@ -331,27 +335,43 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         # A pretrained draft is tuned (k, vocabulary) on the training prompts; the evaluation prompts stay unseen.
         tune = train_texts if train_path.is_file() else held_texts
         held_prompts = [chat_ids(tok, p) for p in tune[:TUNE_PROMPTS]] or [chat_ids(tok, p) for p in texts[:4]]
+        if spec.draft.quantization == "gguf":  # the draft as served: its GGUF's own blocks (read before any head cut)
+            gguf_st = draft_gguf_state(draft, src, log)
+            on_gguf = build_model(draft.cfg, gguf_st, DTYPES[draft_dtype(spec)], "cpu")
         if 0 < spec.draft.vocab < draft.cfg.vocab_size:
             # What the draft itself writes for the tuning prompts ranks the tokens a code model uses most.
 
             g0 = time.perf_counter()
             tune_ids = [chat_ids(tok, p) for p in tune]
-            writer = cast_draft(draft, DTYPES[draft_dtype(spec)])  # the engine's dtype: half the bytes of fp32
+            # the engine's weights: its GGUF blocks, or its dtype (half the bytes of fp32)
+            writer = on_gguf if on_gguf is not None else cast_draft(draft, DTYPES[draft_dtype(spec)])
             written = [r.tokens for r in generate(writer, [Request(p, VOCAB_TOKENS, end_ids=end_ids)
                                                            for p in tune_ids])]
             del writer
             vocab_ids = pretrained_vocab(tok, tune_ids + written, spec.draft.vocab, draft.cfg.vocab_size)
             attach_draft_head(draft, draft.lm_head.weight[vocab_ids].clone(), vocab_ids)
+            if on_gguf is not None:  # the GGUF head's own rows, gathered, never re-rounded
+                attach_draft_head(on_gguf, quant.head_rows(on_gguf.lm_head, vocab_ids), vocab_ids)
             log(f"reduced draft head: {len(vocab_ids)} of {draft.cfg.vocab_size} tokens (the draft wrote "
                 f"{sum(map(len, written))} tokens for {len(tune)} tuning prompts in {time.perf_counter() - g0:.0f}s)")
     dtype = draft_dtype(spec)
-    speculation = choose_k(spec, target, draft, held_prompts, dtype, log)
+    speculation = choose_k(spec, target, draft if on_gguf is None else on_gguf, held_prompts, dtype, log)
     if vocab_ids is not None and "coverage" in speculation:
         stats = {**stats, "vocab_coverage": speculation["coverage"]}
     qz, gs = spec.draft.quantization, spec.draft.group_size
     save_hf(hf_dest, hf_cfg, hf_draft_state, draft_tok, dtype, hf_tied)
 
     def write(tmp: Path) -> dict:
+        if on_gguf is not None:
+            # A tied reduced head stands on the embedding at load until the reduced head replaces it (as below).
+            cut = vocab_ids is not None and draft.cfg.tie_embeddings
+            st = {k: v for k, v in gguf_st.items() if not (cut and k.startswith("lm_head."))}
+            save_file(st, str(tmp / "model.safetensors"))
+            if vocab_ids is not None:
+                h = on_gguf.lm_head
+                save_file({"gguf_w": h.qweight.contiguous(), "gguf_parts": h.parts, "ids": vocab_ids.int()},
+                          str(tmp / DRAFT_HEAD_FILE))
+            return write_rest(tmp)
         st = {k: v for k, v in draft.state_dict().items()
               if not (k == "lm_head.weight" and (draft.cfg.tie_embeddings or vocab_ids is not None))}
         if vocab_ids is not None and not draft.cfg.tie_embeddings:
@@ -362,6 +382,9 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
             hw = draft.lm_head.weight.to(DTYPES[dtype] if qz == "none" else torch.float32)
             head = quant.quantize_head(hw, qz, gs)
             save_file({**head, "ids": vocab_ids.int()}, str(tmp / DRAFT_HEAD_FILE))
+        return write_rest(tmp)
+
+    def write_rest(tmp: Path) -> dict:
         draft_tok.save_pretrained(str(tmp))
         (tmp / "hf_config.json").write_text(json.dumps(hf_cfg, indent=2, default=str))
         return engine_config(draft.cfg, spec, dtype, "none", 0, qz, gs, input_hash=want,
@@ -373,6 +396,17 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     write_atomic(dest, write)
     log(f"draft engine built in {time.perf_counter() - t0:.0f}s: {dest} (HF checkpoint: {hf_dest})")
     return dest
+
+
+def draft_gguf_state(draft: Transformer, src: sources.Source, log=print) -> dict[str, Tensor]:
+    """The draft's engine weights on its GGUF's own blocks (`draft.quantization: gguf`): every linear layer and the head
+    repacked by gguf_weights.gguf_state, never re-rounded; norms, biases and the embedding's rows in fp32. `draft` is
+    the source draft as loaded (full head), whose dequantized matrices check the GGUF's row order."""
+    try:
+        st = gguf_weights.gguf_state(draft.state_dict(), src.path, draft.cfg.num_layers, log)
+    except ValueError as e:
+        raise EngineError(f"draft.quantization: gguf: {e}") from None
+    return quant.cast_state(st, torch.float32)
 
 
 def pretrained_vocab(tok, texts: list[list[int]], n: int, V: int) -> Tensor:
@@ -405,7 +439,7 @@ def choose_k(spec: Spec, target: Transformer, draft: Transformer, prompts: list[
     reports' `step_fraction_of_target` and the reduced head's coverage."""
     k = spec.speculation.num_draft_tokens
     d = draft
-    if dtype != "float32" or spec.draft.quantization != "none":
+    if spec.draft.quantization != "gguf" and (dtype != "float32" or spec.draft.quantization != "none"):
         d = quant.quantize_model(cast_draft(draft, DTYPES[dtype]), spec.draft.quantization, spec.draft.group_size)
         quant.to_hugepages(d)  # as the served draft's weights are (build_model): quantizing made new tensors
     max_k = pick_k_max(spec.limits.max_draft_len)
