@@ -13,57 +13,11 @@ time to its first token.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def _p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
-
-
-def run(target, chunk: int, streams: int, prompt_tokens: int, warm: int, vocab: int, after: int = 32) -> dict:
-    import torch
-
-    from pipeline.runtime.batcher import ContinuousBatch
-    from pipeline.runtime.generate import Request
-
-    g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(100, vocab, (n,), generator=g).tolist()  # noqa: E731
-    pool = ContinuousBatch(target, streams + 1, prefill_chunk=chunk)
-    last: dict = {}
-    gaps: dict = {"before": [], "window": []}
-    phase = ["before"]
-    first = {}
-
-    def emit(tag, toks):
-        now = time.perf_counter()
-        if tag == "long":
-            first.setdefault("t", now)
-            return
-        if tag in last:
-            gaps[phase[0]].append(now - last[tag])
-        last[tag] = now
-
-    pool.admit([Request(ids(32), 100_000, end_ids=()) for _ in range(streams)], list(range(streams)), emit)
-    for _ in range(warm):
-        pool.step(emit)
-    phase[0] = "window"
-    t0 = time.perf_counter()
-    pool.admit([Request(ids(prompt_tokens), 4, end_ids=())], ["long"], emit)  # whole (chunk 0) or pending
-    while "t" not in first:
-        pool.step(emit)
-    ttft = first["t"] - t0
-    for _ in range(after):
-        pool.step(emit)
-    every, b = gaps["before"] + gaps["window"], gaps["before"]
-    return {"chunk": chunk, "ttft_s": ttft, "median_ms": 1e3 * statistics.median(every), "p99_ms": 1e3 * _p99(every),
-            "max_ms": 1e3 * max(every), "before_median_ms": 1e3 * statistics.median(b), "gaps": len(every)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from pipeline.admission import streams_while_admitting
     from pipeline.runtime.engine_io import load_engine
 
     torch.set_grad_enabled(False)
@@ -85,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = eng.model.cfg.vocab_size
     print(f"{args.streams} streams; a {args.prompt_tokens}-token prompt admitted after {args.warm} steps")
     for chunk in (int(c) for c in args.chunks.split(",")):
-        r = run(eng.model, chunk, args.streams, args.prompt_tokens, args.warm, min(vocab, 150_000), args.after)
+        r = streams_while_admitting(eng.model, chunk, args.streams, args.prompt_tokens, args.warm, args.after, vocab)
         print(f"chunk {r['chunk']:>4}: streams' gaps (n={r['gaps']}) median {r['median_ms']:.0f} ms, p99 "
               f"{r['p99_ms']:.0f} ms ({r['p99_ms'] / r['median_ms']:.2f}x), largest {r['max_ms']:.0f} ms; median "
               f"before the prompt {r['before_median_ms']:.0f} ms; its first token after {r['ttft_s']:.1f} s",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pipeline import peers as gguf
+from pipeline.admission import admission_lines, streams_while_admitting
 from pipeline.common import chat_ids
 from pipeline.contention import served_section
 from pipeline.figures import Run, mean_accepted_len, median, summarize
@@ -285,6 +286,11 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
 
     report["contention"] = ({"note": "not measured with --quick"} if quick else served_section(
         spec, b.tokenizer, prompts[1], [m for m in ("baseline", "draft_target") if m in methods], 64, 2, log))
+    # Running streams while a long prompt is admitted in chunks beside them (issue 48: p99 within 2x their median).
+    n_long, chunk = 512 if quick else 4096, spec.kv_cache.prefill_chunk
+    log(f"  admission: 2 streams while a {n_long}-token prompt is admitted (prefill_chunk {chunk})")
+    report["admission"] = streams_while_admitting(b.target, chunk, prompt_tokens=n_long)
+    log("   " + admission_lines(report["admission"])[-1])
     report["roofline"] = _roofline(b, bws, [r.tokens_per_s for r in rows["baseline"]],
                                    report["methods"]["baseline"]["tokens_per_s"])
     # Batch-8 throughput (baseline) with transformers alongside; then the transformers models go (4 GB for the
@@ -567,6 +573,7 @@ def bench_markdown(r: dict) -> str:
         lines.append(f"| {m}{' (lossy)' if e.get('lossy') else ''} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | "
                      f"{e['mean_accepted_len']:.2f} |")
     lines += contention_lines(r.get("contention") or {})
+    lines += admission_lines(r.get("admission") or {})
     lines += precision_lines(r.get("precision") or {})
     bf, b8 = r["bf16"], r["batch8"]
     lines += ["", f"bf16: ours {bf['baseline_tokens_per_s']:.1f} tokens/s vs transformers "
