@@ -233,6 +233,31 @@ def test_a_query_attends_alike_alone_and_grouped_with_the_heads_that_share_its_k
                 assert torch.equal(one[0, 0, 0], together[0, s, h]), (n, s, h)
 
 
+@pytest.mark.parametrize("shape", [(40, 0, 60, 12, 2, 128), (21, 5, 40, 6, 3, 36), (24, 1030, 1100, 12, 2, 128),
+                                   (24, 8200, 8300, 12, 2, 128)])
+def test_a_causal_chunk_scores_no_slot_past_its_queries_and_keeps_their_bits(threads, shape):
+    """A unit computes nothing past the last slot its pairs see (a prefill chunk from slot 0 had scored every query
+    against the whole chunk and masked half of it): each query of a chunk of S at slots [start, start + S) under
+    kv_len past them equals that query alone with kv_len its own slot + 1, where there is nothing to skip; and so
+    does the mask path with the causal mask padded by zeros (its last nonzero bounds the unit). Units mixing two
+    queries (8 pairs of 6 heads), the D % 8 tail (D 36), past 1,024 slots (the thread's scratch) and past 8,192
+    (units in tiles over blocks of slots), on 1 and 2 threads."""
+    S, start, kv, Hq, Hkv, D = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randn(1, S, Hq, D, generator=g) * 2
+    kc, vc = (torch.randn(1, Hkv, kv + 3, D, generator=g) for _ in range(2))
+    slots = (start + torch.arange(S))[None].contiguous()
+    causal = (torch.arange(kv)[None, None, :] <= slots[:, :, None]).to(torch.uint8).contiguous()
+    for n in (1, 2):
+        kernels.configure_threads(n)
+        together = kernels.attention(q, kc, vc, None, kv, slots=slots)
+        assert torch.equal(kernels.attention(q, kc, vc, causal, kv), together), n
+        for s in range(S):
+            own = start + s
+            alone = kernels.attention(q[:, s:s + 1].contiguous(), kc, vc, None, own + 1, slots=slots[:, s:s + 1])
+            assert torch.equal(alone[0, 0], together[0, s]), (n, s)
+
+
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):

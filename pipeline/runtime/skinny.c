@@ -1521,16 +1521,6 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
     }
 }
 
-// q . k over D columns: 8 lanes k = l, l + 8, ... by FMA, a fixed lane sum, the D % 8 tail in order.
-static inline float dot_d(const float *q, const float *k, int D) {
-    __m256 acc = _mm256_setzero_ps();
-    int d = 0;
-    for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-    float v = hsum256(acc);
-    for (; d < D; d++) v = fmaf(q[d], k[d], v);
-    return v;
-}
-
 // out[b, s, h] = softmax(q . K[:kv_len] * scale, masked) @ V, grouped-query (head h reads kv head h / (Hq/Hkv)).
 // mask [B, S, kv_len] (nonzero = attend), or NULL: a query attends to the slots up to its own (slots [B, S]).
 // One query's result never depends on the other queries, on the thread
@@ -1543,6 +1533,13 @@ static inline float dot_d(const float *q, const float *k, int D) {
 // spent 3-5 ms of its 38 in attention. Each pair's arithmetic is what it was alone, in the same order (per slot: FMA
 // over the 8-column blocks of d from 0, the fixed lane sum hsum256, the D % 8 tail in order; per output column: FMA
 // over the slots in order, skipping slots whose exponential is 0), so grouping changes no bit.
+// A unit computes nothing past the last slot any of its pairs sees (hi: its largest own slot + 1 without a mask, the
+// last nonzero of its mask rows with one): a causal prefill chunk of 2,048 from slot 0 had scored every query
+// against all 2,048 slots, half of them to write -inf, and the exponentials of those slots were exact zeros that
+// the sums skip bit-for-bit. The unit's scores, exponentials and weights lie slot-major (a slot's 8 lanes are its
+// pairs), so the max, the exponentials, the 8 partial sums by l % 8 and the weights are one vector op per slot for
+// all pairs, each lane's arithmetic the scalar order it was pair by pair, and the 2 NI dot products of a slot pair
+// are summed by one transposing hsum8x with hsum256's additions.
 // Returns SK_OK, SK_EARG (shapes: Hq a multiple of Hkv, kv_len <= L), or SK_ENOMEM (some outputs not written).
 // 8 pairs in the AVX-512 build (its 32 ymm hold 8 pairs' two-slot sums or value columns; the 1.5B's 6 heads of a
 // query then read their kv head once, and a prefill chunk's units stream K and V half as often as at 4), 4 in AVX2.
@@ -1556,54 +1553,101 @@ typedef struct {
     const uint8_t *mask;
     const int64_t *slots;
     float *out;
-    int S, Hq, Hkv, group, D, L, kv_len, kv8, per_kv, unit, units, parts;
+    int S, Hq, Hkv, group, D, L, kv_len, per_kv, unit, units, parts;
     float scale;
     _Atomic int failed;
 } attn_job_t;
 
-// Scores sc[i][l] = q_i . K[l] * scale (or -inf where pair i does not see slot l) for NI pairs, two slots at a time:
-// 2 NI independent dot products in flight, each K row loaded once.
+// Lane i of the result is hsum256(x[i]): the same additions in the same order (the halves lo + hi, then (t0 + t1) +
+// (t2 + t3)), eight sums in 8 cross-lane permutes, 4 adds and 3 horizontal adds where eight hsum256 take 48
+// instructions (two sums a slot for each pair).
+static inline __attribute__((always_inline)) __m256 hsum8x(const __m256 *x) {
+#define HALVES(u, v) _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31))
+    // hadd interleaves its operands' 128-bit halves: taking x as 0 4, 1 5, 2 6, 3 7 puts the sums in lane order
+    const __m256 p0 = HALVES(x[0], x[4]), p1 = HALVES(x[1], x[5]), p2 = HALVES(x[2], x[6]), p3 = HALVES(x[3], x[7]);
+#undef HALVES
+    return _mm256_hadd_ps(_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
+}
+
+// The K or V rows ATT_PF slots ahead, asked for whole: the first 16 columns' pass over V touches one 64-byte line of
+// each 512-byte row (D 128), a stride the hardware prefetchers follow poorly, so each of its lines waited on L3 or
+// memory (a decode query at 16k slots reads 2 x 8 MB a kv head); the other passes then find the rows in L2.
+#ifndef ATT_PF
+#define ATT_PF 16
+#endif
+static inline __attribute__((always_inline)) void att_prefetch_row(const float *r, int n) {
+    for (int c = 0; c < n; c += 16) _mm_prefetch((const char *)(r + c), _MM_HINT_T1);
+}
+
+// Scores of NI pairs at slots [l0, l1), slot-major: sc[8 l + i] = q_i . K[l] * scale, or -inf where pair i does not
+// see slot l (masked: m[i][l] == 0; else l > own[i]; lanes NI..7 are -inf). *mx: each lane's running max, as
+// `e > mx ? e : mx` took it slot by slot (vmaxps: a NaN score is passed over). Two slots at a time: 2 NI independent
+// dot products in flight, each K row loaded once (an odd last slot is paired with itself); rows up to lim prefetched.
 static inline __attribute__((always_inline)) void att_scores(const float *const *qv, const float *K,
-                                                             const uint8_t *const *m, const int64_t *own,
-                                                             float *const *sc, int D, int kv_len, float scale,
-                                                             const int NI) {
-#define SEES(i, l) (m[i] ? m[i][l] != 0 : (l) <= own[i])
-    int l = 0;
-    for (; l + 2 <= kv_len; l += 2) {
-        __m256 a[ATT_UNIT][2];
+                                                             const uint8_t *const *m, int masked, __m256i own,
+                                                             float *sc, __m256 *mx, int D, int l0, int l1, int lim,
+                                                             float scale, const int NI) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), vs = _mm256_set1_ps(scale);
+    __m256 top = *mx;
+    for (int l = l0; l < l1; l += 2) {
+        const int two = l + 2 <= l1;
+        __m256 a[2][8];
         _Pragma("GCC unroll 8")
-        for (int i = 0; i < NI; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-        const float *k0 = K + (int64_t)l * D, *k1 = k0 + D;
+        for (int i = 0; i < 8; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+        const float *k0 = K + (int64_t)l * D, *k1 = two ? k0 + D : k0;
+        if (ATT_PF && l + ATT_PF + 2 <= lim) att_prefetch_row(k0 + (int64_t)ATT_PF * D, 2 * D);
         int d = 0;
         for (; d + 8 <= D; d += 8) {
             const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
             _Pragma("GCC unroll 8")
             for (int i = 0; i < NI; i++) {
                 const __m256 qq = _mm256_loadu_ps(qv[i] + d);
-                a[i][0] = _mm256_fmadd_ps(qq, x0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(qq, x1, a[i][1]);
+                a[0][i] = _mm256_fmadd_ps(qq, x0, a[0][i]);
+                a[1][i] = _mm256_fmadd_ps(qq, x1, a[1][i]);
             }
         }
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < NI; i++) {
-            float v0 = hsum256(a[i][0]), v1 = hsum256(a[i][1]);
-            for (int dd = d; dd < D; dd++) v0 = fmaf(qv[i][dd], k0[dd], v0), v1 = fmaf(qv[i][dd], k1[dd], v1);
-            sc[i][l] = SEES(i, l) ? v0 * scale : -INFINITY;
-            sc[i][l + 1] = SEES(i, l + 1) ? v1 * scale : -INFINITY;
+        __m256 v[2];
+        if (d == D) {
+            v[0] = hsum8x(a[0]);
+            v[1] = hsum8x(a[1]);
+        } else {  // D % 8 columns left: each lane sum, then the tail in order
+            float t[2][8] __attribute__((aligned(32))) = {{0}};
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < NI; i++) {
+                float v0 = hsum256(a[0][i]), v1 = hsum256(a[1][i]);
+                for (int dd = d; dd < D; dd++) v0 = fmaf(qv[i][dd], k0[dd], v0), v1 = fmaf(qv[i][dd], k1[dd], v1);
+                t[0][i] = v0;
+                t[1][i] = v1;
+            }
+            v[0] = _mm256_load_ps(t[0]);
+            v[1] = _mm256_load_ps(t[1]);
+        }
+        for (int r = 0; r <= two; r++) {
+            __m256i seen;
+            if (masked) {
+                int32_t s8[8] __attribute__((aligned(32))) = {0};
+                for (int i = 0; i < NI; i++) s8[i] = m[i][l + r] ? -1 : 0;
+                seen = _mm256_load_si256((const __m256i *)s8);
+            } else {
+                seen = _mm256_cmpgt_epi32(own, _mm256_set1_epi32(l + r - 1));  // l + r <= own
+            }
+            const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(v[r], vs), _mm256_castsi256_ps(seen));
+            _mm256_store_ps(sc + 8 * (int64_t)(l + r), x);
+            top = _mm256_max_ps(x, top);
         }
     }
-    for (; l < kv_len; l++)
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < NI; i++) sc[i][l] = SEES(i, l) ? dot_d(qv[i], K + (int64_t)l * D, D) * scale : -INFINITY;
-#undef SEES
+    *mx = top;
 }
 
-// o_i = sum over slots l of p_i[l] V[l], skipping slots whose exponential e_i[l] is 0, for NI pairs, 16 columns of
-// each in registers while the slots go by, each V row loaded once.
-static inline __attribute__((always_inline)) void att_values(float *const *e, float *const *p, const uint8_t *nz,
-                                                             const float *V, float *const *o, int D, int kv_len,
+// o_i (+)= sum over slots l in [l0, l1) of p[8 l + i] V[l], skipping slots where pair i's exponential is 0 (bit i
+// of nz[l] clear), for NI pairs, 16 columns of each in registers while the slots go by, each V row loaded once; from
+// 0 at l0 = 0, else from the sums the slots before left in o (stored and loaded as they are). The caller passes the
+// slots in blocks of ATT_VBLOCK (128 KB of V rows at D 128), so the other units of a tile find them in L2.
+#define ATT_VBLOCK 256
+static inline __attribute__((always_inline)) void att_values(const float *p, const uint8_t *nz, const float *V,
+                                                             float *const *o, int D, int l0, int l1, int lim,
                                                              const int NI) {
-    const int all = (1 << NI) - 1;  // nz[l]: bit i set where e_i[l] != 0
+    const int all = (1 << NI) - 1;
     for (int d0 = 0; d0 < D; d0 += 16) {
         const int dn = D - d0 < 16 ? D - d0 : 16, full = dn / 8;
         __m256 acc[ATT_UNIT][2];
@@ -1612,15 +1656,21 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
         for (int i = 0; i < NI; i++) {
             acc[i][0] = acc[i][1] = _mm256_setzero_ps();
             for (int j = 0; j < 8; j++) tail[i][j] = 0.f;
+            if (l0) {
+                for (int j = 0; j < full; j++) acc[i][j] = _mm256_loadu_ps(o[i] + d0 + 8 * j);
+                for (int dd = 8 * full; dd < dn; dd++) tail[i][dd - 8 * full] = o[i][d0 + dd];
+            }
         }
-        for (int l = 0; l < kv_len; l++) {
-            if (!nz[l]) continue;  // no pair sees the slot: its V row is not read
-            const float *v = V + (int64_t)l * D + d0;
-            if (full == 2 && nz[l] == all) {  // every pair sees the slot: no test per pair
+        for (int l = l0; l < l1; l++) {
+            if (ATT_PF && d0 == 0 && l + ATT_PF < lim) att_prefetch_row(V + (int64_t)(l + ATT_PF) * D, D);
+            const int z = nz[l];
+            if (!z) continue;  // no pair sees the slot: its V row is not read
+            const float *v = V + (int64_t)l * D + d0, *pl = p + 8 * (int64_t)l;
+            if (full == 2 && z == all) {  // every pair sees the slot: no test per pair
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
-                    const __m256 pv = _mm256_broadcast_ss(p[i] + l);
+                    const __m256 pv = _mm256_broadcast_ss(pl + i);
                     acc[i][0] = _mm256_fmadd_ps(pv, x0, acc[i][0]);
                     acc[i][1] = _mm256_fmadd_ps(pv, x1, acc[i][1]);
                 }
@@ -1628,8 +1678,8 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
                 const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
-                    if (e[i][l] != 0.f) {
-                        const __m256 pv = _mm256_broadcast_ss(p[i] + l);
+                    if (z >> i & 1) {
+                        const __m256 pv = _mm256_broadcast_ss(pl + i);
                         acc[i][0] = _mm256_fmadd_ps(pv, x0, acc[i][0]);
                         acc[i][1] = _mm256_fmadd_ps(pv, x1, acc[i][1]);
                     }
@@ -1637,10 +1687,11 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
             } else {
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
-                    if (e[i][l] == 0.f) continue;
-                    const float pl = p[i][l];
-                    if (full) acc[i][0] = _mm256_fmadd_ps(_mm256_set1_ps(pl), _mm256_loadu_ps(v), acc[i][0]);
-                    for (int dd = 8 * full; dd < dn; dd++) tail[i][dd - 8 * full] = fmaf(pl, v[dd], tail[i][dd - 8 * full]);
+                    if (!(z >> i & 1)) continue;
+                    const float w = pl[i];
+                    if (full) acc[i][0] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(v), acc[i][0]);
+                    for (int dd = 8 * full; dd < dn; dd++)
+                        tail[i][dd - 8 * full] = fmaf(w, v[dd], tail[i][dd - 8 * full]);
                 }
             }
         }
@@ -1652,88 +1703,171 @@ static inline __attribute__((always_inline)) void att_values(float *const *e, fl
     }
 }
 
+#if ATT_UNIT > 4
+#define ATT_CASES(CALL)                                                                                               \
+    switch (NI) {                                                                                                      \
+    case 1: CALL(1); break;                                                                                            \
+    case 2: CALL(2); break;                                                                                            \
+    case 3: CALL(3); break;                                                                                            \
+    case 4: CALL(4); break;                                                                                            \
+    case 5: CALL(5); break;                                                                                            \
+    case 6: CALL(6); break;                                                                                            \
+    case 7: CALL(7); break;                                                                                            \
+    default: CALL(8); break;                                                                                           \
+    }
+#else
+#define ATT_CASES(CALL)                                                                                               \
+    switch (NI) {                                                                                                      \
+    case 1: CALL(1); break;                                                                                            \
+    case 2: CALL(2); break;                                                                                            \
+    case 3: CALL(3); break;                                                                                            \
+    default: CALL(4); break;                                                                                           \
+    }
+#endif
+
+// Units taken together on one kv head (a tile) while its slots go by in blocks: each block of K rows (ATT_KBLOCK,
+// 64 KB at D 128) and of V rows (ATT_VBLOCK) is read from L3 or memory once for the tile's units and from L2 for
+// the others. A unit alone had streamed its kv head's K and V once for its 8 pairs: a 2,048-query chunk of the 1.5B
+// (1,536 units a kv head) read 2 x 2 MB 1,536 times a layer at 4k slots, and at 16k slots (16 MB a kv head, past
+// L3 for the two) from memory. But a tile's buffers (36 bytes a slot a unit) leave L2 for L3: at 4k slots, where the
+// two kv heads' K and V (8 MB) stay in L3, tiles of 4 were 0.8x as fast as units alone, at 16k 1.05x (S 2048, 2-core
+// Zen 4 under other jobs, experiments/attention_long.py), so units tile only past ATT_TILE_FROM slots.
+#ifndef ATT_TILE
+#define ATT_TILE 4
+#endif
+#ifndef ATT_TILE_FROM
+#define ATT_TILE_FROM 8192
+#endif
+#define ATT_KBLOCK 128
+typedef struct {
+    const float *qv[ATT_UNIT];
+    float *ov[ATT_UNIT];
+    const uint8_t *m[ATT_UNIT];
+    int32_t own[8];
+    __m256 mx;
+    float *sc;  // a slot's 8 lanes: the unit's scores, then exponentials, then weights
+    uint8_t *nz;  // a byte a slot: which pairs' exponentials are not 0
+    int NI, hi;   // slots [0, hi) hold every slot a pair of the unit sees: past it nothing is computed or read
+} att_unit_t;
+
 static void attention_share(void *ctx, int share) {
     attn_job_t *j = (attn_job_t *)ctx;
-    const int S = j->S, Hq = j->Hq, Hkv = j->Hkv, group = j->group, D = j->D, L = j->L, kv_len = j->kv_len,
-              kv8 = j->kv8;
+    const int S = j->S, Hq = j->Hq, Hkv = j->Hkv, group = j->group, D = j->D, L = j->L, kv_len = j->kv_len;
     const int u0 = (int)((int64_t)j->units * share / j->parts), u1 = (int)((int64_t)j->units * (share + 1) / j->parts);
     const int per_unit = (j->per_kv + j->unit - 1) / j->unit;  // units of one (batch row, kv head)
-    // each pair's exponentials, then its weights, then which pairs see each slot (a byte a slot)
-    float stack[(2 * ATT_UNIT + 1) * 1024] __attribute__((aligned(32)));
-    int o_sc = 0;  // past 1024 slots: the thread's own scratch, kept between calls
-    float *buf = kv8 <= 1024 ? stack : (float *)scratch(SC_ATT, sizeof(float) * (2 * ATT_UNIT + 1) * kv8, &o_sc);
+    const int tile = kv_len > ATT_TILE_FROM ? ATT_TILE : 1, masked = j->mask != NULL;
+    const int cap = kv_len <= 1024 ? 1024 : (kv_len + 7) & ~7;  // slots a unit's buffer holds (9 floats a slot: the
+                                                                 // next unit's buffer 32-byte aligned)
+    float stack[9 * 1024] __attribute__((aligned(32)));
+    int o_sc = 0;  // past 1,024 slots: the thread's own scratch, kept between calls
+    float *buf = tile == 1 && cap == 1024 ? stack
+                                          : (float *)scratch(SC_ATT, sizeof(float) * 9 * (size_t)cap * tile, &o_sc);
     if (!buf) {
         if (u1 > u0) atomic_store(&j->failed, 1);
         return;
     }
-    uint8_t *nz = (uint8_t *)(buf + 2 * ATT_UNIT * (int64_t)kv8);
-    for (int u = u0; u < u1; u++) {
-        const int bg = u / per_unit, c = u % per_unit, b = bg / Hkv, g = bg % Hkv;
-        const int first = c * j->unit, NI = j->per_kv - first < j->unit ? j->per_kv - first : j->unit;
+    const __m256 zero = _mm256_setzero_ps(), ninf = _mm256_set1_ps(-INFINITY);
+    att_unit_t units[ATT_TILE];
+    for (int u = u0; u < u1;) {
+        const int bg = u / per_unit, b = bg / Hkv, g = bg % Hkv;
+        int n = (bg + 1) * per_unit - u;  // the tile: units u .. u + n - 1, all on kv head g of row b
+        n = n < u1 - u ? n : u1 - u;
+        n = n < tile ? n : tile;
         const float *K = j->kc + ((int64_t)b * Hkv + g) * L * D, *V = j->vc + ((int64_t)b * Hkv + g) * L * D;
-        const float *qv[ATT_UNIT];
-        float *ov[ATT_UNIT], *sc[ATT_UNIT], *pr[ATT_UNIT];
-        const uint8_t *m[ATT_UNIT];
-        int64_t own[ATT_UNIT];
-        for (int i = 0; i < NI; i++) {  // pair first + i of this kv head: query s, head g * group + hh
-            const int s = (first + i) / group, hh = (first + i) % group, t = b * S + s;
-            const int64_t it = (int64_t)t * Hq + g * group + hh;
-            qv[i] = j->q + it * D;
-            ov[i] = j->out + it * D;
-            m[i] = j->mask ? j->mask + (int64_t)t * kv_len : NULL;
-            own[i] = j->mask ? kv_len : j->slots[t];
-            sc[i] = buf + (int64_t)i * kv8;
-            pr[i] = buf + (int64_t)(ATT_UNIT + i) * kv8;
+        int top = 0;
+        for (int k = 0; k < n; k++) {
+            att_unit_t *un = &units[k];
+            const int first = (u + k) % per_unit * j->unit;
+            const int NI = j->per_kv - first < j->unit ? j->per_kv - first : j->unit;
+            un->NI = NI;
+            un->hi = 0;
+            un->mx = ninf;
+            un->sc = buf + (int64_t)k * 9 * cap;
+            un->nz = (uint8_t *)(un->sc + 8 * (int64_t)cap);
+            for (int i = 0; i < 8; i++) un->own[i] = -1;
+            for (int i = 0; i < NI; i++) {  // pair first + i of this kv head: query s, head g * group + hh
+                const int s = (first + i) / group, hh = (first + i) % group, t = b * S + s;
+                const int64_t it = (int64_t)t * Hq + g * group + hh;
+                un->qv[i] = j->q + it * D;
+                un->ov[i] = j->out + it * D;
+                int h;
+                if (masked) {
+                    un->m[i] = j->mask + (int64_t)t * kv_len;
+                    for (h = kv_len; h > 0 && !un->m[i][h - 1]; h--) {}
+                } else {
+                    const int64_t at = j->slots[t];
+                    un->m[i] = NULL;
+                    un->own[i] = at < 0 ? -1 : at < kv_len ? (int)at : kv_len;
+                    h = at < 0 ? 0 : at < kv_len ? (int)at + 1 : kv_len;
+                }
+                un->hi = h > un->hi ? h : un->hi;
+            }
+            top = un->hi > top ? un->hi : top;
         }
-        switch (NI) {
-        case 1: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 1); break;
-        case 2: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 2); break;
-        case 3: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 3); break;
-#if ATT_UNIT > 4
-        case 4: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 4); break;
-        case 5: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 5); break;
-        case 6: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 6); break;
-        case 7: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 7); break;
-        default: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 8); break;
-#else
-        default: att_scores(qv, K, m, own, sc, D, kv_len, j->scale, 4); break;
-#endif
+        for (int l0 = 0; l0 < top; l0 += ATT_KBLOCK) {
+            for (int k = 0; k < n; k++) {
+                att_unit_t *un = &units[k];
+                if (l0 >= un->hi) continue;
+                const int l1 = un->hi - l0 < ATT_KBLOCK ? un->hi : l0 + ATT_KBLOCK, NI = un->NI;
+                const __m256i own = _mm256_loadu_si256((const __m256i *)un->own);
+#define SCORES(c) att_scores(un->qv, K, un->m, masked, own, un->sc, &un->mx, D, l0, l1, un->hi, j->scale, c)
+                ATT_CASES(SCORES)
+#undef SCORES
+            }
         }
-        memset(nz, 0, (size_t)kv_len);
-        for (int i = 0; i < NI; i++) {  // softmax weights, pair by pair
-            float *e = sc[i], mx = -INFINITY;
-            int l;
-            for (l = kv_len; l < kv8; l++) e[l] = -INFINITY;
-            for (l = 0; l < kv_len; l++) mx = e[l] > mx ? e[l] : mx;
-            __m256 sum8 = _mm256_setzero_ps();
-            if (mx == -INFINITY) {
-                for (l = 0; l < kv8; l++) e[l] = 0.f;
-            } else {
-                const __m256 vmx = _mm256_set1_ps(mx);
-                for (l = 0; l < kv8; l += 8) {
-                    __m256 x = exp_neg8(_mm256_sub_ps(_mm256_load_ps(e + l), vmx));
-                    _mm256_store_ps(e + l, x);
-                    sum8 = _mm256_add_ps(sum8, x);
+        for (int k = 0; k < n; k++) {
+            // softmax weights of each lane: exponentials (0 where the lane saw nothing), summed in 8 partial sums by
+            // slot index l % 8 and those added as hsum256 adds its lanes; the slots past hi would each have added
+            // an exact 0
+            att_unit_t *un = &units[k];
+            const int hi = un->hi;
+            const __m256 mx = un->mx, none = _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ);
+            __m256 part[8];
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < 8; r++) part[r] = zero;
+            int l = 0;
+            for (; l + 8 <= hi; l += 8) {
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < 8; r++) {
+                    float *e = un->sc + 8 * (int64_t)(l + r);
+                    const __m256 x = _mm256_andnot_ps(none, exp_neg8(_mm256_sub_ps(_mm256_load_ps(e), mx)));
+                    _mm256_store_ps(e, x);
+                    part[r] = _mm256_add_ps(part[r], x);
                 }
             }
-            const float sum = hsum256(sum8), inv = sum > 0 ? 1.0f / sum : 0.f;
-            for (l = 0; l < kv_len; l++) pr[i][l] = e[l] * inv;
-            for (l = 0; l < kv_len; l++) nz[l] |= (uint8_t)((e[l] != 0.f) << i);
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < 8; r++) {
+                if (l + r < hi) {
+                    float *e = un->sc + 8 * (int64_t)(l + r);
+                    const __m256 x = _mm256_andnot_ps(none, exp_neg8(_mm256_sub_ps(_mm256_load_ps(e), mx)));
+                    _mm256_store_ps(e, x);
+                    part[r] = _mm256_add_ps(part[r], x);
+                }
+            }
+            const __m256 t0 = _mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[1], part[5]));
+            const __m256 t1 = _mm256_add_ps(_mm256_add_ps(part[2], part[6]), _mm256_add_ps(part[3], part[7]));
+            const __m256 sum = _mm256_add_ps(t0, t1);
+            const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(sum, zero, _CMP_GT_OQ),
+                                             _mm256_div_ps(_mm256_set1_ps(1.0f), sum));
+            const int all = (1 << un->NI) - 1;
+            for (l = 0; l < hi; l++) {  // weights in place of the exponentials, and which are not 0
+                float *e = un->sc + 8 * (int64_t)l;
+                const __m256 x = _mm256_load_ps(e);
+                un->nz[l] = (uint8_t)(_mm256_movemask_ps(_mm256_cmp_ps(x, zero, _CMP_NEQ_UQ)) & all);
+                _mm256_store_ps(e, _mm256_mul_ps(x, inv));
+            }
         }
-        switch (NI) {
-        case 1: att_values(sc, pr, nz, V, ov, D, kv_len, 1); break;
-        case 2: att_values(sc, pr, nz, V, ov, D, kv_len, 2); break;
-        case 3: att_values(sc, pr, nz, V, ov, D, kv_len, 3); break;
-#if ATT_UNIT > 4
-        case 4: att_values(sc, pr, nz, V, ov, D, kv_len, 4); break;
-        case 5: att_values(sc, pr, nz, V, ov, D, kv_len, 5); break;
-        case 6: att_values(sc, pr, nz, V, ov, D, kv_len, 6); break;
-        case 7: att_values(sc, pr, nz, V, ov, D, kv_len, 7); break;
-        default: att_values(sc, pr, nz, V, ov, D, kv_len, 8); break;
-#else
-        default: att_values(sc, pr, nz, V, ov, D, kv_len, 4); break;
-#endif
+        for (int l0 = 0; l0 == 0 || l0 < top; l0 += ATT_VBLOCK) {
+            for (int k = 0; k < n; k++) {
+                att_unit_t *un = &units[k];
+                if (l0 && l0 >= un->hi) continue;  // (the first block also writes the zeros of a unit that saw nothing)
+                const int l1 = un->hi - l0 < ATT_VBLOCK ? un->hi : l0 + ATT_VBLOCK, NI = un->NI;
+#define VALUES(c) att_values(un->sc, un->nz, V, un->ov, D, l0, l1, un->hi, c)
+                ATT_CASES(VALUES)
+#undef VALUES
+            }
         }
+        u += n;
     }
     if (buf != stack) scratch_done(buf, o_sc);
 }
@@ -1747,8 +1881,8 @@ int attention(const float *q, const float *kc, const float *vc, const uint8_t *m
     const int n_units = (per_kv + ATT_UNIT - 1) / ATT_UNIT, unit = (per_kv + n_units - 1) / n_units;
     const int units = B * Hkv * ((per_kv + unit - 1) / unit);
     const int parts = units > 1 && (int64_t)items * kv_len >= 512 ? (threads < units ? threads : units) : 1;
-    attn_job_t job = {q, kc, vc, mask, slots, out, S, Hq, Hkv, Hq / Hkv, D, L, kv_len, (kv_len + 7) & ~7, per_kv, unit,
-                      units, parts, scale, 0};
+    attn_job_t job = {q, kc, vc, mask, slots, out, S, Hq, Hkv, Hq / Hkv, D, L, kv_len, per_kv, unit, units, parts,
+                      scale, 0};
     pool_run(attention_share, (void *)&job, parts);
     return atomic_load(&job.failed) ? SK_ENOMEM : SK_OK;
 }
