@@ -33,7 +33,7 @@ class TritonChannel:
 
     def __init__(self, url: str):
         import grpc  # lazy: only the front's process talks to Triton this way
-        from tritonclient.grpc import service_pb2, service_pb2_grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc  # lazy: the front alone (CLI imports this)
 
         self.url, self.pb = url, service_pb2
         # A channel that lost Triton (a restart) reconnects within RECONNECT_MS, not after gRPC's backoff of up to two
@@ -56,7 +56,7 @@ class TritonChannel:
 
     async def ready(self, model: str, timeout: float = 2.0) -> bool:
         """Triton is ready and so is `model` (the front's /health)."""
-        import grpc
+        import grpc  # lazy: the front alone (CLI imports this)
 
         md = self._metadata()
         try:
@@ -74,8 +74,8 @@ class TritonChannel:
                        **opts) -> dict:
         """pipeline.client.generate on this channel, as a coroutine: the same request, the same answer (a dict with
         text, pieces, perf outputs, latency_s, ttft_s); RequestError / RequestTimeout as it raises them."""
-        import grpc
-        from tritonclient.grpc import InferResult
+        import grpc  # lazy: the front alone (CLI imports this)
+        from tritonclient.grpc import InferResult  # lazy: the front alone (CLI imports this)
 
         reading = Reading(method, on_piece)
         inputs = make_inputs(prompt, max_tokens, method=method, stream=stream, **opts)
@@ -98,8 +98,8 @@ class TritonChannel:
         """One ModelStreamInfer call carrying `request`: its results until the final flag, (responses, complete).
         Any way out before the final response (an error, the timeout, `cancel()`, this coroutine cancelled)
         cancels the call."""
-        import grpc
-        from tritonclient.grpc import InferResult
+        import grpc  # lazy: the front alone (CLI imports this)
+        from tritonclient.grpc import InferResult  # lazy: the front alone (CLI imports this)
 
         call = self.stub.ModelStreamInfer(metadata=self._metadata())
         responses: list = []
@@ -149,7 +149,7 @@ class TritonChannel:
     async def _end(call) -> None:
         """After Triton answered the request: say no more requests come and let Triton end the stream (it cancels
         nothing), or cancel it if Triton does not within CLOSE_S."""
-        import grpc
+        import grpc  # lazy: the front alone (CLI imports this)
 
         try:
             await asyncio.wait_for(_drain(call), CLOSE_S)
@@ -158,7 +158,7 @@ class TritonChannel:
 
 
 async def _drain(call) -> None:
-    import grpc
+    import grpc  # lazy: the front alone (CLI imports this)
 
     await call.done_writing()
     while await call.read() is not grpc.aio.EOF:
