@@ -1650,14 +1650,53 @@ static inline __attribute__((always_inline)) void att_values(const float *p, con
     const int all = (1 << NI) - 1;
     for (int d0 = 0; d0 < D; d0 += 16) {
         const int dn = D - d0 < 16 ? D - d0 : 16, full = dn / 8;
+        if (dn == 16) {  // two registers a pair and nothing else live across the slots (no sums spilled to the stack)
+            __m256 a0[ATT_UNIT], a1[ATT_UNIT];
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < NI; i++) {
+                a0[i] = l0 ? _mm256_loadu_ps(o[i] + d0) : _mm256_setzero_ps();
+                a1[i] = l0 ? _mm256_loadu_ps(o[i] + d0 + 8) : _mm256_setzero_ps();
+            }
+            for (int l = l0; l < l1; l++) {
+                if (ATT_PF && d0 == 0 && l + ATT_PF < lim) att_prefetch_row(V + (int64_t)(l + ATT_PF) * D, D);
+                const int z = nz[l];
+                if (!z) continue;  // no pair sees the slot: its V row is not read
+                const float *v = V + (int64_t)l * D + d0, *pl = p + 8 * (int64_t)l;
+                const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
+                if (z == all) {  // every pair sees the slot: no test per pair
+                    _Pragma("GCC unroll 8")
+                    for (int i = 0; i < NI; i++) {
+                        const __m256 pv = _mm256_broadcast_ss(pl + i);
+                        a0[i] = _mm256_fmadd_ps(pv, x0, a0[i]);
+                        a1[i] = _mm256_fmadd_ps(pv, x1, a1[i]);
+                    }
+                } else {
+                    _Pragma("GCC unroll 8")
+                    for (int i = 0; i < NI; i++) {
+                        if (z >> i & 1) {
+                            const __m256 pv = _mm256_broadcast_ss(pl + i);
+                            a0[i] = _mm256_fmadd_ps(pv, x0, a0[i]);
+                            a1[i] = _mm256_fmadd_ps(pv, x1, a1[i]);
+                        }
+                    }
+                }
+            }
+            _Pragma("GCC unroll 8")
+            for (int i = 0; i < NI; i++) {
+                _mm256_storeu_ps(o[i] + d0, a0[i]);
+                _mm256_storeu_ps(o[i] + d0 + 8, a1[i]);
+            }
+            continue;
+        }
         __m256 acc[ATT_UNIT][2];
         float tail[ATT_UNIT][8];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
             acc[i][0] = acc[i][1] = _mm256_setzero_ps();
             for (int j = 0; j < 8; j++) tail[i][j] = 0.f;
-            if (l0) {
-                for (int j = 0; j < full; j++) acc[i][j] = _mm256_loadu_ps(o[i] + d0 + 8 * j);
+            if (l0) {  // (constant indices: acc stays in registers)
+                if (full > 0) acc[i][0] = _mm256_loadu_ps(o[i] + d0);
+                if (full > 1) acc[i][1] = _mm256_loadu_ps(o[i] + d0 + 8);
                 for (int dd = 8 * full; dd < dn; dd++) tail[i][dd - 8 * full] = o[i][d0 + dd];
             }
         }
@@ -1697,7 +1736,8 @@ static inline __attribute__((always_inline)) void att_values(const float *p, con
         }
         _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
-            for (int j = 0; j < full; j++) _mm256_storeu_ps(o[i] + d0 + 8 * j, acc[i][j]);
+            if (full > 0) _mm256_storeu_ps(o[i] + d0, acc[i][0]);
+            if (full > 1) _mm256_storeu_ps(o[i] + d0 + 8, acc[i][1]);
             for (int dd = 8 * full; dd < dn; dd++) o[i][d0 + dd] = tail[i][dd - 8 * full];
         }
     }
