@@ -1,6 +1,7 @@
 """A draft model behind a lookup (hybrid) prefills a long prompt only once the lookup keeps failing (DEFER_MIN,
 DEFER_RATE in pipeline.runtime.speculative): it never runs while the lookup drafts or the plain-step allowance lasts,
-runs at once on a short prompt, and the answer is baseline's token for token either way."""
+runs in the first round that drafts on a short prompt, never in a batch the load policy keeps on plain steps, and
+the answer is baseline's token for token either way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 
 from pipeline.runtime.decode import decode
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.speculative import DEFER_MIN, DEFER_RATE
+from pipeline.runtime.loadpolicy import DraftPolicy
+from pipeline.runtime.speculative import DEFER_MIN, DEFER_RATE, draft_target
+from tests.test_loadpolicy import _memory_bound
 from tests.test_speculative import prompts, tiny
 from tests.test_suffix import bundle
 
@@ -78,3 +81,17 @@ def test_deferral_leaves_rows_batched_together_exact(pair):
     b = bundle(t, d, suffix_store_bytes=0, suffix_min_match=64)
     got = decode(b, "hybrid", [Request(long_p, 30), Request(short_p, 30)])
     assert [r.tokens for r in got] == want
+
+
+def test_a_batch_the_load_policy_keeps_on_plain_steps_never_prefills_the_draft(pair):
+    t, d = pair
+    never = DraftPolicy(_memory_bound(3), 3, [0.0, 0.0, 0.0])  # drafting never pays: every round a plain step
+    reqs = [Request(p, 12) for p in prompts(2, 48, seed=16, lo=20, hi=40)]
+    want = [r.tokens for r in generate(t, reqs)]
+    seen, hook = _fed(d)
+    try:
+        got = draft_target(t, d, [Request(p, 12) for p in prompts(2, 48, seed=16, lo=20, hi=40)], 3, policy=never)
+    finally:
+        hook.remove()
+    assert [r.tokens for r in got] == want
+    assert seen == []  # the draft's prefill waits for a round that drafts, and none came

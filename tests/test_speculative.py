@@ -179,8 +179,8 @@ def test_draft_confidence_stops_a_row_at_its_first_doubtful_token(target):
 
 
 def test_draft_cache_catches_up_after_lookup_rounds(target):
-    """Rounds served by lookup skip the draft model; its next round feeds what it missed, so its cache then
-    holds exactly what a fresh prefill of the whole context would."""
+    """Rounds served by lookup skip the draft model (its prompt too, until then); its next round feeds what it
+    missed, so its cache then holds exactly what a fresh prefill of the whole context would."""
     from pipeline.runtime.generate import prefill
     from pipeline.runtime.speculative import _LookupDrafter, _ModelDrafter
 
@@ -192,7 +192,7 @@ def test_draft_cache_catches_up_after_lookup_rounds(target):
     ctx = [prompts_[0] + [7], prompts_[1] + [3]]
     drafts, _, limit = d.propose(ctx, torch.tensor([6, 5]), gens)  # both rows end in a repeated n-gram
     assert limit == [4, 3] and drafts.tolist() == [[8, 5, 6, 7], [9, 4, 3, 0]]
-    assert d.fed == [6, 5]  # the draft model did not run
+    assert d.fed == [0, 0]  # the draft model did not run: its prefill waits for the first round that drafts
     ctx[0] += [8, 5, 6, 7, 13]
     ctx[1] += [9, 14]
     _, _, limit = d.propose(ctx, torch.tensor([11, 7]), gens)
