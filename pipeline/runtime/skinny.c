@@ -1770,9 +1770,9 @@ static inline __attribute__((always_inline)) void att_values(const float *p, con
 // the others. A unit alone had streamed its kv head's K and V once for its 8 pairs: a 2,048-query chunk of the 1.5B
 // (1,536 units a kv head) read 2 x 2 MB 1,536 times a layer at 4k slots, and at 16k slots (16 MB a kv head, past
 // L3 for the two) from memory. But a tile's buffers (36 bytes a slot a unit) leave L2 for L3: at 4k slots, where the
-// two kv heads' K and V (8 MB) stay in L3, tiles of 4 were 0.8x as fast as units alone, at 16k 1.05x (S 2048, 2-core
-// Zen 4 under other jobs, experiments/attention_long.py, before the values' sums stayed in registers), so units
-// tile only past ATT_TILE_FROM slots.
+// two kv heads' K and V (8 MB) stay in L3, tiles of 4 were 0.98x as fast as units alone, at 16k 1.15x (S 2048, 2-core
+// Zen 4 under other jobs, experiments/attention_long.py --define ATT_TILE=1), so units tile only past ATT_TILE_FROM
+// slots.
 #ifndef ATT_TILE
 #define ATT_TILE 4
 #endif
