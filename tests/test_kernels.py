@@ -258,6 +258,52 @@ def test_a_causal_chunk_scores_no_slot_past_its_queries_and_keeps_their_bits(thr
             assert torch.equal(alone[0, 0], together[0, s]), (n, s)
 
 
+# A tree of 10 nodes after the prefix (node i at slot n + i, parents first): siblings at depths 1 to 3, so most
+# nodes sit at a slot past their position, and one path 0-1-4-7-9 five deep.
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]
+
+
+@pytest.mark.parametrize("shape", [(6, 2, 64), (12, 2, 128), (9, 3, 128), (6, 1, 64), (6, 2, 36)])
+def test_a_tree_node_attends_as_the_chain_of_its_ancestors_wherever_its_slot_lies(threads, shape):
+    """Under a tree mask node i sits at slot n + i and sees the prefix [0, n) and its ancestors' slots (a sibling's
+    slot between them hidden); the same query decoded as the chain of its ancestors sits at slot n + depth and sees
+    [0, n + depth]. Same scores, same K/V rows in the same order, so the bits must be the same: the exponentials are
+    summed by rank among the slots a pair sees, not by slot index (issue 53: by slot index the last exponential fell
+    in another lane, a rounding a Q4_1 target amplified to flipped tokens). GQA groups 3 and 6, D 64, 128 and 36
+    (tail), prefixes putting the nodes at every lane, every build this CPU runs, 1 and 2 threads."""
+    Hq, Hkv, D = shape
+    T = len(TREE_PARENTS)
+    chains = []
+    for i in range(T):
+        path, u = [], i
+        while u >= 0:
+            path.append(u)
+            u = TREE_PARENTS[u]
+        chains.append(path[::-1])
+    for n in (5, 38, 300):
+        g = torch.Generator().manual_seed(n + sum(shape))
+        q = torch.randn(1, T, Hq, D, generator=g) * 2
+        kc, vc = (torch.randn(1, Hkv, n + T + 4, D, generator=g) for _ in range(2))
+        mask = torch.zeros(1, T, n + T, dtype=torch.uint8)
+        mask[:, :, :n] = 1
+        for i, c in enumerate(chains):
+            mask[0, i, [n + a for a in c]] = 1
+        for isa in kernels.supported_isas():
+            prev = kernels.set_path(isa)
+            try:
+                for th in (1, 2):
+                    kernels.configure_threads(th)
+                    tree = kernels.attention(q, kc, vc, mask, n + T)
+                    for i, c in enumerate(chains):
+                        rows = list(range(n)) + [n + a for a in c]
+                        ck, cv = kc[:, :, rows].contiguous(), vc[:, :, rows].contiguous()
+                        at = torch.tensor([[len(rows) - 1]])
+                        chain = kernels.attention(q[:, i:i + 1].contiguous(), ck, cv, None, len(rows), slots=at)
+                        assert torch.equal(chain[0, 0], tree[0, i]), (isa, th, n, i)
+            finally:
+                kernels.set_path(prev)
+
+
 @pytest.mark.skipif("avx512" not in kernels.supported_isas(), reason="CPU without AVX-512")
 @pytest.mark.parametrize("kind", ALL_KINDS)
 def test_avx512_and_avx2_builds_agree_bit_for_bit(kind):

@@ -371,8 +371,8 @@ def test_greedy_tree_acceptance_and_counters_equal_a_replay(target, tree):
 @pytest.mark.slow
 def test_compaction_leaves_the_cache_as_prefill_would_for_every_path_length(target):
     """After some steps the handed-off cache must hold, slot for slot, the K/V a plain prefill of the committed
-    context writes: an accepted path of any length is moved into contiguous slots (a skipped or wrong move
-    leaves a rejected node's K/V where the next steps attend)."""
+    context writes, bit for bit: an accepted path of any length is moved into contiguous slots (a skipped or wrong
+    move leaves a rejected node's K/V where the next steps attend), and a node's K/V are its chain's (issue 53)."""
     from pipeline.runtime.generate import Handoff, prefill
 
     reqs, _, seqs, heads = _oracle_case(target, [1, 2, 7], [40] * 3)
@@ -392,6 +392,75 @@ def test_compaction_leaves_the_cache_as_prefill_would_for_every_path_length(targ
                 ref = target.model.new_cache(1, h.cache.length)
                 prefill(target.model, ref, [ctx])
                 n = h.cur
-                assert torch.allclose(h.cache.k[:, h.row, :, :n], ref.k[:, 0, :, :n], atol=1e-4)
-                assert torch.allclose(h.cache.v[:, h.row, :, :n], ref.v[:, 0, :, :n], atol=1e-4)
+                assert torch.equal(h.cache.k[:, h.row, :, :n], ref.k[:, 0, :, :n])
+                assert torch.equal(h.cache.v[:, h.row, :, :n], ref.v[:, 0, :, :n])
     assert depths == {0, 1, 2, 3}  # every accepted path length was compacted and checked
+
+
+# ---- a tree forward against the chains of its nodes ----
+
+def _gqa_model(Hq: int, Hkv: int, D: int, kind: str) -> Transformer:
+    """A 2-layer random model with Hq query heads on Hkv kv heads of D columns; int4_a8 quantizes its activations
+    to int8 as a GGUF target's kernels do (the rounding that turned issue 53's 5e-6 into flipped tokens)."""
+    from pipeline.runtime import quant
+    from pipeline.runtime.model import build_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=Hq,
+                      num_kv_heads=Hkv, head_dim=D, max_position_embeddings=128)
+    g = torch.Generator().manual_seed(Hq + D)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    st = {k: torch.rand(s, generator=g) + 0.5 if "norm" in k else torch.randn(s, generator=g) * 0.2
+          for k, s in shapes.items()}
+    model = build_model(cfg, st, torch.float32, "cpu")
+    return quant.quantize_model(model, "int4_a8", 32) if kind == "int4_a8" else model
+
+
+@pytest.mark.parametrize("kind", ["float32", "int4_a8"])
+@pytest.mark.parametrize("shape", [(6, 2, 64), (12, 2, 128)])
+def test_a_tree_forward_gives_every_node_the_bits_of_its_ancestors_chain(kind, shape):
+    """Tree verification writes node i at slot L + i but RoPE position L + depth, siblings between a node and its
+    parent hidden by the mask; every node's hidden state and the K/V it writes in every layer must equal, bit for
+    bit, those of a plain forward of its ancestors' chain after the same context (so greedy medusa is the baseline
+    whatever the weights' rounding: issue 53). Two rows of different lengths, the 'mc' tree (siblings at every
+    depth), GQA groups 3 and 6, D 64 and 128, float and W4A8 weights, every kernel build this CPU runs."""
+    from pipeline.runtime import kernels
+    from pipeline.runtime.medusa import tree_inputs
+    from pipeline.tree import build_tree
+
+    if not kernels.available():
+        pytest.skip("no C kernels: the torch path has no tree of its own to check")
+    model = _gqa_model(*shape, kind)
+    tree = build_tree(TREES["mc"])
+    g = torch.Generator().manual_seed(1)
+    L = torch.tensor([13, 30])
+    ctx = torch.randint(0, 64, (2, 30), generator=g)
+    roots = torch.randint(0, 64, (2,), generator=g)
+    cand = torch.randint(0, 64, (2, 3, 3), generator=g)
+    tokens, pos, slots, mask, kv_len = tree_inputs(tree, roots, cand, L)
+    for isa in kernels.supported_isas():
+        prev = kernels.set_path(isa)
+        try:
+            with torch.inference_mode():
+                cache = model.new_cache(2, 48)
+                for b in range(2):  # each row's context in its own cache row
+                    n = int(L[b])
+                    model(ctx[b:b + 1, :n], torch.arange(n)[None], cache.rows(b, b + 1))
+                h = model(tokens, pos, cache, slots=slots, mask=mask, kv_len=kv_len)
+                for b in range(2):
+                    n = int(L[b])
+                    for i in range(tree.size):
+                        path, u = [], i
+                        while u >= 0:
+                            path.append(u)
+                            u = int(tree.parent[u])
+                        path = path[::-1]
+                        seq = torch.cat([ctx[b, :n], tokens[b, path]])[None]
+                        one = model.new_cache(1, 48)
+                        ref = model(seq, torch.arange(seq.shape[1])[None], one)
+                        assert torch.equal(h[b, i], ref[0, -1]), (isa, b, i)
+                        at = n + len(path) - 1
+                        assert torch.equal(cache.k[:, b, :, n + i], one.k[:, 0, :, at]), (isa, b, i)
+                        assert torch.equal(cache.v[:, b, :, n + i], one.v[:, 0, :, at]), (isa, b, i)
+        finally:
+            kernels.set_path(prev)

@@ -1526,6 +1526,13 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
 // One query's result never depends on the other queries, on the thread
 // that computes it, nor on masked slots past its own (kv_len padding): the exponentials are summed in 8 lanes by
 // slot index (l % 8) and a masked slot adds an exact 0, and V rows of masked slots are never read.
+// Nor, under a mask, on where its visible slots lie: there the k-th slot a pair sees goes to lane k % 8 (its rank,
+// att_rank_sum), so a tree node at slot n + 2 that sees [0, n] and n + 2 (its sibling at n + 1 hidden) sums as the
+// same token decoded in a chain at slot n + 1 does; by slot index its last exponential had landed in another lane, a
+// different rounding (5e-6 on a float model) that the int8 activations of a GGUF Q4_1 target amplified to flipped
+// tokens (issue 53: medusa 1/8 prompts like baseline). Without a mask and with masks contiguous from slot 0
+// (padding) rank and slot index are the same, so those bits did not change; scores and values depend on a slot's
+// K and V rows and the slot order only.
 // Written with 8-lane AVX2 only, so both builds run the same instructions.
 // The work comes in units of up to ATT_UNIT (query, head) pairs that read the same kv head, so each K and V row is
 // loaded once for all of them: one pair at a time, every pair re-read its kv head's K and V from L2 (2 x 105 KB for
@@ -1780,6 +1787,16 @@ static inline __attribute__((always_inline)) void att_values(const float *p, con
 #define ATT_TILE_FROM 8192
 #endif
 #define ATT_KBLOCK 128
+// One pair's exponentials e[8 l] over slots [0, hi), in 8 partial sums by rank among the slots it sees (m[l] != 0:
+// the k-th in sum k % 8), those added as hsum256 adds its lanes: the sum the unmasked path makes by slot index l % 8
+// when the seen slots are [0, hi) (an unseen slot's exponential is an exact 0, so skipping it changes no sum).
+static float att_rank_sum(const float *e, const uint8_t *m, int hi) {
+    float p[8] = {0};
+    for (int l = 0, k = 0; l < hi; l++)
+        if (m[l]) p[k++ & 7] += e[8 * (int64_t)l];
+    return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+}
+
 typedef struct {
     const float *qv[ATT_UNIT];
     float *ov[ATT_UNIT];
@@ -1858,8 +1875,8 @@ static void attention_share(void *ctx, int share) {
         }
         for (int k = 0; k < n; k++) {
             // softmax weights of each lane: exponentials (0 where the lane saw nothing), summed in 8 partial sums by
-            // slot index l % 8 and those added as hsum256 adds its lanes; the slots past hi would each have added
-            // an exact 0
+            // slot index l % 8 and those added as hsum256 adds its lanes (under a mask by rank instead: the slot-index
+            // sums are dropped for att_rank_sum's); the slots past hi would each have added an exact 0
             att_unit_t *un = &units[k];
             const int hi = un->hi;
             const __m256 mx = un->mx, none = _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ);
@@ -1887,7 +1904,12 @@ static void attention_share(void *ctx, int share) {
             }
             const __m256 t0 = _mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[1], part[5]));
             const __m256 t1 = _mm256_add_ps(_mm256_add_ps(part[2], part[6]), _mm256_add_ps(part[3], part[7]));
-            const __m256 sum = _mm256_add_ps(t0, t1);
+            __m256 sum = _mm256_add_ps(t0, t1);
+            if (masked) {
+                float r8[8] __attribute__((aligned(32))) = {0};  // lanes NI..7 saw nothing: 0, as by slot index
+                for (int i = 0; i < un->NI; i++) r8[i] = att_rank_sum(un->sc + i, un->m[i], hi);
+                sum = _mm256_load_ps(r8);
+            }
             const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(sum, zero, _CMP_GT_OQ),
                                              _mm256_div_ps(_mm256_set1_ps(1.0f), sum));
             const int all = (1 << un->NI) - 1;
