@@ -62,7 +62,7 @@ DRAFT_HEAD_FILE = "draft_head.safetensors"
 # uncached prompt has at least DEFER_MIN tokens takes plain steps in the rounds the lookup finds nothing, for one such
 # round per DEFER_RATE uncached tokens (the draft's prefill costs about 2 ms a token here, and the draft model saves
 # about half of a 35 ms target step per token it drafts), then prefills and drafts as usual; shorter prompts prefill
-# at once. Speed only: the drafts never change the output.
+# in the first round that drafts (as every row does without a lookup). Speed only: drafts never change the output.
 DEFER_MIN, DEFER_RATE = 256, 8
 CATCH_UP_CHUNK = 64  # a row further behind than this is caught up by a chunked prefill before the padded forward
 
@@ -273,8 +273,7 @@ class _ModelDrafter:  # a Drafter
         if any(self.wait):
             idle = [b for b in range(B) if not found[b] and self.wait[b]]  # deferred rows the lookup left
             if any(not found[b] and not self.wait[b] for b in range(B)):
-                for b in idle:  # the model runs this round anyway: they join it (caught up first)
-                    self.wait[b] = 0
+                self.wait = [0] * B  # the model runs this round anyway: every row is caught up and drafts with it
             else:
                 for b in idle:
                     self.wait[b] -= 1
