@@ -1,6 +1,8 @@
-"""hybrid with the draft model's prefill deferred on long prompts (speculative.DEFER_MIN) against the same with it
-eager, on the edit set's cases, in-process: time after the first token (where the draft's prefill lands), rounds and
-the draft model's forwards. Greedy output is the same for both (asserted).
+"""hybrid with the draft model's prefill deferred on long prompts (speculative.DEFER_MIN) against the same with no
+allowance ("eager"), on the edit set's cases, in-process: time after the first token (where the draft's prefill
+lands), rounds and the draft model's forwards. Greedy output is the same for both (asserted). Since 13c04b5 "eager"
+prefills in the first round the suffix drafter finds nothing; docs/speculation-config.md's 0.66x was measured at
+bd10900, where it prefilled before the first round.
 
     PYTHONPATH=. .venv/bin/python experiments/deferred_draft.py build/qwen_coder.yaml --cases 4 --new 192 \
         [--engines /tmp/ma2/engines/qwen_coder]
