@@ -49,6 +49,7 @@ class _Row:
     stats: dict | None = None  # a row adopted from a speculative loop: its statistics so far
     base: int = 0  # tokens it had when adopted
     draft: tuple | None = None  # the draft model's cache state, kept for resuming (Handoff.draft)
+    exact_kv: bool = True  # its K/V may enter the prompt cache when it finishes (Handoff.exact_kv)
 
 
 @dataclass
@@ -144,7 +145,7 @@ class ContinuousBatch:
             i = max(range(len(self.rows)), key=lambda j: self.rows[j].start)
             r = self.rows[i]
             ctx = (r.seq.req.prompt + r.seq.tokens)[:r.cur]
-            if r.seq.req.cache_prompt:
+            if r.seq.req.cache_prompt and r.exact_kv:
                 keep_rows(self.prompt_cache, "target", [ctx], self.cache.rows(i, i + 1), held=[r.cur])
             self._drop(i)
             cache = self.model.new_cache(1, (len(ctx) + 2 + 63) // 64 * 64)
@@ -178,7 +179,7 @@ class ContinuousBatch:
     def _keep(self, r: _Row, i: int) -> None:
         """A row that finished normally: its prompt + answer (the K/V it holds) into the prompt cache."""
         pc = self.prompt_cache
-        if pc is None or not pc.budget or not r.seq.req.cache_prompt:
+        if pc is None or not pc.budget or not r.seq.req.cache_prompt or not r.exact_kv:
             return
         full = r.seq.req.prompt + r.seq.tokens
         keep_rows(pc, "target", [full], self.cache.rows(i, i + 1), held=[r.cur])
@@ -311,7 +312,8 @@ class ContinuousBatch:
         self._ensure(max(h.cur for h in handoffs) + 2, len(self.rows) + len(handoffs))
         for h, tag in zip(handoffs, tags, strict=True):
             self.cache.copy_row(len(self.rows), h.cache, h.row, h.cur)
-            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft))
+            self.rows.append(_Row(tag, h.seq, h.gen, h.cur, h.token, h.start, h.stats, len(h.seq.tokens), h.draft,
+                                  h.exact_kv))
 
     @torch.inference_mode()
     def release(self, take: Callable[[Any], bool]) -> list[tuple[Any, Handoff]]:
@@ -325,7 +327,8 @@ class ContinuousBatch:
         for j, i in enumerate(picked):
             r = self.rows[i]
             cache.copy_row(j, self.cache, i, r.cur)
-            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start, r.draft)))
+            out.append((r.tag, Handoff(r.seq, r.gen, cache, j, r.cur, r.token, self._stats(r), r.start, r.draft,
+                                       r.exact_kv)))
         for i in sorted(picked, reverse=True):
             self._drop(i)
         self._shrink_if_idle()

@@ -112,6 +112,7 @@ class Handoff:
     stats: dict
     start: float
     draft: tuple[KVCache, int, int] | None = None
+    exact_kv: bool = True  # its K/V are what a prefill would write (not Medusa's tree-mask verification): cacheable
 
 
 def finish_or_hand_off(seqs: list[Sequence], start: float | list[float], stats: list[dict],

@@ -352,8 +352,7 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     When `yield_to()` turns true between steps, unfinished rows come back as Handoffs for plain decoding;
     `resume` (Handoffs, with `reqs` their requests) continues such rows with Medusa, and `on_finish(b, result)`
     hears of each row as it finishes. `prompt_cache`: prompts start from their cached prefix and are kept; answers
-    are not kept by this loop (rows handed to the continuous batch are, when they finish there: a tree node's K/V,
-    compacted, are the bits a prefill writes, as tests/test_medusa.py pins).
+    are not (tree verification's K/V are not the bits a prefill writes: pipeline/runtime/prompt_cache.py).
     """
     clock = _Clock(timings)
     start: float | list[float] = time.perf_counter()
@@ -396,7 +395,11 @@ def medusa_generate(target: Transformer, medusa: MedusaEngine, reqs: list[Reques
     report_finished(seqs, reported, start, lambda b: stats[b], on_finish)
     while not all(s.done for s in seqs):
         if yield_to is not None and yield_to():
-            return finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
+            out = finish_or_hand_off(seqs, start, stats, gens, cache, L.tolist(), roots.tolist())
+            for h in out:
+                if isinstance(h, Handoff):
+                    h.exact_kv = False  # tree verification's K/V: never into the prompt cache
+            return out
         clock("other")
         cand = heads.topk(hidden, target, K)
         clock("heads")
