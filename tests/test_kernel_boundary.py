@@ -209,6 +209,42 @@ def test_hot_calls_reuse_their_scratch_buffers(build):
     kernels.configure_threads(0)
 
 
+def test_a_long_prefill_takes_its_large_buffers_once_a_call_not_once_a_layer():
+    """A prefill chunk's buffers past the kept slot size (8 MB; the 1.5B's gate/up output at 2,048 tokens is 147 MB)
+    are taken once per decoder_layers call and shared by its layers, then given back: mapping and zeroing them layer
+    by layer had been an eighth of a cold prefill. Four layers allocate what one does; the next call allocates again
+    (the slots were trimmed), and the output is the same as four decoder_layer calls."""
+    allocs = ctypes.c_longlong.in_dll(kernels._load(), "skinny_scratch_allocs")
+    H, F, hq, hkv, D, T = 16, 1024, 2, 1, 8, 1100  # the gate/up output: 1100 x 2048 floats, 9 MB
+    g = torch.Generator().manual_seed(0)
+    ws = [[torch.randn(n, k, generator=g) * 0.1 for n, k in (((hq + 2 * hkv) * D, H), (H, hq * D), (2 * F, H), (H, F))]
+          for _ in range(4)]
+    plans = [kernels.layer_plan(*w, None, torch.ones(H), torch.ones(H), 1e-6, hq, hkv, D) for w in ws]
+    arr = kernels.plan_array(plans)
+    pos = torch.arange(T)[None]
+    ang = torch.outer(torch.arange(T).float(), 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x0 = torch.randn(1, T, H, generator=g)
+
+    def run(n: int) -> tuple[int, torch.Tensor]:
+        k, v = torch.zeros(4, 1, hkv, T, D), torch.zeros(4, 1, hkv, T, D)
+        x = x0.clone()
+        before = allocs.value
+        kernels.decoder_layers(arr, n, x, pos, pos, cos, sin, k, v, None, T)
+        return allocs.value - before, x
+
+    run(1)  # the slots under 8 MB grow once per thread
+    one, _ = run(1)
+    four, x4 = run(4)
+    again, _ = run(4)
+    assert one > 0 and four == one and again == one, (one, four, again)
+    k, v = torch.zeros(4, 1, hkv, T, D), torch.zeros(4, 1, hkv, T, D)
+    x = x0.clone()
+    for i, plan in enumerate(plans):
+        kernels.decoder_layer(plan, x, pos, pos, cos, sin, k[i], v[i], None, T)
+    assert torch.equal(x, x4)
+
+
 def test_a_failed_scratch_allocation_raises_memory_error_and_the_process_goes_on():
     """Under an address-space limit too small for the scratch of a large prefill, fused_linear raises MemoryError
     (skinny.c checks its allocations) instead of writing through NULL, and the next small call works."""
