@@ -696,6 +696,13 @@ def _draft_line(d: dict) -> str:
             + (f"; a draft step costs {frac:.3f} of a target step" if frac else "") + ".")
 
 
+def curve_latency(by: dict, c: int, methods: list[str], what: str) -> str:
+    """The curve table's latency cell at concurrency c: each method's `what` ('ttft' or 'itl') p50/p99 in ms, as
+    `_burst` and peer_curve.burst write them (`ttft_ms_p50`, ...)."""
+    return ", ".join(f"{m} {e[f'{what}_ms_p50']:.0f}/{e[f'{what}_ms_p99']:.0f}" for m in methods
+                     if (e := by.get((c, m))) and f"{what}_ms_p50" in e)
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
              "", r["acceptance_definition"], "",
@@ -745,13 +752,9 @@ def markdown(r: dict) -> str:
         tps = (by.get((c, m)) or {}).get("tokens_per_s")
         return f"{tps:.1f}" if tps is not None else "n/a"
 
-    def lat(c: int, what: str) -> str:
-        return ", ".join(f"{m} {e[what + '_p50']:.0f}/{e[what + '_p99']:.0f}" for m in ms + peer
-                         if (e := by.get((c, m))) and what + "_p50" in e)
-
     for c in levels:
-        lines.append(f"| {c} | " + " | ".join(cell(c, m) for m in ms + peer) + f" | {lat(c, 'ttft')} | "
-                     f"{lat(c, 'itl')} |")
+        lines.append(f"| {c} | " + " | ".join(cell(c, m) for m in ms + peer) + " | "
+                     f"{curve_latency(by, c, ms + peer, 'ttft')} | {curve_latency(by, c, ms + peer, 'itl')} |")
     if r.get("vs_llama_server_at_concurrency"):
         lines += ["", "Ours over `llama-server -np N` at the same concurrency, same run: " + "; ".join(
             f"{m} " + ", ".join(f"{c}: {x:.2f}x" for c, x in v.items())

@@ -228,3 +228,17 @@ def test_transformers_peers_run_a_quarter_of_the_prompts_and_at_most_32_tokens_e
     assert peer_budget(16, 128) == (4, 32)
     assert peer_budget(1, 8) == (1, 8)  # never more prompts than ran, nor more tokens than asked
     assert peer_budget(5, 16) == (2, 16)
+
+
+def test_the_curve_tables_latency_cells_show_what_the_bursts_measured():
+    """validate.md's curve rows give each method's time to first token and inter-token latency p50/p99 from the keys
+    the bursts write (the cells had looked for other keys and stayed empty in every run)."""
+    from pipeline.validate import curve_latency
+
+    by = {(4, "hybrid"): {"tokens_per_s": 45.0, "ttft_ms_p50": 516.2, "ttft_ms_p99": 1353.0, "itl_ms_p50": 64.0,
+                          "itl_ms_p99": 486.4},
+          (4, "llama-server"): {"tokens_per_s": 21.2, "ttft_ms_p50": 3103.0, "ttft_ms_p99": 3104.0,
+                                "itl_ms_p50": 91.0, "itl_ms_p99": 91.0}}
+    assert curve_latency(by, 4, ["hybrid", "llama-server"], "ttft") == "hybrid 516/1353, llama-server 3103/3104"
+    assert curve_latency(by, 4, ["hybrid", "baseline"], "itl") == "hybrid 64/486"
+    assert curve_latency(by, 2, ["hybrid"], "itl") == ""
