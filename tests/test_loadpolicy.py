@@ -8,7 +8,7 @@ import pytest
 from pipeline import spec as specmod
 from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.loadpolicy import MIN_GAIN, Costs, DraftPolicy, choose, policy_from, row_rates
+from pipeline.runtime.loadpolicy import MIN_GAIN, Costs, DraftPolicy, choose, plain_from, policy_from, row_rates
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 from pipeline.runtime.speculative import draft_target, prompt_lookup
 from tests.test_speculative import prompts, tiny
@@ -174,3 +174,12 @@ def test_draft_length_is_load_or_fixed_in_the_spec_and_the_config():
         SpecDecodeConfig(max_draft_len=4, draft_length="often")
     cfg = SpecDecodeConfig(max_draft_len=4, draft_length="fixed")
     assert SpecDecodeConfig.from_params(lambda k, d: cfg.to_params().get(k, d), 4).draft_length == "fixed"
+
+
+def test_plain_from_is_the_fewest_rows_at_which_the_prior_drafts_nothing():
+    c = _memory_bound()
+    pol = DraftPolicy(c, 8, GOOD)
+    at = plain_from(pol, 32)
+    assert at is not None and max(choose([GOOD] * at, [1 << 30] * at, 8, c)[0]) == 0
+    assert all(max(choose([GOOD] * b, [1 << 30] * b, 8, c)[0]) > 0 for b in range(1, at))
+    assert plain_from(pol, at - 1) is None and plain_from(None, 16) is None

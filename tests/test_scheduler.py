@@ -480,3 +480,35 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_stream_and_can_be_cancell
         assert sched.bundle.prompt_cache.cached("target", ids + [1]) < len(ids) // 2
     finally:
         sched.use_prompt_cache(None)
+
+
+def test_requests_go_plain_from_the_rows_where_the_load_policy_would_draft_nothing(bundle, parser):
+    """With `draft_length: load`, a speculative batch at a load where the policy drafts nothing would only step
+    plainly, without the continuous batch's admitting and retiring at every step: the scheduler gives such requests
+    to the continuous batch instead (`Scheduler.off`), whatever disable_at_batch says, and their answers are the
+    solo runs'. One row here drafts (a verify of several tokens costs what one does), two do not (it costs n times
+    as much). Prompt lookup: the tiny deployment's adaptive method (no draft model; its prior is the generic one)."""
+    import copy
+    import dataclasses
+
+    b = copy.copy(bundle)
+    b.use(dataclasses.replace(bundle.spec, draft_length="load"))
+    b.draft_config = {**(bundle.draft_config or {}), "speculation": {
+        "costs_by_rows": {"1": {"c_draft": 0.001, "c_verify": [0.010] * 9},
+                          "2": {"c_draft": 0.001, "c_verify": [0.020 * n for n in range(1, 10)]}},
+        "table": [{"k": i + 1, "accept_pos": p} for i, p in enumerate([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])]}}
+    sched = Scheduler(b, 4)
+    assert not sched.off("prompt_lookup", 1, 0)
+    assert sched.off("prompt_lookup", 2, 0) and sched.off("prompt_lookup", 2, None)
+    assert not sched.off("baseline", 4, 0)
+    fixed = copy.copy(b)
+    fixed.use(dataclasses.replace(bundle.spec, draft_length="fixed"))
+    assert not Scheduler(fixed, 4).off("prompt_lookup", 4, 0)
+
+    solo = [_solo(bundle, parser, p, 12) for p in PROMPTS[:2]]
+    fakes = [Fake(), Fake()]
+    for i in range(2):
+        sched.submit(_parse(parser, PROMPTS[i], 12, method="prompt_lookup", return_perf_metrics=True), fakes[i])
+    _drain(sched, fakes)
+    assert [f.final[0] for f in fakes] == solo
+    assert all(f.results[0].speculation_off or f.results[0].draft_proposed == 0 for f in fakes)

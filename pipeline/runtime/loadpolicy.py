@@ -139,6 +139,21 @@ class DraftPolicy:
         return ks
 
 
+def plain_from(policy: DraftPolicy | None, max_rows: int) -> int | None:
+    """The fewest rows (up to `max_rows`) at which the policy, from its prior alone, drafts nothing: from there a
+    speculative batch would only take plain steps, so the scheduler gives such requests to the continuous batch,
+    which admits and retires rows at every step (a speculative batch does not). None: it drafts at every row count
+    up to `max_rows`."""
+    if policy is None:
+        return None
+    rates = row_rates(policy.prior, [], [], policy.k_max)
+    for b in range(1, max_rows + 1):
+        ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs)
+        if max(ks, default=0) == 0:
+            return b
+    return None
+
+
 def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) -> DraftPolicy | None:
     """The policy from the draft engine's stored `speculation` block (pick-k's costs and acceptance); None when
     pick-k stored no costs (the fixed k then runs every round, as before). `model_draft=False` (a model-free drafter:
