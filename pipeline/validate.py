@@ -28,7 +28,7 @@ from pipeline.triton import openai_api, server
 from pipeline.validate_api import run_validate_api, served
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
-# New tokens per request in the concurrency curve; at 64 its 32-request bursts of forced-on speculation took
+# New tokens per request in the concurrency curve; at 64 its 32-request levels of forced-on speculation took
 # half the curve and pushed the main job past its 30-minute budget.
 CURVE_TOKENS = 32
 PEER_TOKENS = 32  # transformers' tokens per prompt in validate (bench runs the full length)
@@ -477,10 +477,12 @@ def suspicious(report: dict, bundle) -> list[str]:
 
 
 def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
-    """c streamed requests at once: aggregate tokens/s, latency p50, time to first token and inter-token latency
-    (the gaps between a stream's pieces after its first, all streams pooled; a speculative piece holds the tokens of
-    a round) p50/p99."""
-    gaps: list[list[float]] = [[] for _ in range(c)]
+    """c streamed clients, each sending its next request when the last is answered, until
+    `peer_curve.curve_requests` requests (prompt i % len(texts)) are answered: aggregate tokens/s over the wall time,
+    latency p50, time to first token and inter-token latency (the gaps between a stream's pieces after its first, all
+    streams pooled; a speculative piece holds the tokens of a round) p50/p99."""
+    n = peer_curve.curve_requests(c, len(texts))
+    gaps: list[list[float]] = [[] for _ in range(n)]
 
     def one(i: int) -> dict:
         last = [0.0]
@@ -494,8 +496,8 @@ def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
         return _request(url, texts[i % len(texts)], new, method, on_piece=piece)
 
     t = time.perf_counter()
-    with ThreadPoolExecutor(c) as ex:
-        rs = list(ex.map(one, range(c)))
+    with ThreadPoolExecutor(c) as ex:  # c workers over n requests: c in flight, the next sent as one is answered
+        rs = list(ex.map(one, range(n)))
     wall = time.perf_counter() - t
     itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
     return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,

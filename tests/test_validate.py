@@ -54,13 +54,13 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     ran = MIN_BUDGET_PROMPTS
     # llama-server (a stand-in: it cannot be built in the tests) decoded each prompt plainly right after ours: its
     # warm-up, then prompt i between our prompt i and i + 1; after the pass only the concurrency curve's servers
-    # (llama-server -np N per level: a warm-up request, then N at once)
+    # (llama-server -np N per level: a warm-up request, then N clients over every prompt: peer_curve.curve_requests)
     warm, *prompts = spec_prompts(s, s.validate.max_prompts + 1)
     reqs = stand_in_server()
     assert [r["prompt"] for r in reqs[:ran + 1]] == [warm, *prompts[:ran]]
     levels = s.validate.concurrency
     curve = reqs[ran + 1:]
-    assert len(curve) == sum(1 + c for c in levels) and len({r["port"] for r in curve}) == len(levels)
+    assert len(curve) == sum(1 + max(c, ran) for c in levels) and len({r["port"] for r in curve}) == len(levels)
     peer = [e for e in report["batch_curve"] if e["method"] == "llama-server"]
     assert [e["concurrency"] for e in peer] == levels and all(e["itl_ms_p99"] >= e["itl_ms_p50"] for e in peer)
     ours = [e for e in report["batch_curve"] if e["method"] == "baseline"]
