@@ -501,6 +501,12 @@ def test_requests_go_plain_from_the_rows_where_the_load_policy_would_draft_nothi
     assert not sched.off("prompt_lookup", 1, 0)
     assert sched.off("prompt_lookup", 2, 0) and sched.off("prompt_lookup", 2, None)
     assert not sched.off("baseline", 4, 0)
+    assert not sched.off("prompt_lookup", 1, 0, resuming=True)  # a lone row left speculates again
+    # resuming, the policy's point counts from above half of it (a band against flapping as clients come and go)
+    band = Scheduler(b, 8)
+    band._plain_from["prompt_lookup"] = 4
+    assert not band.off("prompt_lookup", 3, 0) and band.off("prompt_lookup", 3, 0, resuming=True)
+    assert not band.off("prompt_lookup", 2, 0, resuming=True)
     fixed = copy.copy(b)
     fixed.use(dataclasses.replace(bundle.spec, draft_length="fixed"))
     assert not Scheduler(fixed, 4).off("prompt_lookup", 4, 0)
@@ -512,3 +518,22 @@ def test_requests_go_plain_from_the_rows_where_the_load_policy_would_draft_nothi
     _drain(sched, fakes)
     assert [f.final[0] for f in fakes] == solo
     assert all(f.results[0].speculation_off or f.results[0].draft_proposed == 0 for f in fakes)
+
+
+@pytest.mark.parametrize("new,resumed", [(20, False), (80, True)])
+def test_rows_resume_speculation_only_with_tokens_enough_left_to_pay_for_it(bundle, parser, new, resumed):
+    """A speculative request turned plain by a newcomer (disable_at_batch 2) speculates again once the newcomer has
+    left only if it still has RESUME_MIN_LEFT tokens to go: a resume copies the rows' K/V and has the draft catch up
+    on them, which the last few tokens of a request do not pay back. The answer is its solo run's either way."""
+    from pipeline.triton.scheduler import RESUME_MIN_LEFT
+
+    assert (RESUME_MIN_LEFT <= new - 8) if resumed else (new < RESUME_MIN_LEFT)
+    counts: list[tuple] = []
+    sched = Scheduler(bundle, 4, count=lambda what, method, value: counts.append((what, method, value)))
+    want = _solo(bundle, parser, PROMPTS[0], new, method="prompt_lookup")
+    a, b = Fake(), Fake()
+    sched.submit(_parse(parser, PROMPTS[0], new, method="prompt_lookup", disable_at_batch=np.int32(2)), a)
+    sched.submit(_parse(parser, PROMPTS[1], 3), b)
+    _drain(sched, [a, b])
+    assert a.final[0] == want and b.err is None
+    assert any(what == "resumed" and value for what, _, value in counts) is resumed

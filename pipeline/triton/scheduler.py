@@ -52,6 +52,11 @@ from pipeline.triton.replies import CANCEL_CHECK_S, Job, Replies, Responder, Row
 __all__ = ["CANCEL_CHECK_S", "QUEUED_CHECK_S", "QUEUED_POLLS_PER_S", "Job", "Responder", "Row", "Scheduler"]
 
 QUEUED_CHECK_S = 1.0
+# Rows go back from the continuous batch into speculation only with at least this many tokens left a row on
+# average: a resume copies their K/V out and has the draft catch up on each row's context (the flagship's 0.5B at
+# about 2 ms a token: a 150-token chat prompt is some 10 target steps), which pays back only over tens of tokens.
+# validate's curve at 4 clients of 32 tokens had resumed its last rows for their last few tokens at every level.
+RESUME_MIN_LEFT = 32
 QUEUED_POLLS_PER_S = 32.0  # a long queue is polled no more often than this in all (each poll is a round trip)
 
 
@@ -167,13 +172,16 @@ class Scheduler:
         self.queued_check_s = QUEUED_CHECK_S
         self._plain_from: dict[str, int | None] = {}  # method -> rows from which the load policy drafts nothing
 
-    def off(self, method: str, rows: int, disable_at_batch: int | None) -> bool:
+    def off(self, method: str, rows: int, disable_at_batch: int | None, resuming: bool = False) -> bool:
         """Should `rows` requests of `method` decode plainly? At the spec's or the request's `disable_at_batch`; and,
         for a method whose rounds take the load policy (`draft_length: load`), from the rows at which the policy
         drafts nothing (`loadpolicy.plain_from`: its stored costs and prior acceptance), whatever disable_at_batch
         says: there a speculative batch would only step plainly, and the continuous batch admits and retires rows
         at every step where a speculative batch does not (`experiments/closed_loop.py`, 4 clients of the flagship's
-        default method: 1.04-1.05x baseline against 0.97-1.00x without this)."""
+        default method: 1.04-1.05x baseline against 0.97-1.00x without this). `resuming` (rows taken back from
+        the continuous batch): the policy's rows count as off above half that point, a band against flapping: closed-
+        loop clients at 4 rows had resumed at every finish (3 rows), the draft catching up on every row, and handed
+        off again at the next arrival (validate's curve at 4 clients: hybrid 0.86x baseline)."""
         if self.bundle.spec.off_at(method, rows, disable_at_batch):
             return True
         if (method == "baseline" or self.bundle.spec.draft_length != "load"
@@ -186,7 +194,7 @@ class Scheduler:
                 pol = None
             self._plain_from[method] = plain_from(pol, self.max_batch_size)
         at = self._plain_from[method]
-        return at is not None and rows >= at
+        return at is not None and (rows > at // 2 if resuming else rows >= at)
 
     @property
     def cancel_check_s(self) -> float:
@@ -458,16 +466,17 @@ def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None, chun
         _admit(sched, [job], prefixes, chunked)
 
 
-def _resumable(sched: Scheduler, key: tuple, rows: int) -> bool:
+def _resumable(sched: Scheduler, key: tuple, rows: int, resuming: bool = False) -> bool:
     """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
     (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
     return (_resumable_method(key[0]) and all(group(t.job) == key for t in sched.pool.tags())
-            and not sched.off(key[0], rows, key[3]))
+            and not sched.off(key[0], rows, key[3], resuming))
 
 
 def _resume(sched: Scheduler) -> bool:
     """With nothing waiting, take the continuous batch's rows back into speculation when they all belong to
-    one resumable group and are fewer than its disable_at_batch."""
+    one resumable group that speculates at their number (`Scheduler.off`, resuming) and they have RESUME_MIN_LEFT
+    tokens a row left on average."""
     tags = sched.pool.tags()
     if sched.pool.pending:  # a prompt is being prefilled beside the running rows: they stay until it joins
         return False
@@ -475,7 +484,8 @@ def _resume(sched: Scheduler) -> bool:
     if len(keys) != 1:
         return False
     key = keys.pop()
-    if not _resumable(sched, key, len(tags)):
+    left = sum(max(0, r.seq.req.max_new_tokens - len(r.seq.tokens)) for r in sched.pool.rows)
+    if left < RESUME_MIN_LEFT * len(sched.pool.rows) or not _resumable(sched, key, len(tags), resuming=True):
         return False
     _speculate_pool(sched, key)
     return True
