@@ -468,7 +468,7 @@ def _admit(sched: Scheduler, jobs: list[Job], prefixes: dict | None = None, chun
 
 def _resumable(sched: Scheduler, key: tuple, rows: int, resuming: bool = False) -> bool:
     """Every row of the continuous batch belongs to group `key`, which can continue handed-off rows
-    (draft_target, prompt_lookup, medusa), and `rows` of them stay below its disable_at_batch."""
+    (draft_target, prompt_lookup, medusa, suffix, hybrid), and `rows` of them still speculate (`Scheduler.off`)."""
     return (_resumable_method(key[0]) and all(group(t.job) == key for t in sched.pool.tags())
             and not sched.off(key[0], rows, key[3], resuming))
 
