@@ -44,8 +44,6 @@ class Client:
 
 
 def run(sched, parser, texts: list[str], method: str, clients: int, requests: int, new: int) -> tuple[float, int]:
-    from pipeline.triton.parse import Parsed  # noqa: F401  (the parser's output type)
-
     def submit(i: int) -> Client:
         d = {"text_input": np.array([[texts[i % len(texts)].encode()]], dtype=object),
              "max_tokens": np.array([[new]], np.int32), "method": np.array([[method.encode()]], dtype=object),

@@ -9,6 +9,7 @@ so every figure can be recomputed from it.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -16,6 +17,15 @@ from dataclasses import dataclass
 def median(xs: list[float]) -> float:
     """The median, 0 for no values (a method that ran no prompts)."""
     return statistics.median(xs) if xs else 0.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs by the nearest rank (0.0 for none): every latency percentile validate, validate_api and
+    the peer's curve report."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def mean_accepted_len(tokens: int, forwards: int) -> float:

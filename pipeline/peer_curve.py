@@ -14,22 +14,15 @@ llama-server).
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import peers
+from pipeline.figures import pct
 from pipeline.peers import ratio
 
 PEER_METHOD = "llama-server"  # the method name of the peer's entries in batch_curve
 
-
-def pct(xs: list[float], q: float) -> float:
-    """The q-quantile of xs by the nearest rank (0.0 for none)."""
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def curve_requests(c: int, prompts: int) -> int:

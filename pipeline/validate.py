@@ -20,7 +20,7 @@ from pipeline import client, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
-from pipeline.figures import Run, mean_accepted_len, summarize
+from pipeline.figures import Run, mean_accepted_len, pct, summarize
 from pipeline.sidebyside import System
 from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
@@ -48,12 +48,6 @@ def _request(url: str, text: str, max_tokens: int, method: str, temperature: flo
     return client.generate(url, "tensorrt_llm_bls", text, max_tokens, method=method, stream=stream,
                            temperature=temperature, seed=seed, return_perf_metrics=True, disable_at_batch=0, **kw)
 
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def divergence(bundle, prompt_ids: list[int], base: list[int], other: list[int], near_tie: float) -> dict | None:
@@ -305,8 +299,8 @@ def _method_sections(report: dict, runs: dict[str, list[dict]], bundle, texts: l
         report["methods"][m] = {
             **summarize(_runs(rs), base_runs),
             "divergences": divs,
-            "latency_ms": {"p50": _pct(lat, 0.5), "p95": _pct(lat, 0.95)},
-            "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
+            "latency_ms": {"p50": pct(lat, 0.5), "p95": pct(lat, 0.95)},
+            "ttft_ms": {"p50": pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
         }
 
 
@@ -501,9 +495,9 @@ def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
     wall = time.perf_counter() - t
     itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
     return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
-            "latency_ms_p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5),
-            "ttft_ms_p50": _pct(ttft, 0.5), "ttft_ms_p99": _pct(ttft, 0.99),
-            "itl_ms_p50": _pct(itl, 0.5), "itl_ms_p99": _pct(itl, 0.99)}
+            "latency_ms_p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
+            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
 
 
 def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:

@@ -11,7 +11,6 @@ not a server: it never starts one.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 import urllib.request
@@ -19,17 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import openai_client
 from pipeline.client import chat_text, generate
+from pipeline.figures import pct
 from pipeline.spec import Spec
 from pipeline.triton import openai_api
 from pipeline.triton.repo import client_model
 from pipeline.triton.server import grpc_url, running_pid
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def served(base_url: str, model: str) -> tuple[list[str | None], str | None]:
@@ -90,9 +83,9 @@ def run_validate_api(spec: Spec, base_url: str | None = None, model: str | None 
             "tokens_per_s": tps, "greedy_identical": sum(r["text"] == b["text"] for r, b in zip(rs, base)),
             "greedy_total": len(rs), "acceptance_rate": accepted / drafted if drafted else None,
             "accepted_draft_tokens": accepted, "draft_tokens": drafted,
-            "latency_ms": {"p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5),
-                           "p95": _pct([r["latency_s"] * 1000 for r in rs], 0.95)},
-            "ttft_ms": {"p50": _pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
+            "latency_ms": {"p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
+                           "p95": pct([r["latency_s"] * 1000 for r in rs], 0.95)},
+            "ttft_ms": {"p50": pct([r["ttft_s"] * 1000 for r in rs], 0.5)},
             "complete": sum(bool(r["complete"]) for r in rs)}
     b = report["methods"][base_key]["tokens_per_s"]
     for e in report["methods"].values():
@@ -110,7 +103,7 @@ def run_validate_api(spec: Spec, base_url: str | None = None, model: str | None 
         wall = time.perf_counter() - t0
         want = runs[name(default) if default in methods else name(methods[0])]
         curve.append({"concurrency": c, "tokens_per_s": sum(r.get("num_output_tokens", 0) for r in rs) / wall,
-                      "latency_ms_p50": _pct([r["latency_s"] * 1000 for r in rs], 0.5),
+                      "latency_ms_p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
                       "greedy_mismatches": sum(r["text"] != want[i % len(prompts)]["text"] for i, r in enumerate(rs))})
         log(f"  concurrency {c}: {curve[-1]['tokens_per_s']:.1f} tokens/s, p50 {curve[-1]['latency_ms_p50']:.0f} ms")
     report["batch_curve"] = curve

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.figures import Run, mean_accepted_len, summarize
+from pipeline.figures import Run, mean_accepted_len, pct, summarize
 
 
 def test_summarize_known_answers():
@@ -35,3 +35,10 @@ def test_baseline_and_empty_cases():
     assert mean_accepted_len(0, 0) == 0.0 and mean_accepted_len(10, 4) == 2.5
     with pytest.raises(ValueError, match="same prompts"):
         summarize(base, base + base)
+
+
+def test_latency_percentiles_are_nearest_rank_and_zero_for_none():
+    """One percentile for validate, the OpenAI validation and the peer's curve (they had three copies)."""
+    xs = [float(x) for x in range(10, 0, -1)]
+    assert (pct(xs, 0.5), pct(xs, 0.95), pct(xs, 0.99), pct(xs, 0.0)) == (5.0, 10.0, 10.0, 1.0)
+    assert pct([], 0.5) == 0.0 and pct([3.0], 0.99) == 3.0
