@@ -10,7 +10,7 @@ from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.specconfig import SpecDecodeConfig
-from pipeline.runtime.suffix import TOKEN_BYTES, VERIFY_COST, SuffixStore, best_length
+from pipeline.runtime.suffix import ANCHOR, TOKEN_BYTES, VERIFY_COST, SuffixDrafter, SuffixStore, best_length
 from tests.test_speculative import V, exact_two_token_dist, prompts, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,6 +147,54 @@ def test_long_drafts_follow_the_verify_curve_not_the_cap(pair):
         assert r.tokens == ref.tokens
         widths[name] = _widest(r.proposed_per_position)
     assert widths["flat"] == 32 and 8 <= widths["zen4"] <= best_length(0.999, 32, VERIFY_COST) < 16
+
+
+@pytest.mark.parametrize("min_match", [ANCHOR, 4])
+def test_after_an_edit_in_copied_text_the_drafter_resyncs_to_the_source_past_it(min_match):
+    """An answer copying the prompt's file, with one token replaced (a renamed identifier): once the output's last
+    token is met again in the file just past the mismatch, the row drafts what follows it there ("resync"), where
+    the suffix method would otherwise have no 2-token match and take a plain step. The hybrid (min_match 4) leaves
+    such a row to its draft model, except while the draft model waits for its prefill (`weak`)."""
+    src = list(range(10, 70))
+    prompt = [2, 3, *src, 4]
+    d = SuffixDrafter([Request(prompt, 64)], 16, "cpu", None, FLAT, min_match)
+    c = prompt + src[:12]  # copying the file
+    first = d.row_draft(0, c)
+    assert len(first) > 3 and first == src[12:12 + len(first)]
+    c = c + src[12:15] + [99]  # the target took 3 drafted tokens, then wrote 99 where the file has src[15]
+    assert d.row_draft(0, c) == [] and d.weak(0, c) == []  # 99 is nowhere in the file: nothing to draft yet
+    c = c + [src[16]]  # ... and goes on as the file does
+    strong = d.row_draft(0, c)
+    got = strong if min_match == ANCHOR else d.weak(0, c)
+    assert got and got == src[17:17 + len(got)] and d.rows[0].last[0] == "resync"
+    if min_match > ANCHOR:
+        assert strong == []  # the hybrid's draft model would take the row
+    d.rows[0].last = None  # that draft was not verified
+    c = c + [80, 81, 82]  # then text the file does not have: no draft from it
+    assert d.weak(0, c) == []
+
+
+def test_a_deferred_hybrid_row_drafts_a_short_match_instead_of_a_plain_step(pair):
+    """While the draft model waits for its prefill (a long prompt, DEFER_MIN), a row the hybrid's 4-token threshold
+    leaves without a draft takes a 2-token match's continuation; the draft model still does not run."""
+    from pipeline.runtime.speculative import DEFER_MIN, _ModelDrafter
+
+    t, dm = pair
+    p = prompts(1, 48, seed=21, lo=DEFER_MIN + 8, hi=DEFER_MIN + 9)[0]
+    pairs = list(zip(p, p[1:]))
+    i = next(i for i in range(8, len(p) - 8) if pairs.count(pairs[i]) == 1 and p[i - 1] != 47)
+    ctx = p + [47, p[i], p[i + 1]]  # ends with the prompt's only (p[i], p[i + 1]), a 2-token match
+    lookup = SuffixDrafter([Request(p, 8)], 8, "cpu", None, FLAT, 4)
+    md = _ModelDrafter(dm, [Request(p, 8)], 3, V, lookup)
+    md.prefill([p])
+    seen: list[int] = []
+    hook = dm.register_forward_hook(lambda _m, args, _out: seen.append(args[0].numel()))
+    try:
+        drafts, _q, limit = md.propose([ctx], torch.tensor([len(ctx) - 1]), [torch.Generator()])
+    finally:
+        hook.remove()
+    assert seen == [] and limit[0] > 0
+    assert drafts[0, :limit[0]].tolist() == p[i + 2:i + 2 + limit[0]]
 
 
 def test_store_stays_within_its_byte_budget_and_drops_the_oldest():

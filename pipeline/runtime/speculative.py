@@ -275,8 +275,11 @@ class _ModelDrafter:  # a Drafter
             if any(not found[b] and not self.wait[b] for b in range(B)):
                 self.wait = [0] * B  # the model runs this round anyway: every row is caught up and drafts with it
             else:
+                weak = getattr(self.lookup, "weak", None)  # the suffix drafter's short matches (not prompt lookup's)
                 for b in idle:
                     self.wait[b] -= 1
+                    if weak is not None:
+                        found[b] = weak(b, ctx[b])
                 return _padded(found, dev), {}, [len(f) for f in found]
         if all(found):
             return _padded(found, dev), {}, [len(f) for f in found]

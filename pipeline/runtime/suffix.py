@@ -39,6 +39,14 @@ ANCHOR = 2  # tokens one index key holds: matches start from this many tokens
 MAX_CANDIDATES = 16  # latest occurrences of an anchor whose backward match is measured
 MAX_MATCH = 64  # a backward match is not extended further (longer ones draft the same length)
 RESYNC = 3  # a prediction that diverged is re-aligned only at a match this long
+# After a long match's draft is rejected (an edit: a renamed identifier, a changed operator), the output soon returns
+# to the source a few tokens on. For RESYNC_SPAN output tokens after the mismatch, a row without a long enough match
+# looks for its last token in the source from the mismatch on (as far as the tokens since it plus RESYNC_SLACK) and
+# drafts what follows it there ("resync": its own odds, learnt like the others) instead of a plain step: in the suffix
+# method, and in the hybrid while its draft model waits for its prefill (`weak`); where the draft model drafts, it
+# keeps the row. Only after matches of at least RESYNC_FROM tokens (or a prediction): a short match that fails says
+# nothing about where the text goes next.
+RESYNC_FROM, RESYNC_SPAN, RESYNC_SLACK = 8, 24, 8
 TOKEN_BYTES = 4  # the store keeps int32 token ids
 
 # Verifying S tokens in one forward, in one-token steps (S = 1..): make bench's curve on the 2-core Zen 4 the issue
@@ -223,7 +231,9 @@ class _Row:
         self.pred_index.extend(self.pred)
         self.pp: int | None = 0 if self.pred else None  # output so far == pred[:pp] (aligned), None: diverged
         self.seen = 0  # output tokens taken into pp
-        self.last: tuple[str, int, list[int], int] | None = None  # (source, match, draft, context length then)
+        # (source, match, draft, context length then, the source's tokens or None, where the draft starts in them)
+        self.last: tuple[str, int, list[int], int, list[int] | None, int] | None = None
+        self.resync: tuple[list[int], int, int] | None = None  # (source tokens, mismatch there, context length then)
 
 
 class SuffixDrafter:  # a Drafter
@@ -258,13 +268,20 @@ class SuffixDrafter:  # a Drafter
 
     def _update(self, row: _Row, c: list[int]) -> None:
         if row.last is not None:
-            source, m, draft, at = row.last
+            source, m, draft, at, toks, e = row.last
             new = c[at:at + len(draft)]
             n = 0
             while n < len(draft) and n < len(new) and draft[n] == new[n]:
                 n += 1
             # n == len(new): the round verified fewer tokens than drafted (the load policy cut it): no rejection seen
             self.odds.add(source, m, len(draft) if n < len(new) else n, n)
+            if toks is not None and (m >= RESYNC_FROM or source in ("prediction", "resync")):
+                # the first mismatch with the source in what the target committed, its own token after the draft too
+                n = 0
+                while at + n < len(c) and e + n < len(toks) and n <= len(draft) and toks[e + n] == c[at + n]:
+                    n += 1
+                if at + n < len(c) and n <= len(draft):
+                    row.resync = (toks, e + n, at + n)
             row.last = None
         if row.pred:
             out = c[row.prompt_len:]
@@ -279,31 +296,61 @@ class SuffixDrafter:  # a Drafter
                 row.pp = e if m >= RESYNC else None
         row.index.extend(c[len(row.index.toks):])
 
-    def row_draft(self, b: int, c: list[int]) -> list[int]:
-        """Row b's draft for context c (empty: no match worth drafting, or its best length is 0)."""
+    def row_draft(self, b: int, c: list[int], min_match: int = 0) -> list[int]:
+        """Row b's draft for context c (empty: no match worth drafting, or its best length is 0); `min_match` > 0
+        replaces the drafter's own threshold for this call."""
         row = self.rows[b]
         self._update(row, c)
-        source, m, cont = "", 0, []
+        source, m, cont, toks, e = "", 0, [], None, 0
         if row.pp is not None and row.pp < len(row.pred):
-            source, m, cont = "prediction", MAX_MATCH, row.pred[row.pp:row.pp + self.k]
+            source, m, toks, e = "prediction", MAX_MATCH, row.pred, row.pp
         else:
-            m1, e = row.index.best(c)
+            m1, e1 = row.index.best(c)
             m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
-            if max(m1, m2) >= self.min_match:
+            mm = min_match or self.min_match
+            if max(m1, m2) >= mm:
                 if m1 >= m2:
-                    source, m, cont = "context", m1, row.index.toks[e:e + self.k]
+                    source, m, toks, e = "context", m1, row.index.toks, e1
                 else:
                     source, m, cont = "store", m2, cont2[:self.k]
+            elif row.resync is not None and mm <= ANCHOR:  # not where the hybrid's draft model would draft
+                j = self._resync(row, c)
+                if j >= 0:
+                    source, m, toks, e = "resync", 1, row.resync[0], j
+        if toks is not None:
+            cont = toks[e:e + self.k]
         if not cont:
             return []
         L = best_length(self.odds.p(source, m), min(len(cont), self.k), self.cost)
         draft = cont[:L]
         if draft:
-            row.last = (source, m, draft, len(c))
+            row.last = (source, m, draft, len(c), toks, e)
         return draft
+
+    @staticmethod
+    def _resync(row: _Row, c: list[int]) -> int:
+        """Where in the source the output continues after a mismatch (just past the first occurrence of the
+        context's last token from the mismatch on, at most RESYNC_SLACK past the tokens since it); -1: none, and
+        a mismatch RESYNC_SPAN tokens back is forgotten."""
+        toks, e0, at = row.resync
+        since = len(c) - at
+        if since > RESYNC_SPAN:
+            row.resync = None
+            return -1
+        last = c[-1]
+        for j in range(e0, min(len(toks) - 1, e0 + since + RESYNC_SLACK)):
+            if toks[j] == last:
+                return j + 1
+        return -1
 
     def lookup_rows(self, ctx: list[list[int]]) -> list[list[int]]:
         return [self.row_draft(b, c) for b, c in enumerate(ctx)]
+
+    def weak(self, b: int, c: list[int]) -> list[int]:
+        """Row b's draft from any match (ANCHOR tokens on), for a round it would otherwise take as a plain step (the
+        hybrid's draft model not yet prefilled): verifying a few tokens costs about one step, so a short match's
+        odds still pay. Call after lookup_rows found this row nothing in the same round."""
+        return self.row_draft(b, c, ANCHOR)
 
     def propose(self, ctx: list[list[int]], pos: Tensor, gens: list[torch.Generator]):
         found = self.lookup_rows(ctx)
