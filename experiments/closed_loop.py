@@ -1,7 +1,9 @@
 """Closed-loop clients against the served model's scheduler, in process: `--clients` clients each send their next
 request the moment the last is answered (no network, no Triton: the scheduler's own loop, driven tick by tick),
 each method in turn, alternating `--reps` times; tokens/s over the wall time of `--requests` requests, and, with
-`--profile`, where the worker's time went (cProfile, the top functions by own time).
+`--profile`, where the worker's time went (cProfile, the top functions by own time). Gaps: the time between a
+stream's pieces after its first, all streams pooled (validate's inter-token latency), p50 / p99 / max. The served
+model's K/V budget and prefill chunk (spec kv_cache) apply as in the server; `--chunk N` replaces the chunk.
 
     PYTHONPATH=. .venv/bin/python experiments/closed_loop.py build/qwen_coder.yaml --clients 4 --methods baseline,hybrid
 
@@ -30,8 +32,11 @@ class Client:
 
     def __init__(self):
         self.done, self.err, self.tokens = False, None, 0
+        self.at: list[float] = []  # when each piece came
 
     def send(self, texts, results, final):
+        if texts:
+            self.at.append(time.perf_counter())
         if final:
             self.done = True
             self.tokens = sum(len(r.tokens) for r in results or [])
@@ -43,12 +48,13 @@ class Client:
         return False
 
 
-def run(sched, parser, texts: list[str], method: str, clients: int, requests: int, new: int) -> tuple[float, int]:
+def run(sched, parser, texts: list[str], method: str, clients: int, requests: int, new: int,
+        gaps: list[float] | None = None) -> tuple[float, int]:
     def submit(i: int) -> Client:
         d = {"text_input": np.array([[texts[i % len(texts)].encode()]], dtype=object),
              "max_tokens": np.array([[new]], np.int32), "method": np.array([[method.encode()]], dtype=object),
              "disable_at_batch": np.array([[0]], np.int32), "cache_prompt": np.array([[False]]),
-             "return_perf_metrics": np.array([[True]])}
+             "return_perf_metrics": np.array([[True]]), "stream": np.array([[True]])}
         c = Client()
         sched.submit(parser.parse(d.get, ""), c)
         return c
@@ -66,6 +72,8 @@ def run(sched, parser, texts: list[str], method: str, clients: int, requests: in
                 raise RuntimeError(c.err)
             live.remove(c)
             tokens += c.tokens
+            if gaps is not None:
+                gaps += [1e3 * (b - a) for a, b in zip(c.at[1:], c.at[2:])]
             if sent < requests:
                 live.append(submit(sent))
                 sent += 1
@@ -81,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="baseline,hybrid")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--chunk", type=int, default=-1, help="kv_cache.prefill_chunk (default: the spec's)")
     ap.add_argument("--prompts", default=str(ROOT / "build" / "code_prompts.txt"))
     args = ap.parse_args(argv)
     from pipeline import spec as specmod
@@ -94,19 +103,23 @@ def main(argv: list[str] | None = None) -> None:
     parser = RequestParser(b.tokenizer, Limits(
         max_batch_size=16, max_input_len=int(bc["max_input_len"]), max_seq_len=int(bc["max_seq_len"]),
         vocab=int(b.target.cfg.vocab_size), end_ids=tuple(b.end_ids), methods=b.methods(),
-        default_method="baseline", spec=b.spec))
+        default_method="baseline", spec=b.spec, decoupled=True))
     texts = [t for t in Path(args.prompts).read_text().splitlines() if t.strip() and not t.startswith("#")][:8]
     sched = Scheduler(b, 16)
+    sched.configure_kv(spec.kv_cache.bytes, spec.kv_cache.prefill_chunk if args.chunk < 0 else args.chunk)
     run(sched, parser, texts, "baseline", 1, 1, 4)  # warm
     for rep in range(args.reps):
         for m in args.methods.split(","):
             prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
             if prof:
                 prof.enable()
-            wall, toks = run(sched, parser, texts, m, args.clients, args.requests, args.new)
+            gaps: list[float] = []
+            wall, toks = run(sched, parser, texts, m, args.clients, args.requests, args.new, gaps)
             if prof:
                 prof.disable()
-            print(f"{m:14s} clients {args.clients}: {toks / wall:6.1f} tokens/s ({toks} in {wall:.1f} s)", flush=True)
+            g = np.array(gaps) if gaps else np.zeros(1)
+            print(f"{m:14s} clients {args.clients}: {toks / wall:6.1f} tokens/s ({toks} in {wall:.1f} s); gaps ms "
+                  f"p50 {np.percentile(g, 50):.0f} p99 {np.percentile(g, 99):.0f} max {g.max():.0f}", flush=True)
             if prof:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
