@@ -4,13 +4,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup fetch peers engine repo serve stop client validate bench load readme deploy deploy-tools test test-fast lint ci all clean gpu-check
+.PHONY: setup fetch peers engine costs repo serve stop client validate bench load readme deploy deploy-tools test test-fast lint ci all clean gpu-check
 
 # The main job. llama.cpp's server (the peer validate measures against) builds beside the engines: once per CPU, cached
 # outside the repository, so a second run on the same machine skips it.
 all: setup
 	$(MAKE) -j2 engine peers
-	$(MAKE) repo validate
+	$(MAKE) costs repo validate
+
+# pick-k's draft and verify costs timed again on a quiet machine (the engine's were timed beside llama.cpp's compile
+# in `all`); the load policy weighs them every round. A spec without a draft model has nothing to re-time.
+costs: setup
+	$(PY) -m pipeline pick-k $(SPEC) --costs --write $(ARGS)
 
 $(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)

@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+DISABLE_AT = 0  # requests' disable_at_batch (0: the method itself at every load, as validate measures it)
+
+
 class Client:
     """A Responder (pipeline.triton.replies) that keeps the final answer's tokens."""
 
@@ -53,7 +56,7 @@ def run(sched, parser, texts: list[str], method: str, clients: int, requests: in
     def submit(i: int) -> Client:
         d = {"text_input": np.array([[texts[i % len(texts)].encode()]], dtype=object),
              "max_tokens": np.array([[new]], np.int32), "method": np.array([[method.encode()]], dtype=object),
-             "disable_at_batch": np.array([[0]], np.int32), "cache_prompt": np.array([[False]]),
+             "disable_at_batch": np.array([[DISABLE_AT]], np.int32), "cache_prompt": np.array([[False]]),
              "return_perf_metrics": np.array([[True]]), "stream": np.array([[True]])}
         c = Client()
         sched.submit(parser.parse(d.get, ""), c)
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", default="baseline,hybrid")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--disable-at", type=int, default=0, help="the requests' disable_at_batch (0: never)")
     ap.add_argument("--chunk", type=int, default=-1, help="kv_cache.prefill_chunk (default: the spec's)")
     ap.add_argument("--prompts", default=str(ROOT / "build" / "code_prompts.txt"))
     args = ap.parse_args(argv)
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.triton.parse import Limits, RequestParser
     from pipeline.triton.scheduler import Scheduler
 
+    global DISABLE_AT
+    DISABLE_AT = args.disable_at
     spec = specmod.load(args.spec)
     b = apply_spec(load_bundle(spec.engine_dir, "cpu"), spec)
     bc = b.config["build_config"]

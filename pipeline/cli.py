@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     sp = verb("pick-k", cmd_pick_k, "measure draft/verify costs and acceptance, print the k table")
     sp.add_argument("--max-k", type=int, default=0, help="largest k to consider (default: min(max_draft_len, 8))")
     sp.add_argument("--write", action="store_true", help="store the chosen k in engines/<name>/draft/config.json")
+    sp.add_argument("--costs", action="store_true",
+                    help="re-time the draft and verify costs only (the stored acceptance and k kept): `make all` runs "
+                         "it once llama.cpp's compile no longer shares the cores")
     for register in _extra_verbs():
         register(verb)
 

@@ -100,7 +100,7 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
 
 
 def measure_costs_by_rows(target: Transformer, draft: Transformer, max_k: int, one: dict,
-                          rows: tuple[int, ...] = ROWS_MEASURED[1:], reps: int = 2) -> dict[str, dict]:
+                          rows: tuple[int, ...] = ROWS_MEASURED[1:], reps: int = 3) -> dict[str, dict]:
     """`measure_costs` at each batch size in `rows` beside the one-row costs `one` (stored as `costs_by_rows`,
     keys are row counts as strings: JSON): what the load-adaptive draft length (loadpolicy.py) weighs each round."""
     out = {"1": one}
@@ -194,6 +194,30 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
     return out
 
 
+def remeasure_costs(target: Transformer, draft: Transformer, stored: dict, log=print) -> dict:
+    """The stored `speculation` block with its costs (one row and by rows) measured again and the table's step times
+    and speedups recomputed from them; the acceptance and the chosen k are kept (they do not depend on the machine's
+    load). Why: `make all` builds the engines beside llama.cpp's compile (`make -j2 engine peers`), so pick-k timed
+    them on cores the compiler shared; `make all` re-times them once it is done. (The machine's own drift moves them
+    too: a quiet one-token step read 24.0 ms and, 20 minutes later, 31.3-32.3 ms on the 2-core Zen 4 of
+    2026-12-04; the flagship's engine, built beside the compile, had stored 34.3.)"""
+    table = stored.get("table") or []
+    if not table:
+        raise ValueError("the draft engine's speculation block has no pick-k table to keep; run `python -m pipeline "
+                         "pick-k SPEC --write` (it measures the acceptance too)")
+    max_k = len(table)
+    costs = measure_costs(target, draft, max_k)
+    by_rows = measure_costs_by_rows(target, draft, max_k, costs)
+    rows = speed_table(costs, [float(r["accept_pos"]) for r in table])
+    k = int(stored["num_draft_tokens"])
+    out = {**stored, "table": rows, "costs_s": costs, "costs_by_rows": by_rows,
+           "expected_speedup": rows[k - 1]["speedup"], "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
+    log(format_table(rows, costs))
+    log(f"re-timed: target step {1e3 * stored['costs_s']['c_verify'][0]:.1f} -> {1e3 * costs['c_verify'][0]:.1f} ms, "
+        f"draft step {1e3 * stored['costs_s']['c_draft']:.1f} -> {1e3 * costs['c_draft']:.1f} ms; k = {k} kept")
+    return out
+
+
 def store(engine_dir: Path, speculation: dict) -> None:
     """Rewrite the `speculation` block of engines/<name>/draft/config.json in place (atomic replace)."""
     p = engine_dir / "draft" / "config.json"
@@ -208,9 +232,19 @@ def cmd_pick_k(args) -> int:
     s = specmod.load(args.spec)
     setup_threads(s)
     b = load_bundle(s.engine_dir, s.device, methods=("draft_target",))
+    if args.costs and (b.draft is None or not ((b.draft_config or {}).get("speculation") or {}).get("table")):
+        print(f"pick-k --costs: {s.engine_dir} has no draft engine with a pick-k table: nothing to re-time")
+        return 0
     if b.draft is None:
         raise ValueError(f"{s.engine_dir}/draft is not built; set draft.source and run `python -m pipeline engine "
                          f"{args.spec}` first")
+    if args.costs:
+        stored = (b.draft_config or {}).get("speculation") or {}
+        out = remeasure_costs(b.target, b.draft, stored)
+        if args.write:
+            store(s.engine_dir, out)
+            print(f"stored the re-timed costs in {s.engine_dir / 'draft' / 'config.json'}")
+        return 0
     max_k = args.max_k or min(b.max_draft_len, 8)
     texts = read_prompts(s.path(s.validate.prompts))
     held = split_prompts(texts, s.validate.max_prompts)[1] or texts[:4]

@@ -68,3 +68,20 @@ def test_measured_acceptance_of_a_perfect_and_a_random_draft():
     assert measure_acceptance(t, t, prompts, 3, max_new=16) == [1.0, 1.0, 1.0]
     rates = measure_acceptance(t, tiny(layers=1, seed=3), prompts, 3, max_new=16)
     assert rates == sorted(rates, reverse=True) and rates[0] < 0.5
+
+
+def test_costs_retimed_keep_the_acceptance_and_k_and_recompute_the_table_from_the_new_timings():
+    from pipeline.speedpick import measure_and_pick, remeasure_costs
+
+    target, draft = tiny(seed=0), tiny(seed=1)
+    ps = [[3, 5, 7, 9, 11, 13], [4, 6, 8, 10, 12, 14]]
+    stored = measure_and_pick(target, draft, ps, 3, log=lambda *_: None, fixed=2)
+    again = remeasure_costs(target, draft, stored, log=lambda *_: None)
+    assert again["num_draft_tokens"] == 2 and again["chosen_by"] == "spec"
+    assert [r["accept_pos"] for r in again["table"]] == [r["accept_pos"] for r in stored["table"]]
+    assert again["table"] == speed_table(again["costs_s"], [r["accept_pos"] for r in stored["table"]])
+    assert again["expected_speedup"] == again["table"][1]["speedup"]
+    assert sorted(again["costs_by_rows"]) == ["1", "2", "4", "8"] and again["costs_by_rows"]["1"] is again["costs_s"]
+    assert all(min(c["c_verify"]) > 0 and c["c_draft"] > 0 for c in again["costs_by_rows"].values())
+    with pytest.raises(ValueError, match="pick-k SPEC --write"):
+        remeasure_costs(target, draft, {"num_draft_tokens": 2}, log=lambda *_: None)
