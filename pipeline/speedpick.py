@@ -197,8 +197,9 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
 def remeasure_costs(target: Transformer, draft: Transformer, stored: dict, log=print) -> dict:
     """The stored `speculation` block with its costs (one row and by rows) measured again and the table's step times
     and speedups recomputed from them; the acceptance and the chosen k are kept (they do not depend on the machine's
-    load). Why: `make all` builds the engines beside llama.cpp's compile (`make -j2 engine peers`), so pick-k timed
-    them on cores the compiler shared; `make all` re-times them once it is done. (The machine's own drift moves them
+    load). Why: `make all` builds the engines beside `make peers` (`make -j2 engine peers`), which compiles llama.cpp
+    on a CPU's first run, so pick-k may have timed them on cores the compiler shared; `make all` re-times them once
+    that is done (about 30 s; with llama.cpp already built it changes little). (The machine's own drift moves them
     too: a quiet one-token step read 24.0 ms and, 20 minutes later, 31.3-32.3 ms on the 2-core Zen 4 of
     2026-12-04; the flagship's engine, built beside the compile, had stored 34.3.)"""
     table = stored.get("table") or []

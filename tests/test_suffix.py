@@ -174,6 +174,28 @@ def test_after_an_edit_in_copied_text_the_drafter_resyncs_to_the_source_past_it(
     assert d.weak(0, c) == []
 
 
+def test_the_hybrid_leaves_a_match_the_draft_model_would_beat_to_the_model():
+    """`beat` (the draft model's expected tokens per step, pick-k's): a context match whose odds and the verify
+    curve promise less per step drafts nothing, so the hybrid's draft model takes the row; a long match, an aligned
+    prediction and `weak` (the model waiting for its prefill) draft as before."""
+    src = list(range(10, 70))
+    prompt = [2, 3, *src, 4]
+
+    def drafter(beat: float, prediction=None) -> SuffixDrafter:
+        return SuffixDrafter([Request(prompt, 64, prediction=prediction)], 16, "cpu", None, VERIFY_COST, 4, beat)
+
+    short = prompt + src[:4]  # a 4-token match: p 4 / 6 by the prior, about 1.9 tokens a step on the Zen 4 curve
+    assert drafter(0.0).row_draft(0, short) and drafter(1.5).row_draft(0, short)
+    assert drafter(2.5).row_draft(0, short) == []
+    weak = drafter(2.5).weak(0, short)
+    assert weak and weak == src[4:4 + len(weak)]
+    long = prompt + src[:12]  # 12 tokens: p 12 / 14, about 3 a step
+    got = drafter(2.5).row_draft(0, long)
+    assert got and got == src[12:12 + len(got)]
+    predicted = drafter(2.5, prediction=src).row_draft(0, short)  # the prediction, aligned after 4 tokens
+    assert predicted and predicted == src[4:4 + len(predicted)]
+
+
 def test_a_deferred_hybrid_row_drafts_a_short_match_instead_of_a_plain_step(pair):
     """While the draft model waits for its prefill (a long prompt, DEFER_MIN), a row the hybrid's 4-token threshold
     leaves without a draft takes a 2-token match's continuation; the draft model still does not run."""

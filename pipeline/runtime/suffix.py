@@ -77,6 +77,11 @@ def best_length(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> in
     """The draft length L in 0..cap that maximises expected committed tokens per verify cost when each drafted
     token is accepted with probability p (independently): (1 - p^(L+1)) / (1 - p) tokens for cost[L] (the cost of
     verifying L + 1 tokens, cost[0] = 1). 0 when no draft beats a plain step."""
+    return best_draft(p, cap, cost)[0]
+
+
+def best_draft(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> tuple[int, float]:
+    """`best_length`'s L and its expected tokens per one-token step (1.0 for L = 0: a plain step)."""
     best, best_l = 1.0, 0
     e, pk = 1.0, 1.0
     for L in range(1, min(cap, len(cost) - 1) + 1):
@@ -85,7 +90,7 @@ def best_length(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> in
         v = e / cost[L]
         if v > best:
             best, best_l = v, L
-    return best_l
+    return best_l, best
 
 
 @dataclass
@@ -242,8 +247,11 @@ class SuffixDrafter:  # a Drafter
     match (outside an aligned prediction) is shorter draft nothing (the hybrid's draft model takes them)."""
 
     def __init__(self, reqs: list[Request], k: int, dev, store: SuffixStore | None = None,
-                 cost: tuple[float, ...] | list[float] = VERIFY_COST, min_match: int = ANCHOR):
+                 cost: tuple[float, ...] | list[float] = VERIFY_COST, min_match: int = ANCHOR, beat: float = 0.0):
         self.k, self.dev, self.store, self.cost, self.min_match = k, dev, store, cost, max(min_match, ANCHOR)
+        # the hybrid's draft model's expected tokens per target step: a context or store draft expected to commit
+        # fewer per step leaves its row to the model (0: every match long enough drafts)
+        self.beat = beat
         self.width = k
         self.odds = store.odds if store is not None else Odds()
         self.rows = [_Row(r) for r in reqs]
@@ -321,7 +329,9 @@ class SuffixDrafter:  # a Drafter
             cont = toks[e:e + self.k]
         if not cont:
             return []
-        L = best_length(self.odds.p(source, m), min(len(cont), self.k), self.cost)
+        L, value = best_draft(self.odds.p(source, m), min(len(cont), self.k), self.cost)
+        if not min_match and source in ("context", "store") and value < self.beat:
+            return []  # the draft model expects more from this round than this match does
         draft = cont[:L]
         if draft:
             row.last = (source, m, draft, len(c), toks, e)
@@ -411,8 +421,12 @@ class Hybrid:
         if b.draft.cfg.vocab_size != b.target.cfg.vocab_size:
             raise ValueError(f"draft vocab_size {b.draft.cfg.vocab_size} differs from the target's "
                              f"{b.target.cfg.vocab_size}; the draft must share the target's tokenizer")
+        # pick-k's expected tokens per target step for the draft model at its k (the stored table): a suffix match
+        # expected to commit less per step leaves the row to the model (validate's chat prompts: short matches of
+        # code quoted from the question drafted at p 0.3-0.5, where the model's drafts were accepted 0.84)
+        beat = float(((b.draft_config or {}).get("speculation") or {}).get("expected_speedup") or 0.0)
         lookup = SuffixDrafter(reqs, sp.max_draft_len, b.target.embed.weight.device, suffix_store(b), b.verify_cost,
-                               sp.suffix_min_match)
+                               sp.suffix_min_match, beat)
         drafter = _ModelDrafter(b.draft, reqs, k, b.target.cfg.vocab_size, lookup, opts.get("draft_confidence",
                                 sp.draft_confidence), opts.get("use_draft_logits", sp.use_draft_logits),
                                 opts.get("prompt_cache"))
