@@ -8,7 +8,16 @@ import pytest
 from pipeline import spec as specmod
 from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
-from pipeline.runtime.loadpolicy import MIN_GAIN, Costs, DraftPolicy, choose, plain_from, policy_from, row_rates
+from pipeline.runtime.loadpolicy import (
+    MIN_GAIN,
+    MIN_GAIN_ROWS,
+    Costs,
+    DraftPolicy,
+    choose,
+    plain_from,
+    policy_from,
+    row_rates,
+)
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 from pipeline.runtime.speculative import draft_target, prompt_lookup
 from tests.test_speculative import prompts, tiny
@@ -70,7 +79,7 @@ def test_the_choice_maximises_expected_tokens_per_second_over_every_width():
         for w in range(9):
             t = w * c.draft(b) + c.verify(b, w + 1)
             r = b * (1 + sum(GOOD[:w])) / t
-            assert r <= rate * (1 + 1e-9) or r < MIN_GAIN * plain
+            assert r <= rate * (1 + 1e-9) or r < (MIN_GAIN if b < 2 else MIN_GAIN_ROWS) * plain
 
 
 def test_a_draft_expected_to_gain_less_than_min_gain_over_a_plain_step_is_not_run():
@@ -183,3 +192,14 @@ def test_plain_from_is_the_fewest_rows_at_which_the_prior_drafts_nothing():
     assert at is not None and max(choose([GOOD] * at, [1 << 30] * at, 8, c)[0]) == 0
     assert all(max(choose([GOOD] * b, [1 << 30] * b, 8, c)[0]) > 0 for b in range(1, at))
     assert plain_from(pol, at - 1) is None and plain_from(None, 16) is None
+
+
+def test_from_two_rows_a_width_must_expect_min_gain_rows_over_a_plain_step():
+    """The flagship's stored costs and pick-k's acceptance: the model expects 1.7x at 2 rows where closed-loop clients
+    measured 0.82-0.97x, so from two rows a width must expect MIN_GAIN_ROWS; one row keeps MIN_GAIN."""
+    c = Costs({1: 0.0, 2: 0.0}, {1: [0.010, 0.015], 2: [0.010, 0.015]})  # 2 tokens a row cost 1.5 plain steps
+    rates = [[0.9]]
+    assert MIN_GAIN * 100 < (1 + 0.9) / 0.015 < MIN_GAIN_ROWS * 100  # 1.27x expected
+    assert choose(rates, [100], 1, c)[0] == [1]  # one row: drafts
+    assert choose(rates * 2, [100, 100], 1, c)[0] == [0, 0]  # two rows, the same gain: plain
+    assert choose([[1.0]] * 2, [100, 100], 1, Costs({2: 0.0}, {2: [0.010, 0.010]}))[0] == [1, 1]  # 2x: drafts
