@@ -12,8 +12,9 @@ all: setup
 	$(MAKE) -j2 engine peers
 	$(MAKE) costs repo validate
 
-# pick-k's draft and verify costs timed again on a quiet machine (the engine's were timed beside llama.cpp's compile
-# in `all`); the load policy weighs them every round. A spec without a draft model has nothing to re-time.
+# pick-k's draft and verify costs timed again once `make peers` is done (on a CPU's first run it compiles llama.cpp
+# beside the engine's own timing in `all`); the load policy weighs them every round. A spec without a draft model
+# has nothing to re-time.
 costs: setup
 	$(PY) -m pipeline pick-k $(SPEC) --costs --write $(ARGS)
 

@@ -27,9 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-DISABLE_AT = 0  # requests' disable_at_batch (0: the method itself at every load, as validate measures it)
-
-
 class Client:
     """A Responder (pipeline.triton.replies) that keeps the final answer's tokens."""
 
@@ -52,11 +49,13 @@ class Client:
 
 
 def run(sched, parser, texts: list[str], method: str, clients: int, requests: int, new: int,
-        gaps: list[float] | None = None) -> tuple[float, int]:
+        gaps: list[float] | None = None, disable_at: int = 0) -> tuple[float, int]:
+    """`requests` requests by `clients` closed-loop clients; `disable_at`: their disable_at_batch (0: the method
+    itself at every load, as validate measures it)."""
     def submit(i: int) -> Client:
         d = {"text_input": np.array([[texts[i % len(texts)].encode()]], dtype=object),
              "max_tokens": np.array([[new]], np.int32), "method": np.array([[method.encode()]], dtype=object),
-             "disable_at_batch": np.array([[DISABLE_AT]], np.int32), "cache_prompt": np.array([[False]]),
+             "disable_at_batch": np.array([[disable_at]], np.int32), "cache_prompt": np.array([[False]]),
              "return_perf_metrics": np.array([[True]]), "stream": np.array([[True]])}
         c = Client()
         sched.submit(parser.parse(d.get, ""), c)
@@ -101,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.triton.parse import Limits, RequestParser
     from pipeline.triton.scheduler import Scheduler
 
-    global DISABLE_AT
-    DISABLE_AT = args.disable_at
     spec = specmod.load(args.spec)
     b = apply_spec(load_bundle(spec.engine_dir, "cpu"), spec)
     bc = b.config["build_config"]
@@ -120,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             if prof:
                 prof.enable()
             gaps: list[float] = []
-            wall, toks = run(sched, parser, texts, m, args.clients, args.requests, args.new, gaps)
+            wall, toks = run(sched, parser, texts, m, args.clients, args.requests, args.new, gaps,
+                             args.disable_at)
             if prof:
                 prof.disable()
             g = np.array(gaps) if gaps else np.zeros(1)

@@ -233,19 +233,19 @@ def cmd_pick_k(args) -> int:
     s = specmod.load(args.spec)
     setup_threads(s)
     b = load_bundle(s.engine_dir, s.device, methods=("draft_target",))
-    if args.costs and (b.draft is None or not ((b.draft_config or {}).get("speculation") or {}).get("table")):
-        print(f"pick-k --costs: {s.engine_dir} has no draft engine with a pick-k table: nothing to re-time")
-        return 0
-    if b.draft is None:
-        raise ValueError(f"{s.engine_dir}/draft is not built; set draft.source and run `python -m pipeline engine "
-                         f"{args.spec}` first")
     if args.costs:
-        stored = (b.draft_config or {}).get("speculation") or {}
+        stored = ((b.draft_config or {}).get("speculation") or {}) if b.draft is not None else {}
+        if not stored.get("table"):
+            print(f"pick-k --costs: {s.engine_dir} has no draft engine with a pick-k table: nothing to re-time")
+            return 0
         out = remeasure_costs(b.target, b.draft, stored)
         if args.write:
             store(s.engine_dir, out)
             print(f"stored the re-timed costs in {s.engine_dir / 'draft' / 'config.json'}")
         return 0
+    if b.draft is None:
+        raise ValueError(f"{s.engine_dir}/draft is not built; set draft.source and run `python -m pipeline engine "
+                         f"{args.spec}` first")
     max_k = args.max_k or min(b.max_draft_len, 8)
     texts = read_prompts(s.path(s.validate.prompts))
     held = split_prompts(texts, s.validate.max_prompts)[1] or texts[:4]

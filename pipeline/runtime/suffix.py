@@ -288,8 +288,9 @@ class SuffixDrafter:  # a Drafter
                 n = 0
                 while at + n < len(c) and e + n < len(toks) and n <= len(draft) and toks[e + n] == c[at + n]:
                     n += 1
-                if at + n < len(c) and n <= len(draft):
-                    row.resync = (toks, e + n, at + n)
+                # a mismatch: re-sync from it; none (all the draft and the target's own token agreed): the row is
+                # aligned again, and an older mismatch's point would only search behind it
+                row.resync = (toks, e + n, at + n) if at + n < len(c) and n <= len(draft) else None
             row.last = None
         if row.pred:
             out = c[row.prompt_len:]
