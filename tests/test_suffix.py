@@ -196,6 +196,47 @@ def test_the_hybrid_leaves_a_match_the_draft_model_would_beat_to_the_model():
     assert predicted and predicted == src[4:4 + len(predicted)]
 
 
+def test_a_predictions_odds_are_its_own_requests_not_the_deployments():
+    """Two requests on one deployment's store (its odds shared by every request): a wrong prediction's rejections
+    leave the next request's right prediction drafting as long as on a fresh deployment; the context and store odds
+    stay shared."""
+    src = list(range(10, 70))
+    prompt = [2, 3, 4, 5]
+
+    def draft_len(store: SuffixStore) -> int:
+        d = SuffixDrafter([Request(prompt, 64, prediction=src)], 16, "cpu", store, VERIFY_COST)
+        return len(d.row_draft(0, prompt))
+
+    fresh = draft_len(SuffixStore(1 << 20))
+    assert fresh > 1
+    store = SuffixStore(1 << 20)
+    wrong = SuffixDrafter([Request(prompt, 64, prediction=src)], 16, "cpu", store, VERIFY_COST)
+    c = list(prompt)
+    for t in range(80, 92):  # the output never follows the prediction; it realigns on each 3-token match
+        wrong.row_draft(0, c)
+        c = c + [t]
+    assert not any(k[0] == "prediction" for k in store.odds.tested)
+    assert draft_len(store) == fresh
+
+
+def test_a_failing_prediction_leaves_its_rounds_to_a_longer_context_match():
+    """An aligned prediction and a long match of the prompt are weighed by what their odds promise a step: while the
+    prediction's odds are the prior it drafts; once its own rounds were rejected, the context's continuation does."""
+    src = list(range(10, 70))
+    prompt = [2, 3, *src, 4]
+    out = src[:12]
+    pred = out + [99] * 40  # follows the output so far, then goes elsewhere
+    d = SuffixDrafter([Request(prompt, 64, prediction=pred)], 16, "cpu", None, VERIFY_COST)
+    first = d.row_draft(0, prompt + out)
+    assert first and first[0] == 99
+    row = d.rows[0]
+    row.last = None
+    for _ in range(12):
+        row.pred_odds.add("prediction", 64, 4, 0)
+    got = d.row_draft(0, prompt + out)
+    assert got and got == src[12:12 + len(got)]
+
+
 def test_a_deferred_hybrid_row_drafts_a_short_match_instead_of_a_plain_step(pair):
     """While the draft model waits for its prefill (a long prompt, DEFER_MIN), a row the hybrid's 4-token threshold
     leaves without a draft takes a 2-token match's continuation; the draft model still does not run."""

@@ -235,6 +235,10 @@ class _Row:
         self.pred_index = _Index()
         self.pred_index.extend(self.pred)
         self.pp: int | None = 0 if self.pred else None  # output so far == pred[:pp] (aligned), None: diverged
+        # this request's own odds for its prediction: how good a prediction is belongs to the request that sent it
+        # (the deployment's odds, shared by every request, had an unrelated file's rejections shorten the next
+        # request's drafts from a right one, and the right one's acceptances lengthen a wrong one's)
+        self.pred_odds = Odds()
         self.seen = 0  # output tokens taken into pp
         # (source, match, draft, context length then, the source's tokens or None, where the draft starts in them)
         self.last: tuple[str, int, list[int], int, list[int] | None, int] | None = None
@@ -282,7 +286,8 @@ class SuffixDrafter:  # a Drafter
             while n < len(draft) and n < len(new) and draft[n] == new[n]:
                 n += 1
             # n == len(new): the round verified fewer tokens than drafted (the load policy cut it): no rejection seen
-            self.odds.add(source, m, len(draft) if n < len(new) else n, n)
+            odds = row.pred_odds if source == "prediction" else self.odds
+            odds.add(source, m, len(draft) if n < len(new) else n, n)
             if toks is not None and (m >= RESYNC_FROM or source in ("prediction", "resync")):
                 # the first mismatch with the source in what the target committed, its own token after the draft too
                 n = 0
@@ -307,35 +312,45 @@ class SuffixDrafter:  # a Drafter
 
     def row_draft(self, b: int, c: list[int], min_match: int = 0) -> list[int]:
         """Row b's draft for context c (empty: no match worth drafting, or its best length is 0); `min_match` > 0
-        replaces the drafter's own threshold for this call."""
+        replaces the drafter's own threshold for this call.
+
+        An aligned prediction and the longest context or store match are both weighed: the one whose odds and the
+        verify curve promise more tokens a step drafts (the prediction where they tie), so a prediction that keeps
+        failing (an unrelated file realigned on a common trigram) no longer takes the rounds from a long match of the
+        prompt or from the draft model."""
         row = self.rows[b]
         self._update(row, c)
-        source, m, cont, toks, e = "", 0, [], None, 0
+        mm = min_match or self.min_match
+        cands: list[tuple[str, int, list[int], list[int] | None, int]] = []  # (source, match, cont, toks, start)
         if row.pp is not None and row.pp < len(row.pred):
-            source, m, toks, e = "prediction", MAX_MATCH, row.pred, row.pp
-        else:
-            m1, e1 = row.index.best(c)
-            m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
-            mm = min_match or self.min_match
-            if max(m1, m2) >= mm:
-                if m1 >= m2:
-                    source, m, toks, e = "context", m1, row.index.toks, e1
-                else:
-                    source, m, cont = "store", m2, cont2[:self.k]
-            elif row.resync is not None and mm <= ANCHOR:  # not where the hybrid's draft model would draft
-                j = self._resync(row, c)
-                if j >= 0:
-                    source, m, toks, e = "resync", 1, row.resync[0], j
-        if toks is not None:
-            cont = toks[e:e + self.k]
-        if not cont:
+            cands.append(("prediction", MAX_MATCH, row.pred[row.pp:row.pp + self.k], row.pred, row.pp))
+        m1, e1 = row.index.best(c)
+        m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
+        if max(m1, m2) >= mm:
+            if m1 >= m2:
+                cands.append(("context", m1, row.index.toks[e1:e1 + self.k], row.index.toks, e1))
+            else:
+                cands.append(("store", m2, cont2[:self.k], None, 0))
+        elif not cands and row.resync is not None and mm <= ANCHOR:  # not where the hybrid's draft model would draft
+            j = self._resync(row, c)
+            if j >= 0:
+                cands.append(("resync", 1, row.resync[0][j:j + self.k], row.resync[0], j))
+        best: tuple[float, int, tuple] | None = None
+        for cand in cands:
+            source, m, cont = cand[:3]
+            if not cont:
+                continue
+            odds = row.pred_odds if source == "prediction" else self.odds
+            L, value = best_draft(odds.p(source, m), min(len(cont), self.k), self.cost)
+            if not min_match and source in ("context", "store") and value < self.beat:
+                continue  # the draft model expects more from this round than this match does
+            if L and (best is None or value > best[0]):
+                best = (value, L, cand)
+        if best is None:
             return []
-        L, value = best_draft(self.odds.p(source, m), min(len(cont), self.k), self.cost)
-        if not min_match and source in ("context", "store") and value < self.beat:
-            return []  # the draft model expects more from this round than this match does
+        _, L, (source, m, cont, toks, e) = best
         draft = cont[:L]
-        if draft:
-            row.last = (source, m, draft, len(c), toks, e)
+        row.last = (source, m, draft, len(c), toks, e)
         return draft
 
     @staticmethod
