@@ -5,7 +5,7 @@ answer quoting the question's code), that text is the best draft there is. Each 
 looks for the context's newest tokens earlier in three sources and proposes what followed them there:
 
 1. the request's **prediction** (OpenAI Predicted Outputs), kept aligned to the output so far and re-synced after a
-   mismatch; while aligned it is the first source;
+   mismatch; while aligned it is weighed against the best match of the other two (its odds are its request's own);
 2. the request's own **prompt and output so far**;
 3. a bounded **store of recent outputs** of this deployment (`SuffixStore`: token ids only, at most
    `speculation.suffix_store_bytes` bytes, oldest dropped first).
@@ -246,9 +246,10 @@ class _Row:
 
 
 class SuffixDrafter:  # a Drafter
-    """Drafts the continuation of the longest match (prediction first, then the context, then the store) at the
-    length the match's odds and the verify cost make best, at most `k` tokens. `min_match` > 0: rows whose best
-    match (outside an aligned prediction) is shorter draft nothing (the hybrid's draft model takes them)."""
+    """Drafts the continuation of an aligned prediction or of the longest context or store match, whichever promises
+    more a step, at the length the match's odds and the verify cost make best, at most `k` tokens. `min_match` > 0:
+    rows whose best match (outside an aligned prediction) is shorter draft nothing (the hybrid's draft model takes
+    them)."""
 
     def __init__(self, reqs: list[Request], k: int, dev, store: SuffixStore | None = None,
                  cost: tuple[float, ...] | list[float] = VERIFY_COST, min_match: int = ANCHOR, beat: float = 0.0):
