@@ -51,17 +51,18 @@ def served_replicas(tmp_path_factory, tiny_tokenizer):
                            kv_heads=2, tokenizer=tiny_tokenizer)
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
-    proxy_ports = [srvmod.free_port(), srvmod.free_port()]
+    free = srvmod.free_ports(2 + 4 * len(roots))  # distinct: ports taken one at a time can repeat
+    proxy_ports, free = free[:2], free[2:]
     paths = []
     for i, root in enumerate(roots):
         if i:
             (root / "models").mkdir()
             (root / "models" / "target").symlink_to(model)
+        grpc, http, metrics, api = free[4 * i:4 * i + 4]
         paths.append(write_spec(
-            root, name="routed", triton={"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(),
-                                         "metrics_port": srvmod.free_port(), "models": ["ensemble"],
-                                         "startup_timeout_s": 240},
-            openai={"port": srvmod.free_port()}, prompt_cache={"bytes": 1 << 28, "block_tokens": 16},
+            root, name="routed", triton={"grpc_port": grpc, "http_port": http, "metrics_port": metrics,
+                                         "models": ["ensemble"], "startup_timeout_s": 240},
+            openai={"port": api}, prompt_cache={"bytes": 1 << 28, "block_tokens": 16},
             limits={"max_batch_size": 4, "max_input_len": 1536, "max_seq_len": 2048, "max_draft_len": 8},
             deploy={"proxy_port": proxy_ports[i // 2]}))
     specs = [specmod.load(p) for p in paths]

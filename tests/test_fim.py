@@ -96,9 +96,10 @@ def served_fim(tmp_path_factory, tiny_engine):
 
     root = tmp_path_factory.mktemp("fim")
     make_model_dir(root / "models" / "target", tokenizer=fim_tokenizer())
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics, api = srvmod.free_ports(4)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     path = write_spec(root, name="fim", draft={"source": "models/target"},
-                      triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      triton={**ports, "startup_timeout_s": 240}, openai={"port": api},
                       prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       limits={"max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512, "max_draft_len": 8})
     s = specmod.load(path)

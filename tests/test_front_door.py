@@ -88,9 +88,10 @@ def keyed_served(tiny_root, tiny_engine):
 
     old = os.environ.get(door.API_KEY_ENV)
     os.environ[door.API_KEY_ENV] = KEY
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics, api = srvmod.free_ports(4)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     path = write_spec(tiny_root, name="door", triton={**ports, "models": ["ensemble"], "startup_timeout_s": 240},
-                      openai={"port": srvmod.free_port(), "max_concurrent": 2, "header_timeout_s": 1.5,
+                      openai={"port": api, "max_concurrent": 2, "header_timeout_s": 1.5,
                               "body_timeout_s": 1.5, "max_connections": 64},
                       limits={"max_batch_size": 2, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8})
     s = specmod.load(path)

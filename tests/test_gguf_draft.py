@@ -98,7 +98,8 @@ def write_gguf(model_dir: Path, path: Path, types: dict[str, int]) -> Path:
 def _spec(root: Path, name: str, draft: dict, **sections) -> specmod.Spec:
     from pipeline.triton import server as srvmod
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     return specmod.load(write_spec(root, name=name, draft=draft, triton={**ports, "startup_timeout_s": 240},
                                    **sections))
 

@@ -30,11 +30,12 @@ def served_deployment(tiny_root, tiny_engine):
     from pipeline.train.draft import build_draft
     from pipeline.train.medusa import build_medusa
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics, api = srvmod.free_ports(4)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     path = write_spec(tiny_root, name="oai", draft={"source": "models/target"},
                       medusa={"source": "train", "num_heads": 2, "choices": [[0], [1], [0, 0]],
                               "train": {"steps": 10, "minutes": 0.5, "sequences": 8, "seq_len": 24, "batch_size": 4}},
-                      triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      triton={**ports, "startup_timeout_s": 240}, openai={"port": api},
                       prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       # room for a stream long enough to be abandoned mid-way
                       limits={"max_batch_size": 8, "max_input_len": 128, "max_seq_len": 512, "max_draft_len": 8},

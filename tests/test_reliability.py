@@ -32,7 +32,8 @@ UNUSED_END = 0
 def served(tiny_root, tiny_engine):
     from pipeline.engine import build_target
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     s = specmod.load(write_spec(tiny_root, name="rel", limits=LIMITS, threads=1,
                                 triton={**ports, "startup_timeout_s": 240}))
     build_target(s, log=lambda *a: None)
@@ -312,7 +313,8 @@ def test_a_damaged_engine_file_is_named_at_load(tiny_engine, tmp_path, damage):
 def test_a_server_on_a_damaged_engine_fails_fast_naming_the_file(tiny_root, tiny_engine):
     import shutil
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     s = specmod.load(write_spec(tiny_root, name="dmg", triton={**ports, "startup_timeout_s": 240}))
     shutil.copytree(tiny_engine, s.engine_dir / "target", dirs_exist_ok=True)
     write_repo(s, log=lambda *a: None)
@@ -652,7 +654,8 @@ def unary_served(tiny_root, tiny_engine, served):
     """The same engine served with triton.decoupled: false (one response per request: ModelInfer works)."""
     import shutil
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     s = specmod.load(write_spec(tiny_root, name="unary", limits=LIMITS,
                                 triton={**ports, "startup_timeout_s": 240, "decoupled": False}))
     shutil.copytree(served[0].engine_dir, s.engine_dir, dirs_exist_ok=True)

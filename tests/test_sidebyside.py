@@ -198,9 +198,10 @@ def served_tiny(tiny_root, tiny_engine):
     from pipeline.train.draft import build_draft
     from pipeline.triton import server as srvmod
 
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics, api = srvmod.free_ports(4)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     path = write_spec(tiny_root, name="sbs", draft={"source": "models/target"},
-                      triton={**ports, "startup_timeout_s": 240}, openai={"port": srvmod.free_port()},
+                      triton={**ports, "startup_timeout_s": 240}, openai={"port": api},
                       prompt_cache={"bytes": 1 << 26, "block_tokens": 16},
                       limits={"max_batch_size": 4, "max_input_len": 384, "max_seq_len": 512, "max_draft_len": 8},
                       validate={"context_sizes": [40, 120], "context_turns": 2, "context_trace_tokens": 256,

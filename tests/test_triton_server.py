@@ -23,7 +23,8 @@ UNUSED_END = 0  # <unk>: the random model never stops early, so budgets are exac
 
 
 def _spec(root, name: str, **sections) -> specmod.Spec:
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     return specmod.load(write_spec(root, name=name, triton={**ports, "startup_timeout_s": 240}, **sections))
 
 
@@ -422,3 +423,13 @@ def test_stop_leaves_no_process_and_frees_the_ports(served):
     assert not srvmod.pid_file(s).exists()
     assert all(srvmod.port_free("127.0.0.1", port) for port in srvmod.ports(s).values())
     assert not srvmod.stop(s)
+
+
+def test_free_ports_are_distinct_and_each_can_be_bound():
+    """Tests take a spec's ports from free_ports: one call never hands out a port twice (free_port called 18 times
+    in a row had, and the routing test's spec failed its port-clash check)."""
+    ports = srvmod.free_ports(32)
+    assert len(set(ports)) == 32
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))

@@ -118,7 +118,8 @@ def start_harness(path: Path, root: Path, tiny_tokenizer) -> Harness:
     if data["medusa"]["source"] != "none":
         heads = _medusa_heads(root / "models" / "medusa", engines["target"], data["medusa"]["num_heads"])
         data["medusa"]["source"] = str(heads)
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     data["triton"] = {**data.get("triton", {}), **ports, "host": "127.0.0.1", "instance_count": 1,
                       "startup_timeout_s": 300}
     data["tensorrt_llm"].update(target_arch="auto", draft_arch="auto", era="engine")  # this file: the engine era

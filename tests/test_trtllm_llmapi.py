@@ -226,7 +226,8 @@ def served(request, tmp_path_factory, llmapi_models):
 
     models, target = llmapi_models
     root = tmp_path_factory.mktemp(f"llmapi_{request.param}")
-    ports = {"grpc_port": srvmod.free_port(), "http_port": srvmod.free_port(), "metrics_port": srvmod.free_port()}
+    grpc, http, metrics = srvmod.free_ports(3)
+    ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
     changes = {"target__source": str(models / "target"), "tensorrt_llm__target_arch": "auto",
                "tensorrt_llm__draft_arch": "auto", "limits__max_seq_len": 256, "limits__max_input_len": 128,
                "triton": {**ports, "host": "127.0.0.1", "startup_timeout_s": 300}}

@@ -107,6 +107,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free ports: each socket stays bound until all are chosen (free_port called n times can return one
+    port twice, since the kernel may hand a just-closed port out again; a test's spec then fails its port-clash
+    check, as the routing test's 18 ports once did)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def local_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to `host`."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
