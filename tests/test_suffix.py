@@ -10,7 +10,7 @@ from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.specconfig import SpecDecodeConfig
-from pipeline.runtime.suffix import ANCHOR, TOKEN_BYTES, VERIFY_COST, SuffixDrafter, SuffixStore, best_length
+from pipeline.runtime.suffix import ANCHOR, TOKEN_BYTES, VERIFY_COST, SuffixDrafter, SuffixStore, best_draft
 from tests.test_speculative import V, exact_two_token_dist, prompts, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,7 +146,7 @@ def test_long_drafts_follow_the_verify_curve_not_the_cap(pair):
         (r,) = decode(b, "suffix", [Request(p, 80, cache_prompt=False, prediction=ref.tokens)])
         assert r.tokens == ref.tokens
         widths[name] = _widest(r.proposed_per_position)
-    assert widths["flat"] == 32 and 8 <= widths["zen4"] <= best_length(0.999, 32, VERIFY_COST) < 16
+    assert widths["flat"] == 32 and 8 <= widths["zen4"] <= best_draft(0.999, 32, VERIFY_COST)[0] < 16
 
 
 @pytest.mark.parametrize("min_match", [ANCHOR, 4])
@@ -275,12 +275,13 @@ def test_store_stays_within_its_byte_budget_and_drops_the_oldest():
 
 
 def test_draft_length_grows_with_the_odds_and_follows_the_verify_cost():
-    assert best_length(0.3, 32, VERIFY_COST) < best_length(0.7, 32, VERIFY_COST) < best_length(0.97, 32, VERIFY_COST)
-    assert 8 <= best_length(0.99, 32, VERIFY_COST) <= 12  # the Zen 4 curve: 16 tokens cost 3.93 steps, 12 cost 2.14
+    lengths = [best_draft(p, 32, VERIFY_COST)[0] for p in (0.3, 0.7, 0.97)]
+    assert lengths[0] < lengths[1] < lengths[2]
+    assert 8 <= best_draft(0.99, 32, VERIFY_COST)[0] <= 12  # the Zen 4 curve: 16 tokens cost 3.93 steps, 12 cost 2.14
     flat = [1.0 + 0.01 * s for s in range(64)]
-    assert best_length(0.95, 32, flat) == 32  # verification almost free: the whole cap
+    assert best_draft(0.95, 32, flat)[0] == 32  # verification almost free: the whole cap
     steep = [1.0 + s for s in range(64)]  # every token costs a step: drafting never pays
-    assert best_length(0.9, 32, steep) == 0
+    assert best_draft(0.9, 32, steep)[0] == 0
 
 
 def sampled(b: Bundle, method: str, prompt, params, n: int, **kw) -> torch.Tensor:

@@ -73,15 +73,11 @@ def _interpolated(points: tuple[tuple[int, float], ...], n: int) -> list[float]:
 VERIFY_COST: tuple[float, ...] = tuple(_interpolated(_POINTS, 64))
 
 
-def best_length(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> int:
+def best_draft(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> tuple[int, float]:
     """The draft length L in 0..cap that maximises expected committed tokens per verify cost when each drafted
     token is accepted with probability p (independently): (1 - p^(L+1)) / (1 - p) tokens for cost[L] (the cost of
-    verifying L + 1 tokens, cost[0] = 1). 0 when no draft beats a plain step."""
-    return best_draft(p, cap, cost)[0]
-
-
-def best_draft(p: float, cap: int, cost: tuple[float, ...] | list[float]) -> tuple[int, float]:
-    """`best_length`'s L and its expected tokens per one-token step (1.0 for L = 0: a plain step)."""
+    verifying L + 1 tokens, cost[0] = 1), and those tokens per one-token step (L = 0, 1.0: no draft beats a plain
+    step)."""
     best, best_l = 1.0, 0
     e, pk = 1.0, 1.0
     for L in range(1, min(cap, len(cost) - 1) + 1):

@@ -102,9 +102,7 @@ def port_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
