@@ -29,10 +29,13 @@ SOURCES = ("skinny.c", "gguf_kernels.c", "gguf_blocks32.c")  # skinny.c #include
 
 def build_at(rev: str | None, isa: str, out_dir: Path, define: str | None = None):
     """skinny.c as it is at git revision `rev` (None: this tree), compiled with today's flags for `isa` (and
-    -D`define`) and bound."""
+    -D`define`) and bound; `.kv_dtype` the cache it reads (bf16, or fp32 before 2026-12-05)."""
+    import torch
+
     from pipeline.runtime import kernels
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    bf16_cache = True
     for name in SOURCES:
         if rev is None:
             text = (ROOT / "pipeline" / "runtime" / name).read_text()
@@ -40,11 +43,15 @@ def build_at(rev: str | None, isa: str, out_dir: Path, define: str | None = None
             text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/runtime/{name}"], check=True,
                                   capture_output=True, text=True).stdout
         (out_dir / name).write_text(text)
+        if name == "skinny.c":
+            bf16_cache = "const uint16_t *kc" in text  # fp32 K/V before 2026-12-05
     so = out_dir / f"skinny-{isa}.so"
     extra = [f"-D{define}"] if define else []
     subprocess.run(["cc", *kernels.CFLAGS, *kernels.ISA_FLAGS[isa], *extra, str(out_dir / "skinny.c"), "-o", str(so)],
                    check=True)
-    return kernels.bind(so)
+    lib = kernels.bind(so)
+    lib.kv_dtype = kernels.KV_DTYPE if bf16_cache else torch.float32
+    return lib
 
 
 def call(lib, q, kc, vc, slots, kv: int, threads: int):
@@ -65,6 +72,8 @@ def kernel_rows(libs: dict, kvs: list[int], chunk: int, threads: int, reps: int)
     g = torch.Generator().manual_seed(0)
     for kv in kvs:
         kc, vc = (torch.randn(1, Hkv, kv, D, generator=g) for _ in range(2))
+        kcs = {lib.kv_dtype: kc.to(lib.kv_dtype) for lib in libs.values()}
+        vcs = {lib.kv_dtype: vc.to(lib.kv_dtype) for lib in libs.values()}
         for S in (min(chunk, kv), 1):
             q = torch.randn(1, S, Hq, D, generator=g) * 2
             slots = (kv - S + torch.arange(S))[None].contiguous()
@@ -72,7 +81,7 @@ def kernel_rows(libs: dict, kvs: list[int], chunk: int, threads: int, reps: int)
             for _ in range(reps):
                 for name, lib in libs.items():
                     t0 = time.perf_counter()
-                    outs[name] = call(lib, q, kc, vc, slots, kv, threads)
+                    outs[name] = call(lib, q, kcs[lib.kv_dtype], vcs[lib.kv_dtype], slots, kv, threads)
                     times[name].append(time.perf_counter() - t0)
             seen = sum(int(s) + 1 for s in slots[0])  # (query, slot) pairs a causal mask lets through, per head
             macs = 2 * seen * Hq * D
@@ -82,7 +91,10 @@ def kernel_rows(libs: dict, kvs: list[int], chunk: int, threads: int, reps: int)
                 line += f"  {name} {t * 1e3:9.2f} ms ({macs / t / 1e9:5.1f} GMAC/s seen)"
             if len(outs) > 1:
                 ref = next(iter(outs.values()))
-                line += "  bits " + ("equal" if all(torch.equal(o, ref) for o in outs.values()) else "DIFFER")
+                if all(torch.equal(o, ref) for o in outs.values()):
+                    line += "  bits equal"
+                else:  # (fp32 against bf16 K/V: how far, not whether)
+                    line += f"  bits DIFFER (max |diff| {max(float((o - ref).abs().max()) for o in outs.values()):.2e})"
             print(line, flush=True)
 
 
@@ -91,21 +103,21 @@ def cold_prefill(libs: dict, engine: str, tokens: int) -> None:
 
     from pipeline.runtime import kernels
     from pipeline.runtime.engine_io import load_engine
-    from pipeline.runtime.model import prefill
+    from pipeline.runtime.model import KVCache, prefill
 
     model = load_engine(Path(engine) / "target").model
     ids = torch.randint(100, 150000, (tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     hidden = {}
     for name, lib in libs.items():
-        prev = kernels._lib
-        kernels._lib = lib
+        prev, prev_dtype = kernels._lib, kernels.KV_DTYPE
+        kernels._lib, kernels.KV_DTYPE = lib, lib.kv_dtype
         try:
-            cache = model.new_cache(1, tokens + 16)
+            cache = KVCache(model.cfg, 1, tokens + 16, lib.kv_dtype, "cpu")
             t0 = time.perf_counter()
             hidden[name] = prefill(model, cache, [ids])
             print(f"cold prefill {tokens} tokens, {name}: {time.perf_counter() - t0:.2f} s", flush=True)
         finally:
-            kernels._lib = prev
+            kernels._lib, kernels.KV_DTYPE = prev, prev_dtype
     if len(hidden) > 1:
         ref = next(iter(hidden.values()))
         print("last hidden state bits", "equal" if all(torch.equal(h, ref) for h in hidden.values()) else "DIFFER")
@@ -128,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     kernels.configure_threads(args.threads)
     libs = {"this tree": kernels._load()}
+    libs["this tree"].kv_dtype = kernels.KV_DTYPE
     isa = kernels._path  # the build (avx512 / avx2) whose flags the baseline is compiled with
     print(f"kernel build {isa}, {args.threads} threads")
     with tempfile.TemporaryDirectory() as tmp:

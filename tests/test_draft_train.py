@@ -63,7 +63,7 @@ def test_draft_hf_checkpoint_loads_in_transformers_with_the_same_logits(trained)
     with torch.no_grad():
         ref = hf(ids).logits[0]
     got = b.draft.logits(b.draft(ids, torch.arange(6)[None], b.draft.new_cache(1, 16)))[0]
-    assert (got - ref).abs().max() < 1e-3
+    assert (got - ref).abs().max() < 1e-2  # bf16 K/V attention against transformers' fp32 (test_runtime_model's TOL)
 
 
 def test_unchanged_rebuild_is_a_no_op(trained, tiny_root):

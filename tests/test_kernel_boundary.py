@@ -89,7 +89,7 @@ def test_skinny_c_refuses_shapes_and_types_it_cannot_read_on_its_own(build):
                              32) == SK_OK
     assert lib.fused_linear(x.data_ptr(), None, 0.0, w.data_ptr(), None, y.data_ptr(), 2, 64, 8, 1, codes["f32"], 0, 3,
                             0) == SK_EARG
-    q4, kc = torch.randn(1, 1, 2, 8), torch.zeros(1, 1, 4, 8)
+    q4, kc = torch.randn(1, 1, 2, 8), torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
     slots = torch.zeros(1, 1, dtype=torch.int64)
     out = torch.empty_like(q4)
     assert lib.attention(q4.data_ptr(), kc.data_ptr(), kc.data_ptr(), None, slots.data_ptr(), out.data_ptr(), 1, 1, 2,
@@ -136,7 +136,7 @@ def test_the_python_boundary_names_the_argument_its_value_and_the_requirement():
     qkv = torch.randn(1, 2, hq + 2 * hkv, d)
     pos = torch.tensor([[0, 1]])
     cos = sin = torch.ones(8, d)
-    kc, vc = torch.zeros(1, hkv, length, d), torch.zeros(1, hkv, length, d)
+    kc, vc = (torch.zeros(1, hkv, length, d, dtype=torch.bfloat16) for _ in range(2))
     _raises(lambda: kernels.rope_write(qkv, pos, torch.tensor([[3, 4]]), cos, sin, kc, vc, hq, hkv),
             "kernels.rope_write", "slots (min, max)", "(3, 4)", "[0, 4)")
     _raises(lambda: kernels.rope_write(qkv, torch.tensor([[0, 8]]), pos, cos, sin, kc, vc, hq, hkv), "pos (min, max)",
@@ -152,10 +152,14 @@ def test_the_python_boundary_names_the_argument_its_value_and_the_requirement():
     xs = torch.randn(1, 2, 16)
     _raises(lambda: kernels.decoder_layer(plan, xs, pos, torch.tensor([[0, 4]]), cos, sin, kc, vc, None, 4),
             "kernels.decoder_layer", "slots (min, max)", "(0, 4)")
-    wide = torch.zeros(1, hkv, length, 2 * d)[..., :d]  # every other 8 columns: a strided view
+    wide = torch.zeros(1, hkv, length, 2 * d, dtype=torch.bfloat16)[..., :d]  # every other 8 columns: a strided view
     _raises(lambda: kernels.decoder_layer(plan, xs, pos, pos, cos, sin, wide, wide, None, 2), "kc.stride()")
+    f32 = torch.zeros(1, hkv, length, d)  # the cache before bf16: refused, not read as if it were
+    _raises(lambda: kernels.decoder_layer(plan, xs, pos, pos, cos, sin, f32, f32, None, 2), "kernels.decoder_layer",
+            "kc is torch.float32", "bfloat16")
+    _raises(lambda: kernels.attention(q, f32, f32, None, 2, pos), "kernels.attention", "kc.dtype", "torch.bfloat16")
     layers = kernels.plan_array([plan])
-    k5 = torch.zeros(1, 1, hkv, length, d)
+    k5 = torch.zeros(1, 1, hkv, length, d, dtype=torch.bfloat16)
     _raises(lambda: kernels.decoder_layers(layers, 1, xs, pos, pos, cos, sin, k5, k5, None, length + 1),
             "kernels.decoder_layers", "kv_len", "5")
     _raises(lambda: kernels.decoder_layers(layers, 2, xs, pos, pos, cos, sin, k5, k5, None, 2), "n", "2", "[0, 1]")
@@ -172,7 +176,7 @@ def test_a_valid_layer_call_passes_the_checks_and_writes_only_its_slots():
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
     ang = torch.outer(torch.arange(8).float(), inv)
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-    kc, vc = torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)
+    kc, vc = (torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16) for _ in range(2))
     x0 = xs.clone()
     kernels.decoder_layer(plan, xs, pos, pos, cos, sin, kc, vc, None, 3)
     assert torch.isfinite(xs).all() and not torch.equal(xs, x0)
@@ -190,7 +194,7 @@ def test_hot_calls_reuse_their_scratch_buffers(build):
                               torch.ones(16), torch.ones(16), 1e-6, 2, 1, 8)
     pos = torch.arange(3)[None]
     cos = torch.ones(8, 8)
-    kc = torch.zeros(1, 1, 4, 8)
+    kc = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
 
     def step(rows: int) -> None:
         kernels.linear(x[:rows], bf)
@@ -227,7 +231,7 @@ def test_a_long_prefill_takes_its_large_buffers_once_a_call_not_once_a_layer():
     x0 = torch.randn(1, T, H, generator=g)
 
     def run(n: int) -> tuple[int, torch.Tensor]:
-        k, v = torch.zeros(4, 1, hkv, T, D), torch.zeros(4, 1, hkv, T, D)
+        k, v = (torch.zeros(4, 1, hkv, T, D, dtype=torch.bfloat16) for _ in range(2))
         x = x0.clone()
         before = allocs.value
         kernels.decoder_layers(arr, n, x, pos, pos, cos, sin, k, v, None, T)
@@ -238,7 +242,7 @@ def test_a_long_prefill_takes_its_large_buffers_once_a_call_not_once_a_layer():
     four, x4 = run(4)
     again, _ = run(4)
     assert one > 0 and four == one and again == one, (one, four, again)
-    k, v = torch.zeros(4, 1, hkv, T, D), torch.zeros(4, 1, hkv, T, D)
+    k, v = (torch.zeros(4, 1, hkv, T, D, dtype=torch.bfloat16) for _ in range(2))
     x = x0.clone()
     for i, plan in enumerate(plans):
         kernels.decoder_layer(plan, x, pos, pos, cos, sin, k[i], v[i], None, T)
@@ -300,7 +304,7 @@ def test_the_plain_c_parts_agree_bit_for_bit_between_builds():
     for b in BUILDS:
         prev = kernels.set_path(b)
         try:
-            kc, vc = torch.zeros(2, hkv, 8, d), torch.zeros(2, hkv, 8, d)
+            kc, vc = (torch.zeros(2, hkv, 8, d, dtype=torch.bfloat16) for _ in range(2))
             q = kernels.rope_write(qkv, pos, pos, cos, sin, kc, vc, hq, hkv, bias)
             acc = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
             kernels.fused_linear(x, w, swiglu=True, out=acc)

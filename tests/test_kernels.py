@@ -177,22 +177,24 @@ def test_the_swiglu_before_a_down_projection_does_not_depend_on_the_thread_count
 
 @pytest.mark.parametrize("shape", [(1, 1, 14, 2, 64, 65), (2, 5, 4, 2, 36, 37), (1, 3, 6, 3, 128, 300)])
 def test_attention_matches_sdpa_and_ignores_threads_padding_and_build(threads, shape):
-    """The C attention (vectorised exp, split over threads) is within fp32 rounding of torch's; a query's result is
-    the same on 1 and 2 threads, with masked slots padded past kv_len, and from the AVX2 build; without a mask it
-    attends to the slots up to its own."""
+    """The C attention (bf16 K/V and dot products, vectorised exp, split over threads) is torch's attention of the
+    same bf16 q, K and V within the rounding of its softmax weights to bf16 (2^-9 of a weight: at most 2^-9 max |V|
+    on an output); a query's result is the same on 1 and 2 threads, with masked slots padded past kv_len, and from the
+    AVX2 build; without a mask it attends to the slots up to its own."""
     B, S, Hq, Hkv, D, kv = shape
     g = torch.Generator().manual_seed(sum(shape))
     q = torch.randn(B, S, Hq, D, generator=g) * 2
-    kc, vc = (torch.randn(B, Hkv, kv + 12, D, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(B, Hkv, kv + 12, D, generator=g).bfloat16() for _ in range(2))
     pos = kv - S + torch.arange(S)
     mask = (torch.arange(kv)[None, None, :] <= pos[None, :, None]).repeat(B, 1, 1)
     mask[-1, 0, 3] = False  # a hole before the query's own slot (a tree branch)
-    ref = F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :, :kv], vc[:, :, :kv], attn_mask=mask[:, None],
+    ref = F.scaled_dot_product_attention(q.bfloat16().double().transpose(1, 2), kc[:, :, :kv].double(),
+                                         vc[:, :, :kv].double(), attn_mask=mask[:, None],
                                          enable_gqa=True).transpose(1, 2)
     m8 = mask.to(torch.uint8).contiguous()
     kernels.configure_threads(1)
     one = kernels.attention(q, kc, vc, m8, kv)
-    assert (one - ref).abs().max() < 1e-5
+    assert (one - ref).abs().max() < 2 ** -9 * float(vc.abs().max()) + 1e-5
     kernels.configure_threads(2)
     assert torch.equal(kernels.attention(q, kc, vc, m8, kv), one)
     padded = torch.cat([m8, torch.zeros(B, S, 9, dtype=torch.uint8)], -1).contiguous()
@@ -217,7 +219,7 @@ def test_a_query_attends_alike_alone_and_grouped_with_the_heads_that_share_its_k
     S, Hq, Hkv, D, kv = shape
     g = torch.Generator().manual_seed(sum(shape))
     q = torch.randn(1, S, Hq, D, generator=g) * 2
-    kc, vc = (torch.randn(1, Hkv, kv + 5, D, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(1, Hkv, kv + 5, D, generator=g).bfloat16() for _ in range(2))
     slots = (kv - S + torch.arange(S))[None].contiguous()
     for n in (1, 2):
         kernels.configure_threads(n)
@@ -245,7 +247,7 @@ def test_a_causal_chunk_scores_no_slot_past_its_queries_and_keeps_their_bits(thr
     S, start, kv, Hq, Hkv, D = shape
     g = torch.Generator().manual_seed(sum(shape))
     q = torch.randn(1, S, Hq, D, generator=g) * 2
-    kc, vc = (torch.randn(1, Hkv, kv + 3, D, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(1, Hkv, kv + 3, D, generator=g).bfloat16() for _ in range(2))
     slots = (start + torch.arange(S))[None].contiguous()
     causal = (torch.arange(kv)[None, None, :] <= slots[:, :, None]).to(torch.uint8).contiguous()
     for n in (1, 2):
@@ -283,7 +285,7 @@ def test_a_tree_node_attends_as_the_chain_of_its_ancestors_wherever_its_slot_lie
     for n in (5, 38, 300):
         g = torch.Generator().manual_seed(n + sum(shape))
         q = torch.randn(1, T, Hq, D, generator=g) * 2
-        kc, vc = (torch.randn(1, Hkv, n + T + 4, D, generator=g) for _ in range(2))
+        kc, vc = (torch.randn(1, Hkv, n + T + 4, D, generator=g).bfloat16() for _ in range(2))
         mask = torch.zeros(1, T, n + T, dtype=torch.uint8)
         mask[:, :, :n] = 1
         for i, c in enumerate(chains):
@@ -658,7 +660,7 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, t
         pos = (start + torch.arange(S))[None].repeat(2, 1).contiguous()
         kv = start + S
         mask = (torch.arange(kv)[None, None, :] <= pos[:, :, None]).to(torch.uint8).contiguous()
-        cache = [torch.randn(2, 2, 32, 32, generator=g) for _ in range(2)]
+        cache = [torch.randn(2, 2, 32, 32, generator=g).bfloat16() for _ in range(2)]
         kc, vc = (c.clone() for c in cache)
         got = layer.fast(x.clone(), pos, pos, (cos, sin), kc, vc, mask, kv)
         xr, kr, vr = x.clone(), cache[0].clone(), cache[1].clone()
@@ -673,7 +675,8 @@ def test_the_one_call_decoder_layer_equals_its_five_kernel_calls_bitwise(kind, t
     layer.ffn_norm.weight.data = layer.ffn_norm.weight.data * 2
     kernels.weights_moved()
     layer.fast(torch.randn(1, 1, 128), torch.tensor([[0]]), torch.tensor([[0]]), (cos, sin),
-               torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 4, 32), torch.ones(1, 1, 1, dtype=torch.uint8), 1)
+               torch.zeros(1, 2, 4, 32, dtype=torch.bfloat16), torch.zeros(1, 2, 4, 32, dtype=torch.bfloat16),
+               torch.ones(1, 1, 1, dtype=torch.uint8), 1)
     assert layer.__dict__["_plan"][1] != key
 
 
@@ -928,3 +931,30 @@ def test_the_int8_peak_probe_counts_its_multiply_adds_and_names_the_instruction(
     finally:
         kernels.set_path(prev_path)
         kernels.set_threads(prev_threads)
+
+
+def test_the_kv_cache_holds_k_and_v_rounded_to_bf16_as_rope_write_writes_them():
+    """rope_write rotates k (half-rotation RoPE, the bias added first) and writes k and v into the bf16 cache rounded
+    to nearest even, as torch rounds fp32 to bf16 (normal values); q comes back in fp32, unrounded; the slots not
+    written keep what they held."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, D, L = 4, 2, 36, 9
+    qkv = torch.randn(1, 3, hq + 2 * hkv, D, generator=g) * 3
+    bias = torch.randn((hq + 2 * hkv) * D, generator=g)
+    pos = torch.tensor([[2, 5, 7]])
+    slots = torch.tensor([[0, 4, 8]])
+    half = D // 2
+    inv = 1.0 / (1e4 ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.outer(torch.arange(16).float(), inv)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    kc, vc = (torch.full((1, hkv, L, D), 7.0, dtype=torch.bfloat16) for _ in range(2))
+    q = kernels.rope_write(qkv, pos, slots, cos, sin, kc, vc, hq, hkv, bias)
+    x = qkv + bias.view(hq + 2 * hkv, D)
+    c, s = cos[pos][:, :, None], sin[pos][:, :, None]
+    rot = x[:, :, :hq + hkv] * c + torch.cat([-x[..., half:], x[..., :half]], -1)[:, :, :hq + hkv] * s
+    assert (q - rot[:, :, :hq]).abs().max() < 1e-5 and q.dtype == torch.float32
+    for t, slot in enumerate(slots[0].tolist()):
+        assert torch.equal(kc[0, :, slot], rot[0, t, hq:].to(torch.bfloat16)), t
+        assert torch.equal(vc[0, :, slot], x[0, t, hq + hkv:].to(torch.bfloat16)), t
+    untouched = [s for s in range(L) if s not in slots[0].tolist()]
+    assert bool((kc[0, :, untouched] == 7).all() and (vc[0, :, untouched] == 7).all())

@@ -76,7 +76,11 @@ def test_reference_agrees_with_itself_and_quality_degrades_with_bits(table):
     assert table["reference"] == "float32" and table["float32"]["agreement_vs_reference"] == 1.0
     lp = {p: table[p]["mean_logprob"] for p in ("float32", "bfloat16", "int8", "int4", "int4_a8")}
     assert all(v <= 0 for v in lp.values())
-    assert lp["float32"] >= lp["int8"] - 1e-3 and lp["int8"] >= lp["int4"] - 1e-3 and lp["int8"] >= lp["int4_a8"] - 1e-3
+    # float32, bfloat16 and int8 sit within about 0.01 of each other on this tiny random model (bfloat16 above float32
+    # with fp32 attention and with bf16 attention alike): the loss the table shows is int4's, tens of times larger.
+    noise = 0.02
+    assert lp["float32"] >= lp["int8"] - noise
+    assert lp["int8"] >= lp["int4"] - noise and lp["int8"] >= lp["int4_a8"] - noise
     assert table["int8"]["agreement_vs_reference"] >= 0.5
     assert table["kernel_path"] in ("avx512", "avx2", "torch")
 

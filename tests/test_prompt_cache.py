@@ -30,7 +30,7 @@ def draft(target):
 def _budget(model, blocks: int) -> int:
     """Bytes of `blocks` blocks of `model`'s K/V."""
     c = model.cfg
-    return blocks * 2 * c.num_layers * c.num_kv_heads * BT * c.head_dim * 4
+    return blocks * 2 * c.num_layers * c.num_kv_heads * BT * c.head_dim * torch.finfo(model.kv_dtype).bits // 8
 
 
 @pytest.mark.parametrize("cut", [0, 5, 8, 13, 16, 29, 40])

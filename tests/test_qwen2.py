@@ -9,7 +9,7 @@ from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.model import ModelConfig, build_model, hf_to_runtime, runtime_to_hf
 from pipeline.runtime.speculative import draft_target, prompt_lookup
 
-TOL = 1e-4
+TOL = 3e-3  # bf16 K/V attention against transformers' fp32 (see test_runtime_model)
 
 
 def _qwen(seed=0, tie=False):

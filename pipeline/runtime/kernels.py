@@ -48,6 +48,10 @@ ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512v
 # -ffp-contract=fast, which lets each build fuse a * b + c on its own, so plain C arithmetic (RoPE, RMSNorm, SwiGLU,
 # the int8 row scale) could round differently in the two builds; the bit-for-bit contract needs it off.
 CFLAGS = ["-O3", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
+# The K/V cache the kernels read and write: bf16, rounded as written (rope_write). Attention's two products are bf16
+# dot products, twice the multiply-adds a cycle of fp32 FMAs, and a long context's cache half the bytes (skinny.c,
+# attention).
+KV_DTYPE = torch.bfloat16
 # skinny.c's weight types the Python side names (codes from the library, `weight_types()`): fp32 / bf16 tensors by
 # dtype; QLinear layouts in _weight_args.
 TENSOR_WT = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -586,8 +590,8 @@ def _check_rope(fn: str, qkv: torch.Tensor, pos: torch.Tensor, slots: torch.Tens
         _cpu(fn, name, t, torch.int64, (B, S))
     _cpu(fn, "cos", cos, torch.float32, (None, D))
     _cpu(fn, "sin", sin, torch.float32, tuple(cos.shape))
-    _cpu(fn, "kc", kc, torch.float32, (B, hkv, None, D))
-    _cpu(fn, "vc", vc, torch.float32, tuple(kc.shape))
+    _cpu(fn, "kc", kc, KV_DTYPE, (B, hkv, None, D))
+    _cpu(fn, "vc", vc, KV_DTYPE, tuple(kc.shape))
     if bias is not None:
         _cpu(fn, "bias", bias, torch.float32, ((hq + 2 * hkv) * D,))
     _in_range(fn, "pos", pos, cos.shape[0], "the RoPE tables' rows")
@@ -607,8 +611,8 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.T
     or without one each query sees the slots up to its own (`slots` [B, S], int64)."""
     _cpu("attention", "q", q, torch.float32, (None, None, None, None))
     B, S, Hq, D = q.shape
-    _cpu("attention", "kc", kc, torch.float32, (B, None, None, D))
-    _cpu("attention", "vc", vc, torch.float32, tuple(kc.shape))
+    _cpu("attention", "kc", kc, KV_DTYPE, (B, None, None, D))
+    _cpu("attention", "vc", vc, KV_DTYPE, tuple(kc.shape))
     if not (Hq % kc.shape[1] == 0):
         _fail("attention", "kc.shape[1] (kv heads)", kc.shape[1], f"divide the {Hq} query heads")
     if not (0 <= kv_len <= kc.shape[2]):
@@ -785,9 +789,9 @@ def _check_step(fn: str, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
     for name, t in (("kc", kc), ("vc", vc)):
         if not (t.dim() == 4 and t.shape[0] == B):
             _fail(fn, f"{name}.shape", list(t.shape), f"be [{B}, H_kv, length, D]")
-        if not (t.device.type == "cpu" and t.dtype == torch.float32):
+        if not (t.device.type == "cpu" and t.dtype == KV_DTYPE):
             _fail(fn, name, f"{t.dtype} on {t.device}",
-                  "be float32 on cpu")
+                  "be bfloat16 on cpu (the kernels' K/V cache: Transformer.new_cache makes it)")
         inner = (t.shape[2] * t.shape[3], t.shape[3], 1)
         if not (t.stride()[1:] == inner):
             _fail(fn, f"{name}.stride()", t.stride(), f"end in {inner} (each row's heads, slots "

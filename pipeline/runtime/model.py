@@ -244,13 +244,27 @@ class Block(nn.Module):
         qkv = qkv.view(B, S, Hq + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, : Hq + Hkv], cos, sin)
         q = qk[:, :, :Hq].transpose(1, 2)
-        kc[rows, :, slots] = qk[:, :, Hq:]
-        vc[rows, :, slots] = qkv[:, :, Hq + Hkv:]
-        keys, values = kc[:, :, :kv_len], vc[:, :, :kv_len]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        kc[rows, :, slots] = qk[:, :, Hq:].to(kc.dtype)
+        vc[rows, :, slots] = qkv[:, :, Hq + Hkv:].to(vc.dtype)
+        keys, values = kc[:, :, :kv_len].to(q.dtype), vc[:, :, :kv_len].to(q.dtype)
+        if kc.dtype == kernels.KV_DTYPE and q.dtype == torch.float32:
+            o = _bf16_attention(q, keys, values, mask)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         x = x + linear(o.transpose(1, 2).reshape(B, S, Hq * D), wt(self.wo))
         gate, up = linear(self.ffn_norm(x), wt(self.w13)).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, wt(self.w2))
+
+
+def _bf16_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """The C attention's numerics in torch ops (the K/V cache bf16): q and the softmax weights rounded to bf16 as the
+    kernel rounds them, so the two paths differ by summation order only. q [B, Hq, S, D], keys/values [B, Hkv, L, D]
+    (bf16 values in fp32), mask [B, 1, S, L] (True = attend)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = (q.to(torch.bfloat16).float() @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    return weights.to(torch.bfloat16).float() @ values
 
 
 class Transformer(nn.Module):
@@ -297,12 +311,18 @@ class Transformer(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Activations (and the KV cache) are fp32 on CPU; bf16 / int4 matmuls round them to bf16."""
+        """Activations are fp32 on CPU (the KV cache bf16: kv_dtype); bf16 / int4 matmuls round them to bf16."""
         p = self.embed.weight
         return torch.float32 if p.device.type == "cpu" else p.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The K/V cache's dtype: bf16 on CPU (the kernels' cache, kernels.KV_DTYPE: half the bytes, attention in bf16
+        dot products), else the compute dtype."""
+        return kernels.KV_DTYPE if self.embed.weight.device.type == "cpu" else self.compute_dtype
+
     def new_cache(self, batch: int, length: int) -> KVCache:
-        return KVCache(self.cfg, batch, length, self.compute_dtype, self.embed.weight.device)
+        return KVCache(self.cfg, batch, length, self.kv_dtype, self.embed.weight.device)
 
     def forward(self, tokens: Tensor, pos: Tensor, cache: KVCache, *, slots: Tensor | None = None,
                 mask: Tensor | None = None, kv_len: int | None = None) -> Tensor:

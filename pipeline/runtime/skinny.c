@@ -137,6 +137,37 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// fp32 -> bf16 as vcvtneps2bf16: round to nearest even, NaN -> quiet NaN, denormal -> signed zero; returned
+// as the fp32 value (bf16 << 16) in each 32-bit lane.
+static inline __m256i bf16_round8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i top = _mm256_srli_epi32(u, 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                   _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7F800000));
+    const __m256i den = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+    r = _mm256_blendv_epi8(r, _mm256_and_si256(top, _mm256_set1_epi32(0x8000)), den);
+    return _mm256_slli_epi32(r, 16);
+}
+
+// n fp32 -> bf16 as bf16_round8 rounds (vcvtneps2bf16's rounding), in both builds: the caches' K and V, a unit's q.
+static void bf16_row(const float *x, uint16_t *out, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i r = _mm256_srli_epi32(bf16_round8(_mm256_loadu_ps(x + i)), 16);
+        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    }
+    if (i < n) {
+        float t[8] __attribute__((aligned(32))) = {0};
+        uint32_t r[8] __attribute__((aligned(32)));
+        memcpy(t, x + i, sizeof(float) * (size_t)(n - i));
+        _mm256_store_si256((__m256i *)r, bf16_round8(_mm256_load_ps(t)));
+        for (int k = 0; k < n - i; k++) out[i + k] = (uint16_t)(r[k] >> 16);
+    }
+}
+
 #if defined(__AVX512F__)
 #define ISA_NAME "avx512"
 typedef __m512 v16;
@@ -334,20 +365,6 @@ static inline wv32 w_u4s(const uint8_t *p, const int m) {
     __m256i lb = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)), 4 * m);
     wv32 r = {u4f(_mm256_srli_epi32(la, 16)), u4f(_mm256_srli_epi32(lb, 16)), u4f(la), u4f(lb)};
     return r;
-}
-// fp32 -> bf16 as vcvtneps2bf16: round to nearest even, NaN -> quiet NaN, denormal -> signed zero; returned
-// as the fp32 value (bf16 << 16) in each 32-bit lane.
-static inline __m256i bf16_round8(__m256 f) {
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i top = _mm256_srli_epi32(u, 16);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                                                   _mm256_and_si256(top, _mm256_set1_epi32(1))), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7F800000));
-    const __m256i den = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
-    r = _mm256_blendv_epi8(r, _mm256_and_si256(top, _mm256_set1_epi32(0x8000)), den);
-    return _mm256_slli_epi32(r, 16);
 }
 static void x_round(const float *x, xq_t *out, int K, int Kp) {
     float t[32];
@@ -1454,10 +1471,12 @@ int fused_linear(const float *x, const float *g, float eps, const void *w, const
 
 // qkv [B, S, Hq + 2 Hkv, D]: add the q/k/v bias [(Hq + 2 Hkv) D] when given (Qwen2), rotate q and k
 // (half-rotation RoPE, cos/sin tables [*, D] indexed by pos), write q to q_out [B, S, Hq, D] and k, v to
-// the caches [B, Hkv, L, D] at each token's slot.
+// the caches [B, Hkv, L, D] at each token's slot, rounded to bf16 (bf16_row).
 void rope_write(const float *qkv, const float *bias, const int64_t *pos, const int64_t *slots, const float *cos_t,
-                const float *sin_t, float *q_out, float *kc, float *vc, int B, int S, int Hq, int Hkv, int D, int L) {
+                const float *sin_t, float *q_out, uint16_t *kc, uint16_t *vc, int B, int S, int Hq, int Hkv, int D,
+                int L) {
     int H = Hq + 2 * Hkv, half = D / 2;
+    float tmp[D];  // a rotated k row or a biased v row before its rounding
     for (int b = 0; b < B; b++)
         for (int s = 0; s < S; s++) {
             int64_t t = (int64_t)b * S + s;
@@ -1466,21 +1485,22 @@ void rope_write(const float *qkv, const float *bias, const int64_t *pos, const i
             for (int h = 0; h < Hq + Hkv; h++) {
                 const float *x = row + (int64_t)h * D;
                 const float *bh = bias ? bias + (int64_t)h * D : NULL;
-                float *o = h < Hq ? q_out + (t * Hq + h) * D
-                                  : kc + (((int64_t)b * Hkv + (h - Hq)) * L + slots[t]) * D;
+                float *o = h < Hq ? q_out + (t * Hq + h) * D : tmp;
                 for (int i = 0; i < half; i++) {
                     float x1 = x[i], x2 = x[i + half];
                     if (bh) { x1 += bh[i]; x2 += bh[i + half]; }
                     o[i] = x1 * c[i] - x2 * sn[i];
                     o[i + half] = x2 * c[i + half] + x1 * sn[i + half];
                 }
+                if (h >= Hq) bf16_row(tmp, kc + (((int64_t)b * Hkv + (h - Hq)) * L + slots[t]) * D, D);
             }
             for (int h = 0; h < Hkv; h++) {
                 const float *x = row + (int64_t)(Hq + Hkv + h) * D;
-                float *o = vc + (((int64_t)b * Hkv + h) * L + slots[t]) * D;
-                if (!bias) { memcpy(o, x, sizeof(float) * D); continue; }
+                uint16_t *o = vc + (((int64_t)b * Hkv + h) * L + slots[t]) * D;
+                if (!bias) { bf16_row(x, o, D); continue; }
                 const float *bh = bias + (int64_t)(Hq + Hkv + h) * D;
-                for (int i = 0; i < D; i++) o[i] = x[i] + bh[i];
+                for (int i = 0; i < D; i++) tmp[i] = x[i] + bh[i];
+                bf16_row(tmp, o, D);
             }
         }
 }
@@ -1536,6 +1556,11 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
 
 // out[b, s, h] = softmax(q . K[:kv_len] * scale, masked) @ V, grouped-query (head h reads kv head h / (Hq/Hkv)).
 // mask [B, S, kv_len] (nonzero = attend), or NULL: a query attends to the slots up to its own (slots [B, S]).
+// The caches hold K and V as bf16 (rope_write rounds them); q is rounded to bf16 as a unit starts, and the softmax
+// weights as they are made: both products are bf16 dot products (vdpbf16ps, 16 multiply-adds where vfmadd231ps does
+// 8, at the same rate on Zen 4; the AVX2 build emulates it as two FMAs, odd element first, which is the instruction
+// bit for bit), so a long prefill's attention, bound by those multiply-adds, takes about half the time it took in
+// fp32 and the cache half the memory. Attention runs under MXCSR FTZ|DAZ in both builds (as the bf16 matmul tiles).
 // One query's result never depends on the other queries, on the thread
 // that computes it, nor on masked slots past its own (kv_len padding): the exponentials are summed in 8 lanes by
 // slot index (l % 8) and a masked slot adds an exact 0, and V rows of masked slots are never read.
@@ -1546,13 +1571,14 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
 // tokens (issue 53: medusa 1/8 prompts like baseline). Without a mask and with masks contiguous from slot 0
 // (padding) rank and slot index are the same, so those bits did not change; scores and values depend on a slot's
 // K and V rows and the slot order only.
-// Written with 8-lane AVX2 only, so both builds run the same instructions.
+// Written with 8-lane (ymm) operations only, so both builds run the same sequence.
 // The work comes in units of up to ATT_UNIT (query, head) pairs that read the same kv head, so each K and V row is
 // loaded once for all of them: one pair at a time, every pair re-read its kv head's K and V from L2 (2 x 105 KB for
 // the 1.5B at 206 slots) and its 4 dot products in flight waited on FMA latency; a 6-token verification of the 1.5B
-// spent 3-5 ms of its 38 in attention. Each pair's arithmetic is what it was alone, in the same order (per slot: FMA
-// over the 8-column blocks of d from 0, the fixed lane sum hsum256, the D % 8 tail in order; per output column: FMA
-// over the slots in order, skipping slots whose exponential is 0), so grouping changes no bit.
+// spent 3-5 ms of its 38 in attention. Each pair's arithmetic is what it was alone, in the same order (per slot: a
+// bf16 dot product over the 16-column blocks of d from 0, the D % 16 tail read as zeros, then the fixed lane sum;
+// per output column: bf16 dot products over the slot pairs (2m, 2m + 1) in order, skipping pairs whose two weights
+// are 0), so grouping changes no bit.
 // A unit computes nothing past the last slot any of its pairs sees (hi: its largest own slot + 1 without a mask, the
 // last nonzero of its mask rows with one): a causal prefill chunk of 2,048 from slot 0 had scored every query
 // against all 2,048 slots, half of them to write -inf, and the exponentials of those slots were exact zeros that
@@ -1565,11 +1591,34 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
 // query then read their kv head once, and a prefill chunk's units stream K and V half as often as at 4), 4 in AVX2.
 #if defined(__AVX512F__)
 #define ATT_UNIT 8
+// acc + a . b over 8 lanes of two bf16 each (lane j: a[2j + 1] b[2j + 1], then a[2j] b[2j])
+static inline __attribute__((always_inline)) __m256 att_dp(__m256 acc, __m256i a, __m256i b) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)a, (__m256bh)b);
+}
+// n (<= 16) bf16 from p, zeros after them (nothing past p + n is read)
+static inline __attribute__((always_inline)) __m256i att_load16(const uint16_t *p, int n) {
+    return n >= 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+}
 #else
 #define ATT_UNIT 4
+static inline __attribute__((always_inline)) __m256 att_dp(__m256 acc, __m256i a, __m256i b) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000);
+    acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi)),
+                          acc);
+    return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)),
+                           acc);
+}
+static inline __attribute__((always_inline)) __m256i att_load16(const uint16_t *p, int n) {
+    if (n >= 16) return _mm256_loadu_si256((const __m256i *)p);
+    uint16_t t[16] __attribute__((aligned(32))) = {0};
+    memcpy(t, p, 2 * (size_t)n);
+    return _mm256_load_si256((const __m256i *)t);
+}
 #endif
+
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const uint16_t *kc, *vc;
     const uint8_t *mask;
     const int64_t *slots;
     float *out;
@@ -1590,20 +1639,21 @@ static inline __attribute__((always_inline)) __m256 hsum8x(const __m256 *x) {
 }
 
 // The K or V rows ATT_PF slots ahead, asked for whole: the first 16 columns' pass over V touches one 64-byte line of
-// each 512-byte row (D 128), a stride the hardware prefetchers follow poorly, so each of its lines waited on L3 or
-// memory (a decode query at 16k slots reads 2 x 8 MB a kv head); the other passes then find the rows in L2.
+// each row (256 bytes at D 128), a stride the hardware prefetchers follow poorly, so each of its lines waited on L3 or
+// memory (a decode query at 16k slots reads 2 x 4 MB a kv head); the other passes then find the rows in L2.
 #ifndef ATT_PF
 #define ATT_PF 16
 #endif
-static inline __attribute__((always_inline)) void att_prefetch_row(const float *r, int n) {
-    for (int c = 0; c < n; c += 16) _mm_prefetch((const char *)(r + c), _MM_HINT_T1);
+static inline __attribute__((always_inline)) void att_prefetch(const uint16_t *r, int n) {
+    for (int c = 0; c < n; c += 32) _mm_prefetch((const char *)(r + c), _MM_HINT_T1);
 }
 
 // Scores of NI pairs at slots [l0, l1), slot-major: sc[8 l + i] = q_i . K[l] * scale, or -inf where pair i does not
-// see slot l (masked: m[i][l] == 0; else l > own[i]; lanes NI..7 are -inf). *mx: each lane's running max, as
-// `e > mx ? e : mx` took it slot by slot (vmaxps: a NaN score is passed over). Two slots at a time: 2 NI independent
-// dot products in flight, each K row loaded once (an odd last slot is paired with itself); rows up to lim prefetched.
-static inline __attribute__((always_inline)) void att_scores(const float *const *qv, const float *K,
+// see slot l (masked: m[i][l] == 0; else l > own[i]; lanes NI..7 are -inf). q_i: bf16, zero-padded to a multiple of
+// 16 columns. *mx: each lane's running max, as `e > mx ? e : mx` took it slot by slot (vmaxps: a NaN score is passed
+// over). Two slots at a time: 2 NI independent dot products in flight, each K row loaded once (an odd last slot is
+// paired with itself); rows up to lim prefetched.
+static inline __attribute__((always_inline)) void att_scores(const uint16_t *const *qv, const uint16_t *K,
                                                              const uint8_t *const *m, int masked, __m256i own,
                                                              float *sc, __m256 *mx, int D, int l0, int l1, int lim,
                                                              float scale, const int NI) {
@@ -1614,34 +1664,18 @@ static inline __attribute__((always_inline)) void att_scores(const float *const 
         __m256 a[2][8];
         _Pragma("GCC unroll 8")
         for (int i = 0; i < 8; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
-        const float *k0 = K + (int64_t)l * D, *k1 = two ? k0 + D : k0;
-        if (ATT_PF && l + ATT_PF + 2 <= lim) att_prefetch_row(k0 + (int64_t)ATT_PF * D, 2 * D);
-        int d = 0;
-        for (; d + 8 <= D; d += 8) {
-            const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+        const uint16_t *k0 = K + (int64_t)l * D, *k1 = two ? k0 + D : k0;
+        if (ATT_PF && l + ATT_PF + 2 <= lim) att_prefetch(k0 + (int64_t)ATT_PF * D, 2 * D);
+        for (int d = 0; d < D; d += 16) {
+            const __m256i x0 = att_load16(k0 + d, D - d), x1 = att_load16(k1 + d, D - d);
             _Pragma("GCC unroll 8")
             for (int i = 0; i < NI; i++) {
-                const __m256 qq = _mm256_loadu_ps(qv[i] + d);
-                a[0][i] = _mm256_fmadd_ps(qq, x0, a[0][i]);
-                a[1][i] = _mm256_fmadd_ps(qq, x1, a[1][i]);
+                const __m256i qq = _mm256_loadu_si256((const __m256i *)(qv[i] + d));
+                a[0][i] = att_dp(a[0][i], qq, x0);
+                a[1][i] = att_dp(a[1][i], qq, x1);
             }
         }
-        __m256 v[2];
-        if (d == D) {
-            v[0] = hsum8x(a[0]);
-            v[1] = hsum8x(a[1]);
-        } else {  // D % 8 columns left: each lane sum, then the tail in order
-            float t[2][8] __attribute__((aligned(32))) = {{0}};
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < NI; i++) {
-                float v0 = hsum256(a[0][i]), v1 = hsum256(a[1][i]);
-                for (int dd = d; dd < D; dd++) v0 = fmaf(qv[i][dd], k0[dd], v0), v1 = fmaf(qv[i][dd], k1[dd], v1);
-                t[0][i] = v0;
-                t[1][i] = v1;
-            }
-            v[0] = _mm256_load_ps(t[0]);
-            v[1] = _mm256_load_ps(t[1]);
-        }
+        const __m256 v[2] = {hsum8x(a[0]), hsum8x(a[1])};
         for (int r = 0; r <= two; r++) {
             __m256i seen;
             if (masked) {
@@ -1659,108 +1693,112 @@ static inline __attribute__((always_inline)) void att_scores(const float *const 
     *mx = top;
 }
 
-// o_i (+)= sum over slots l in [l0, l1) of p[8 l + i] V[l], skipping slots where pair i's exponential is 0 (bit i
-// of nz[l] clear), for NI pairs, 16 columns of each in registers while the slots go by, each V row loaded once; from
-// 0 at l0 = 0, else from the sums the slots before left in o (stored and loaded as they are). The caller passes the
-// slots in blocks of ATT_VBLOCK (128 KB of V rows at D 128), so the other units of a tile find them in L2.
+// o_i (+)= sum over slots l in [l0, l1) of p_i[l] V[l], for NI pairs, 16 columns of each in registers while the slots
+// go by two at a time: rows 2m and 2m + 1 interleaved (vpunpck{l,h}wd: lane j holds a column of both) make one bf16
+// dot product with pair i's two weights (pw: 16 bf16 a slot pair, pair i's at 2 i and 2 i + 1), so each V row is
+// loaded once and a slot pair costs 2 NI dot products where fp32 took 4 NI FMAs. The interleave puts columns 0-3 and
+// 8-11 in one register, 4-7 and 12-15 in the other; the sums are put back in column order as they are stored. A slot
+// pair neither of whose weights is nonzero for any pair (nz) is skipped, and for one pair if its two are 0: that adds
+// exact zeros. From 0 at l0 = 0, else from the sums the slots before left in o. l0 is even (0 or a multiple of
+// ATT_VBLOCK); an odd l1's last slot is paired with zeros. The caller passes the slots in blocks of ATT_VBLOCK (64 KB
+// of V rows at D 128), so the other units of a tile find them in L2.
 #define ATT_VBLOCK 256
-static inline __attribute__((always_inline)) void att_values(const float *p, const uint8_t *nz, const float *V,
+static inline __attribute__((always_inline)) void att_values(const uint16_t *pw, const uint8_t *nz, const uint16_t *V,
                                                              float *const *o, int D, int l0, int l1, int lim,
                                                              const int NI) {
     const int all = (1 << NI) - 1;
     for (int d0 = 0; d0 < D; d0 += 16) {
-        const int dn = D - d0 < 16 ? D - d0 : 16, full = dn / 8;
-        if (dn == 16) {  // two registers a pair and nothing else live across the slots (no sums spilled to the stack)
-            __m256 a0[ATT_UNIT], a1[ATT_UNIT];
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < NI; i++) {
-                a0[i] = l0 ? _mm256_loadu_ps(o[i] + d0) : _mm256_setzero_ps();
-                a1[i] = l0 ? _mm256_loadu_ps(o[i] + d0 + 8) : _mm256_setzero_ps();
-            }
-            for (int l = l0; l < l1; l++) {
-                if (ATT_PF && d0 == 0 && l + ATT_PF < lim) att_prefetch_row(V + (int64_t)(l + ATT_PF) * D, D);
-                const int z = nz[l];
-                if (!z) continue;  // no pair sees the slot: its V row is not read
-                const float *v = V + (int64_t)l * D + d0, *pl = p + 8 * (int64_t)l;
-                const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
-                if (z == all) {  // every pair sees the slot: no test per pair
-                    _Pragma("GCC unroll 8")
-                    for (int i = 0; i < NI; i++) {
-                        const __m256 pv = _mm256_broadcast_ss(pl + i);
-                        a0[i] = _mm256_fmadd_ps(pv, x0, a0[i]);
-                        a1[i] = _mm256_fmadd_ps(pv, x1, a1[i]);
-                    }
-                } else {
-                    _Pragma("GCC unroll 8")
-                    for (int i = 0; i < NI; i++) {
-                        if (z >> i & 1) {
-                            const __m256 pv = _mm256_broadcast_ss(pl + i);
-                            a0[i] = _mm256_fmadd_ps(pv, x0, a0[i]);
-                            a1[i] = _mm256_fmadd_ps(pv, x1, a1[i]);
-                        }
-                    }
-                }
-            }
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < NI; i++) {
-                _mm256_storeu_ps(o[i] + d0, a0[i]);
-                _mm256_storeu_ps(o[i] + d0 + 8, a1[i]);
-            }
-            continue;
-        }
-        __m256 acc[ATT_UNIT][2];
-        float tail[ATT_UNIT][8];
+        const int dn = D - d0 < 16 ? D - d0 : 16;
+        __m256 lo[ATT_UNIT], hi[ATT_UNIT];  // columns 0-3, 8-11 / 4-7, 12-15 of the block
         _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
-            acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-            for (int j = 0; j < 8; j++) tail[i][j] = 0.f;
-            if (l0) {  // (constant indices: acc stays in registers)
-                if (full > 0) acc[i][0] = _mm256_loadu_ps(o[i] + d0);
-                if (full > 1) acc[i][1] = _mm256_loadu_ps(o[i] + d0 + 8);
-                for (int dd = 8 * full; dd < dn; dd++) tail[i][dd - 8 * full] = o[i][d0 + dd];
+            if (!l0) {
+                lo[i] = hi[i] = _mm256_setzero_ps();
+                continue;
             }
+            float t[16] __attribute__((aligned(32))) = {0};
+            memcpy(t, o[i] + d0, sizeof(float) * (size_t)dn);
+            const __m256 a = _mm256_load_ps(t), b = _mm256_load_ps(t + 8);
+            lo[i] = _mm256_permute2f128_ps(a, b, 0x20);
+            hi[i] = _mm256_permute2f128_ps(a, b, 0x31);
         }
-        for (int l = l0; l < l1; l++) {
-            if (ATT_PF && d0 == 0 && l + ATT_PF < lim) att_prefetch_row(V + (int64_t)(l + ATT_PF) * D, D);
-            const int z = nz[l];
-            if (!z) continue;  // no pair sees the slot: its V row is not read
-            const float *v = V + (int64_t)l * D + d0, *pl = p + 8 * (int64_t)l;
-            if (full == 2 && z == all) {  // every pair sees the slot: no test per pair
-                const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
+        for (int l = l0; l < l1; l += 2) {
+            if (ATT_PF && d0 == 0 && l + ATT_PF + 2 <= lim) att_prefetch(V + (int64_t)(l + ATT_PF) * D, 2 * D);
+            const int two = l + 1 < l1;
+            const int z = nz[l] | (two ? nz[l + 1] : 0);
+            if (!z) continue;  // no pair sees either slot: their V rows are not read
+            const uint16_t *v = V + (int64_t)l * D + d0;
+            const __m256i r0 = att_load16(v, dn), r1 = two ? att_load16(v + D, dn) : _mm256_setzero_si256();
+            const __m256i vl = _mm256_unpacklo_epi16(r0, r1), vh = _mm256_unpackhi_epi16(r0, r1);
+            const int32_t *pp = (const int32_t *)(pw + 8 * (int64_t)l);
+            if (z == all) {  // every pair sees a slot of the two: no test per pair
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
-                    const __m256 pv = _mm256_broadcast_ss(pl + i);
-                    acc[i][0] = _mm256_fmadd_ps(pv, x0, acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(pv, x1, acc[i][1]);
-                }
-            } else if (full == 2) {
-                const __m256 x0 = _mm256_loadu_ps(v), x1 = _mm256_loadu_ps(v + 8);
-                _Pragma("GCC unroll 8")
-                for (int i = 0; i < NI; i++) {
-                    if (z >> i & 1) {
-                        const __m256 pv = _mm256_broadcast_ss(pl + i);
-                        acc[i][0] = _mm256_fmadd_ps(pv, x0, acc[i][0]);
-                        acc[i][1] = _mm256_fmadd_ps(pv, x1, acc[i][1]);
-                    }
+                    const __m256i p = _mm256_set1_epi32(pp[i]);
+                    lo[i] = att_dp(lo[i], p, vl);
+                    hi[i] = att_dp(hi[i], p, vh);
                 }
             } else {
                 _Pragma("GCC unroll 8")
                 for (int i = 0; i < NI; i++) {
-                    if (!(z >> i & 1)) continue;
-                    const float w = pl[i];
-                    if (full) acc[i][0] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(v), acc[i][0]);
-                    for (int dd = 8 * full; dd < dn; dd++)
-                        tail[i][dd - 8 * full] = fmaf(w, v[dd], tail[i][dd - 8 * full]);
+                    if (z >> i & 1) {
+                        const __m256i p = _mm256_set1_epi32(pp[i]);
+                        lo[i] = att_dp(lo[i], p, vl);
+                        hi[i] = att_dp(hi[i], p, vh);
+                    }
                 }
             }
         }
         _Pragma("GCC unroll 8")
         for (int i = 0; i < NI; i++) {
-            if (full > 0) _mm256_storeu_ps(o[i] + d0, acc[i][0]);
-            if (full > 1) _mm256_storeu_ps(o[i] + d0 + 8, acc[i][1]);
-            for (int dd = 8 * full; dd < dn; dd++) o[i][d0 + dd] = tail[i][dd - 8 * full];
+            const __m256 a = _mm256_permute2f128_ps(lo[i], hi[i], 0x20), b = _mm256_permute2f128_ps(lo[i], hi[i], 0x31);
+            if (dn == 16) {
+                _mm256_storeu_ps(o[i] + d0, a);
+                _mm256_storeu_ps(o[i] + d0 + 8, b);
+            } else {
+                float t[16] __attribute__((aligned(32)));
+                _mm256_store_ps(t, a);
+                _mm256_store_ps(t + 8, b);
+                memcpy(o[i] + d0, t, sizeof(float) * (size_t)dn);
+            }
         }
     }
+}
+
+// Pair `lane`'s slots in [l0, hi) that its mask m shows, taken two at a time in order (a last odd one with zeros),
+// added to o (which holds the sums of the slots before l0, all of which the pair sees, l0 even): the slots a pair
+// sees are paired by their rank among them, which is what att_values's pairing by slot index is when the pair sees
+// every slot from 0. So a tree node that sees the prefix and its ancestors (a sibling's slot between them hidden)
+// sums its values as the same token decoded in a chain does, where those slots lie one after another.
+static void att_values_ranked(const uint16_t *pw, int lane, const uint8_t *m, const uint16_t *V, float *o, int D,
+                              int l0, int hi) {
+#define PW(l) pw[8 * (int64_t)((l) & ~1) + 2 * lane + ((l) & 1)]  // the pair's weight at slot l, bf16
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        const int dn = D - d0 < 16 ? D - d0 : 16;
+        float t[16] __attribute__((aligned(32))) = {0};
+        memcpy(t, o + d0, sizeof(float) * (size_t)dn);
+        const __m256 a = _mm256_load_ps(t), b = _mm256_load_ps(t + 8);
+        __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi8 = _mm256_permute2f128_ps(a, b, 0x31);
+        for (int l = l0, first = -1; l <= hi; l++) {
+            if (l < hi && !m[l]) continue;
+            if (l < hi && first < 0) {
+                first = l;
+                continue;
+            }
+            if (first < 0) break;  // the end, nothing left over
+            const int two = l < hi;  // else the last slot alone, its partner zeros
+            const __m256i r0 = att_load16(V + (int64_t)first * D + d0, dn);
+            const __m256i r1 = two ? att_load16(V + (int64_t)l * D + d0, dn) : _mm256_setzero_si256();
+            const __m256i p = _mm256_set1_epi32((int)((uint32_t)PW(first) | (two ? (uint32_t)PW(l) << 16 : 0u)));
+            lo = att_dp(lo, p, _mm256_unpacklo_epi16(r0, r1));
+            hi8 = att_dp(hi8, p, _mm256_unpackhi_epi16(r0, r1));
+            first = -1;
+        }
+        _mm256_store_ps(t, _mm256_permute2f128_ps(lo, hi8, 0x20));
+        _mm256_store_ps(t + 8, _mm256_permute2f128_ps(lo, hi8, 0x31));
+        memcpy(o + d0, t, sizeof(float) * (size_t)dn);
+    }
+#undef PW
 }
 
 #if ATT_UNIT > 4
@@ -1789,7 +1827,7 @@ static inline __attribute__((always_inline)) void att_values(const float *p, con
 // 64 KB at D 128) and of V rows (ATT_VBLOCK) is read from L3 or memory once for the tile's units and from L2 for
 // the others. A unit alone had streamed its kv head's K and V once for its 8 pairs: a 2,048-query chunk of the 1.5B
 // (1,536 units a kv head) read 2 x 2 MB 1,536 times a layer at 4k slots, and at 16k slots (16 MB a kv head, past
-// L3 for the two) from memory. But a tile's buffers (36 bytes a slot a unit) leave L2 for L3: at 4k slots, where the
+// L3 for the two) from memory (at bf16, half those bytes). But a tile's buffers (52 bytes a slot a unit) leave L2 for L3: at 4k slots, where the
 // two kv heads' K and V (8 MB) stay in L3, tiles of 4 were 0.98x as fast as units alone, at 16k 1.15x (S 2048, 2-core
 // Zen 4 under other jobs, experiments/attention_long.py --define ATT_TILE=1), so units tile only past ATT_TILE_FROM
 // slots.
@@ -1811,14 +1849,17 @@ static float att_rank_sum(const float *e, const uint8_t *m, int hi) {
 }
 
 typedef struct {
-    const float *qv[ATT_UNIT];
+    const uint16_t *qv[ATT_UNIT];  // the pairs' queries in bf16 (qb)
     float *ov[ATT_UNIT];
     const uint8_t *m[ATT_UNIT];
     int32_t own[8];
     __m256 mx;
-    float *sc;  // a slot's 8 lanes: the unit's scores, then exponentials, then weights
-    uint8_t *nz;  // a byte a slot: which pairs' exponentials are not 0
+    float *sc;  // a slot's 8 lanes: the unit's scores, then exponentials
+    uint8_t *nz;  // a byte a slot: which pairs' weights are not 0
+    uint16_t *pw;  // the weights in bf16, by slot pair: pair i's two at 16 m + 2 i (slot 2 m), 16 m + 2 i + 1
+    uint16_t *qb;  // the pairs' queries in bf16, Dp (D rounded up to 16) columns each, zero-padded
     int NI, hi;   // slots [0, hi) hold every slot a pair of the unit sees: past it nothing is computed or read
+    int sh;       // values pair slots (2m, 2m + 1) for all pairs in [0, sh), each pair by its own rank past it
 } att_unit_t;
 
 static void attention_share(void *ctx, int share) {
@@ -1827,16 +1868,21 @@ static void attention_share(void *ctx, int share) {
     const int u0 = (int)((int64_t)j->units * share / j->parts), u1 = (int)((int64_t)j->units * (share + 1) / j->parts);
     const int per_unit = (j->per_kv + j->unit - 1) / j->unit;  // units of one (batch row, kv head)
     const int tile = kv_len > ATT_TILE_FROM ? ATT_TILE : 1, masked = j->mask != NULL;
-    const int cap = kv_len <= 1024 ? 1024 : (kv_len + 7) & ~7;  // slots a unit's buffer holds (9 floats a slot: the
-                                                                 // next unit's buffer 32-byte aligned)
-    float stack[9 * 1024] __attribute__((aligned(32)));
-    int o_sc = 0;  // past 1,024 slots: the thread's own scratch, kept between calls
-    float *buf = tile == 1 && cap == 1024 ? stack
-                                          : (float *)scratch(SC_ATT, sizeof(float) * 9 * (size_t)cap * tile, &o_sc);
+    // Slots a unit's buffer holds: 13 floats a slot (scores 8, nz 1, pw 4) and 4 Dp for qb, each unit's part
+    // 32-byte aligned.
+    const int cap = kv_len <= 1024 ? 1024 : (kv_len + 7) & ~7, Dp = (D + 15) & ~15;
+    const int64_t per = 13 * (int64_t)cap + 4 * (int64_t)Dp;
+    float stack[13 * 1024 + 4 * 256] __attribute__((aligned(32)));
+    int o_sc = 0;  // past 1,024 slots (or D past 256): the thread's own scratch, kept between calls
+    float *buf = tile == 1 && cap == 1024 && Dp <= 256
+                     ? stack
+                     : (float *)scratch(SC_ATT, sizeof(float) * (size_t)per * tile, &o_sc);
     if (!buf) {
         if (u1 > u0) atomic_store(&j->failed, 1);
         return;
     }
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);  // FTZ | DAZ: what vdpbf16ps does whatever MXCSR says, for every operation here
     const __m256 zero = _mm256_setzero_ps(), ninf = _mm256_set1_ps(-INFINITY);
     att_unit_t units[ATT_TILE];
     for (int u = u0; u < u1;) {
@@ -1844,7 +1890,7 @@ static void attention_share(void *ctx, int share) {
         int n = (bg + 1) * per_unit - u;  // the tile: units u .. u + n - 1, all on kv head g of row b
         n = n < u1 - u ? n : u1 - u;
         n = n < tile ? n : tile;
-        const float *K = j->kc + ((int64_t)b * Hkv + g) * L * D, *V = j->vc + ((int64_t)b * Hkv + g) * L * D;
+        const uint16_t *K = j->kc + ((int64_t)b * Hkv + g) * L * D, *V = j->vc + ((int64_t)b * Hkv + g) * L * D;
         int top = 0;
         for (int k = 0; k < n; k++) {
             att_unit_t *un = &units[k];
@@ -1853,13 +1899,18 @@ static void attention_share(void *ctx, int share) {
             un->NI = NI;
             un->hi = 0;
             un->mx = ninf;
-            un->sc = buf + (int64_t)k * 9 * cap;
+            un->sc = buf + (int64_t)k * per;
             un->nz = (uint8_t *)(un->sc + 8 * (int64_t)cap);
+            un->pw = (uint16_t *)(un->sc + 9 * (int64_t)cap);
+            un->qb = (uint16_t *)(un->sc + 13 * (int64_t)cap);
             for (int i = 0; i < 8; i++) un->own[i] = -1;
             for (int i = 0; i < NI; i++) {  // pair first + i of this kv head: query s, head g * group + hh
                 const int s = (first + i) / group, hh = (first + i) % group, t = b * S + s;
                 const int64_t it = (int64_t)t * Hq + g * group + hh;
-                un->qv[i] = j->q + it * D;
+                uint16_t *qb = un->qb + (int64_t)i * Dp;
+                bf16_row(j->q + it * D, qb, D);
+                for (int c = D; c < Dp; c++) qb[c] = 0;
+                un->qv[i] = qb;
                 un->ov[i] = j->out + it * D;
                 int h;
                 if (masked) {
@@ -1926,29 +1977,50 @@ static void attention_share(void *ctx, int share) {
             const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(sum, zero, _CMP_GT_OQ),
                                              _mm256_div_ps(_mm256_set1_ps(1.0f), sum));
             const int all = (1 << un->NI) - 1;
-            for (l = 0; l < hi; l++) {  // weights in place of the exponentials, and which are not 0
-                float *e = un->sc + 8 * (int64_t)l;
-                const __m256 x = _mm256_load_ps(e);
-                un->nz[l] = (uint8_t)(_mm256_movemask_ps(_mm256_cmp_ps(x, zero, _CMP_NEQ_UQ)) & all);
-                _mm256_store_ps(e, _mm256_mul_ps(x, inv));
+            const __m256i top16 = _mm256_set1_epi32((int)0xFFFF0000);
+            for (l = 0; l < hi; l += 2) {  // the weights in bf16 by slot pair (an odd hi's partner 0), which are not 0
+                const __m256 w0 = _mm256_mul_ps(_mm256_load_ps(un->sc + 8 * (int64_t)l), inv);
+                const __m256 w1 = l + 1 < hi ? _mm256_mul_ps(_mm256_load_ps(un->sc + 8 * (int64_t)l + 8), inv) : zero;
+                const __m256i b0 = bf16_round8(w0), b1 = bf16_round8(w1);
+                un->nz[l] = (uint8_t)(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                                          b0, _mm256_setzero_si256()))) ^ 0xFF) & all;
+                if (l + 1 < hi)
+                    un->nz[l + 1] = (uint8_t)(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                                                  b1, _mm256_setzero_si256()))) ^ 0xFF) & all;
+                _mm256_storeu_si256((__m256i *)(un->pw + 8 * (int64_t)l),
+                                    _mm256_or_si256(_mm256_srli_epi32(b0, 16), _mm256_and_si256(b1, top16)));
             }
+        }
+        for (int k = 0; k < n; k++) {
+            // Values pair slots by rank among those a pair sees (see att_values_ranked): without a mask and where
+            // every pair of the unit sees every slot that is slot index, shared; past that each pair alone.
+            att_unit_t *un = &units[k];
+            int c = un->hi;
+            for (int i = 0; masked && i < un->NI; i++)
+                for (int l = 0; l < c; l++)
+                    if (!un->m[i][l]) c = l;
+            un->sh = masked ? c & ~1 : un->hi;
         }
         for (int l0 = 0; l0 == 0 || l0 < top; l0 += ATT_VBLOCK) {
             for (int k = 0; k < n; k++) {
                 att_unit_t *un = &units[k];
-                if (l0 && l0 >= un->hi) continue;  // (the first block also writes the zeros of a unit that saw nothing)
-                const int l1 = un->hi - l0 < ATT_VBLOCK ? un->hi : l0 + ATT_VBLOCK, NI = un->NI;
-#define VALUES(c) att_values(un->sc, un->nz, V, un->ov, D, l0, l1, un->hi, c)
+                if (l0 && l0 >= un->sh) continue;  // (the first block also writes the zeros of a unit that saw nothing)
+                const int l1 = un->sh - l0 < ATT_VBLOCK ? un->sh : l0 + ATT_VBLOCK, NI = un->NI;
+#define VALUES(c) att_values(un->pw, un->nz, V, un->ov, D, l0, l1, un->sh, c)
                 ATT_CASES(VALUES)
 #undef VALUES
             }
         }
+        for (int k = 0; k < n; k++)
+            for (int i = 0; units[k].sh < units[k].hi && i < units[k].NI; i++)
+                att_values_ranked(units[k].pw, i, units[k].m[i], V, units[k].ov[i], D, units[k].sh, units[k].hi);
         u += n;
     }
+    _mm_setcsr(csr);
     if (buf != stack) scratch_done(buf, o_sc);
 }
 
-int attention(const float *q, const float *kc, const float *vc, const uint8_t *mask, const int64_t *slots, float *out,
+int attention(const float *q, const uint16_t *kc, const uint16_t *vc, const uint8_t *mask, const int64_t *slots, float *out,
               int B, int S, int Hq, int Hkv, int D, int L, int kv_len, float scale, int threads) {
     if (B < 0 || S < 0 || Hq < 1 || Hkv < 1 || Hq % Hkv || D < 1 || kv_len < 0 || kv_len > L) return SK_EARG;
     const int items = B * S * Hq, per_kv = S * (Hq / Hkv);
@@ -1981,7 +2053,7 @@ typedef struct {
 // Returns SK_OK, or the first failing call's status (SK_EARG: a plan whose shapes do not chain; the layer then stops
 // there, x and the caches partly updated).
 int decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos, const int64_t *slots,
-                  const float *cos_t, const float *sin_t, float *kc, float *vc, int cache_len, const uint8_t *mask,
+                  const float *cos_t, const float *sin_t, uint16_t *kc, uint16_t *vc, int cache_len, const uint8_t *mask,
                   int kv_len, int threads) {
     const int T = B * S, H = L->qkv.K, qd = L->hq * L->d;
     if (L->qkv.N != (L->hq + 2 * L->hkv) * L->d || L->o.K != qd || L->o.N != H || L->up.K != H ||
@@ -2015,7 +2087,7 @@ int decoder_layer(const layer_t *L, float *x, int B, int S, const int64_t *pos, 
 // The Python loop around 24 decoder_layer calls had cost the 0.5B draft about 1 ms a step (45 us a layer) once the
 // step's weights had streamed by and evicted the interpreter's data (stage timers compiled into the layer, 100 steps).
 int decoder_layers(const layer_t *const *plans, int n, float *x, int B, int S, const int64_t *pos,
-                   const int64_t *slots, const float *cos_t, const float *sin_t, float *kc, float *vc,
+                   const int64_t *slots, const float *cos_t, const float *sin_t, uint16_t *kc, uint16_t *vc,
                    int64_t layer_stride, int cache_len, const uint8_t *mask, int kv_len, int threads) {
     int rc = SK_OK;
     scratch_hold++;  // the layers' large buffers are taken once for the call (scratch_hold above)
