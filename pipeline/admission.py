@@ -5,10 +5,16 @@ In process, on the target as the server runs plain rows: `streams` short request
 a prompt of `prompt_tokens` tokens is admitted, and they go on `after` steps once it has its first token. The figures
 are the streams' gaps over their whole run (median, p99, the largest), the median before the admission, and the long
 prompt's time to its first token. bench runs it at 4,096 tokens with the spec's chunk;
-experiments/chunked_prefill.py tries several chunks."""
+experiments/chunked_prefill.py tries several chunks.
+
+On a VM the hypervisor takes a core away now and then (steal time, /proc/stat): on the 2-core Zen 4 VM of 2026-12-05
+every gap past 1.6x the median in a 4k admission was a step that lost about 100 ms of one core that way. So the run
+also reports the steal it saw and the gaps of the steps that saw none, so a reader can tell the scheduler's tail
+from the machine's."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -21,6 +27,17 @@ from pipeline.runtime.generate import Request
 def _p99(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+
+
+def steal_ms() -> float | None:
+    """Time the hypervisor has taken from this machine's cores (all of them, ms since boot; /proc/stat's steal
+    column), or None where there is no such figure (not Linux, or a kernel without it)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return 1e3 * int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @torch.inference_mode()
@@ -38,6 +55,7 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
     gaps: dict = {"before": [], "window": []}
     phase = ["before"]
     first: dict = {}
+    calm: list[float] = []  # gaps closed by steps that saw no steal
 
     def emit(tag, _toks) -> None:
         now = time.perf_counter()
@@ -46,24 +64,47 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
             return
         if tag in last:
             gaps[phase[0]].append(now - last[tag])
+            pending.append(now - last[tag])
         last[tag] = now
 
-    pool.admit([Request(ids(32), 100_000, end_ids=()) for _ in range(streams)], list(range(streams)), emit)
-    for _ in range(warm):
+    pending: list[float] = []
+    steal = {"ms": 0.0, "steps": 0}
+
+    def step() -> None:
+        s0 = steal_ms()
         pool.step(emit)
+        s1 = steal_ms()
+        took = 0.0 if s0 is None or s1 is None else s1 - s0
+        steal["ms"] += took
+        steal["steps"] += took > 0
+        if not took:
+            calm.extend(pending)
+        pending.clear()
+
+    pool.admit([Request(ids(32), 100_000, end_ids=()) for _ in range(streams)], list(range(streams)), emit)
+    pending.clear()
+    for _ in range(warm):
+        step()
     phase[0] = "window"
     t0 = time.perf_counter()
     pool.admit([Request(ids(prompt_tokens), 4, end_ids=())], ["long"], emit)  # whole (chunk 0) or pending
+    pending.clear()  # (the gap across the admission itself belongs to no step)
     while "t" not in first:
-        pool.step(emit)
+        step()
     ttft = first["t"] - t0
     for _ in range(after):
-        pool.step(emit)
+        step()
     every, before = gaps["before"] + gaps["window"], gaps["before"]
     med = 1e3 * statistics.median(every)
-    return {"chunk": chunk, "streams": streams, "prompt_tokens": prompt_tokens, "ttft_s": ttft, "median_ms": med,
-            "p99_ms": 1e3 * _p99(every), "p99_over_median": 1e3 * _p99(every) / med, "max_ms": 1e3 * max(every),
-            "before_median_ms": 1e3 * statistics.median(before), "gaps": len(every)}
+    out = {"chunk": chunk, "streams": streams, "prompt_tokens": prompt_tokens, "ttft_s": ttft, "median_ms": med,
+           "p99_ms": 1e3 * _p99(every), "p99_over_median": 1e3 * _p99(every) / med, "max_ms": 1e3 * max(every),
+           "before_median_ms": 1e3 * statistics.median(before), "gaps": len(every),
+           "steal_ms": steal["ms"] if steal_ms() is not None else None, "steps_with_steal": steal["steps"]}
+    if calm and steal["steps"]:
+        cm = 1e3 * statistics.median(calm)
+        out |= {"calm_gaps": len(calm), "calm_median_ms": cm, "calm_p99_ms": 1e3 * _p99(calm),
+                "calm_p99_over_median": 1e3 * _p99(calm) / cm}
+    return out
 
 
 def admission_lines(r: dict) -> list[str]:
@@ -73,4 +114,13 @@ def admission_lines(r: dict) -> list[str]:
     return ["", f"While a {r['prompt_tokens']}-token prompt is admitted beside {r['streams']} running streams "
             f"(kv_cache.prefill_chunk {r['chunk']}), the streams' gaps between tokens: median {r['median_ms']:.0f} ms, "
             f"p99 {r['p99_ms']:.0f} ms ({r['p99_over_median']:.2f}x the median), largest {r['max_ms']:.0f} ms; "
-            f"{r['before_median_ms']:.0f} ms before it came; its first token after {r['ttft_s']:.1f} s."]
+            f"{r['before_median_ms']:.0f} ms before it came; its first token after {r['ttft_s']:.1f} s." + _calm(r)]
+
+
+def _calm(r: dict) -> str:
+    """The sentence on steal time, where some step saw it."""
+    if not r.get("calm_gaps"):
+        return ""
+    return (f" The hypervisor took {r['steal_ms']:.0f} ms of the cores in {r['steps_with_steal']} of the steps (steal "
+            f"time); the gaps of the other steps: median {r['calm_median_ms']:.0f} ms, p99 {r['calm_p99_ms']:.0f} ms "
+            f"({r['calm_p99_over_median']:.2f}x).")
