@@ -14,12 +14,12 @@ from the machine's."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import torch
 
+from pipeline import figures
 from pipeline.runtime.batcher import ContinuousBatch
 from pipeline.runtime.generate import Request
 
@@ -27,17 +27,6 @@ from pipeline.runtime.generate import Request
 def _p99(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
-
-
-def steal_ms() -> float | None:
-    """Time the hypervisor has taken from this machine's cores (all of them, ms since boot; /proc/stat's steal
-    column), or None where there is no such figure (not Linux, or a kernel without it)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return 1e3 * int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @torch.inference_mode()
@@ -71,9 +60,9 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
     steal = {"ms": 0.0, "steps": 0}
 
     def step() -> None:
-        s0 = steal_ms()
+        s0 = figures.steal_ms()
         pool.step(emit)
-        s1 = steal_ms()
+        s1 = figures.steal_ms()
         took = 0.0 if s0 is None or s1 is None else s1 - s0
         steal["ms"] += took
         steal["steps"] += took > 0
@@ -99,7 +88,7 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
     out = {"chunk": chunk, "streams": streams, "prompt_tokens": prompt_tokens, "ttft_s": ttft, "median_ms": med,
            "p99_ms": 1e3 * _p99(every), "p99_over_median": 1e3 * _p99(every) / med, "max_ms": 1e3 * max(every),
            "before_median_ms": 1e3 * statistics.median(before), "gaps": len(every),
-           "steal_ms": steal["ms"] if steal_ms() is not None else None, "steps_with_steal": steal["steps"]}
+           "steal_ms": steal["ms"] if figures.steal_ms() is not None else None, "steps_with_steal": steal["steps"]}
     if calm and steal["steps"]:
         cm = 1e3 * statistics.median(calm)
         out |= {"calm_gaps": len(calm), "calm_median_ms": cm, "calm_p99_ms": 1e3 * _p99(calm),

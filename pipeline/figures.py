@@ -10,6 +10,7 @@ so every figure can be recomputed from it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from dataclasses import dataclass
 
@@ -26,6 +27,17 @@ def pct(xs: list[float], q: float) -> float:
         return 0.0
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def steal_ms() -> float | None:
+    """Time the hypervisor has taken from this machine's cores (all of them, ms since boot; /proc/stat's steal
+    column), or None where there is no such figure (not Linux, or a kernel without it)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return 1e3 * int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def mean_accepted_len(tokens: int, forwards: int) -> float:

@@ -20,7 +20,7 @@ from pipeline import client, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
-from pipeline.figures import Run, mean_accepted_len, pct, summarize
+from pipeline.figures import Run, mean_accepted_len, pct, steal_ms, summarize
 from pipeline.sidebyside import System
 from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
@@ -489,15 +489,16 @@ def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
 
         return _request(url, texts[i % len(texts)], new, method, on_piece=piece)
 
-    t = time.perf_counter()
+    t, s0 = time.perf_counter(), steal_ms()
     with ThreadPoolExecutor(c) as ex:  # c workers over n requests: c in flight, the next sent as one is answered
         rs = list(ex.map(one, range(n)))
-    wall = time.perf_counter() - t
+    wall, s1 = time.perf_counter() - t, steal_ms()
     itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
     return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
             "latency_ms_p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99)}
+            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+            "steal_ms": None if s0 is None or s1 is None else s1 - s0}
 
 
 def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:
@@ -755,6 +756,11 @@ def markdown(r: dict) -> str:
     for c in levels:
         lines.append(f"| {c} | " + " | ".join(cell(c, m) for m in ms + peer) + " | "
                      f"{curve_latency(by, c, ms + peer, 'ttft')} | {curve_latency(by, c, ms + peer, 'itl')} |")
+    stolen = {c: sum(e.get("steal_ms") or 0.0 for e in r["batch_curve"] if e.get("concurrency") == c) for c in levels}
+    if any(stolen.values()):
+        lines += ["", "Steal time over each level's bursts, all methods (the hypervisor taking this VM's cores, "
+                  "/proc/stat): " + ", ".join(f"{c}: {v:.0f} ms" for c, v in stolen.items()) + ". A gap that lost a "
+                  "slice of it (about 100 ms on the 2-core Zen 4 VM) lands in the p99."]
     if r.get("vs_llama_server_at_concurrency"):
         lines += ["", "Ours over `llama-server -np N` at the same concurrency, same run: " + "; ".join(
             f"{m} " + ", ".join(f"{c}: {x:.2f}x" for c, x in v.items())

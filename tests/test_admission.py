@@ -28,7 +28,7 @@ def test_streams_step_between_the_chunks_of_an_admitted_prompt():
 def test_steal_time_is_read_from_proc_stat_and_never_goes_back():
     import sys
 
-    from pipeline.admission import steal_ms
+    from pipeline.figures import steal_ms
 
     a = steal_ms()
     if not sys.platform.startswith("linux"):
@@ -52,14 +52,14 @@ def test_gaps_of_steps_that_lost_time_to_the_hypervisor_are_set_apart(monkeypatc
         return 5.0 * (step // 3 if calls[0] % 2 == 0 else (step - 1) // 3)
 
     t = tiny(seed=0, vocab=200)
-    monkeypatch.setattr(adm, "steal_ms", fake)
+    monkeypatch.setattr(adm.figures, "steal_ms", fake)
     r = adm.streams_while_admitting(t, 16, streams=2, prompt_tokens=96, warm=6, after=6)
     steps = calls[0] // 2
     assert r["steps_with_steal"] == steps // 3 and r["steal_ms"] == 5.0 * (steps // 3)
     assert 0 < r["calm_gaps"] < r["gaps"]
     assert r["calm_median_ms"] <= r["calm_p99_ms"]
     assert "hypervisor took" in adm.admission_lines(r)[-1]
-    monkeypatch.setattr(adm, "steal_ms", lambda: 0.0)
+    monkeypatch.setattr(adm.figures, "steal_ms", lambda: 0.0)
     quiet = adm.streams_while_admitting(t, 16, streams=2, prompt_tokens=96, warm=6, after=6)
     assert quiet["steps_with_steal"] == 0 and "calm_gaps" not in quiet
     assert "hypervisor" not in adm.admission_lines(quiet)[-1]

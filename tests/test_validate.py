@@ -109,6 +109,8 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2)
                                                                for m in [*methods, "llama-server"]}
+    # each burst, ours and the peer's, with the steal time the machine reported over it (None off Linux)
+    assert all("steal_ms" in e and (e["steal_ms"] is None or e["steal_ms"] >= 0) for e in curve)
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]
     env = on_disk["environment"]  # the kernel build, and why the AVX-512 one does not use AMX tiles where it does not
     assert env["kernel_path"] == kernels.path()
