@@ -45,6 +45,8 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
     phase = ["before"]
     first: dict = {}
     calm: list[float] = []  # gaps closed by steps that saw no steal
+    pending: list[float] = []  # gaps closed by the step now running
+    steal = {"ms": 0.0, "steps": 0}
 
     def emit(tag, _toks) -> None:
         now = time.perf_counter()
@@ -55,9 +57,6 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
             gaps[phase[0]].append(now - last[tag])
             pending.append(now - last[tag])
         last[tag] = now
-
-    pending: list[float] = []
-    steal = {"ms": 0.0, "steps": 0}
 
     def step() -> None:
         s0 = figures.steal_ms()
