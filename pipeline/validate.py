@@ -760,7 +760,7 @@ def markdown(r: dict) -> str:
     if any(stolen.values()):
         lines += ["", "Steal time over each level's bursts, all methods (the hypervisor taking this VM's cores, "
                   "/proc/stat): " + ", ".join(f"{c}: {v:.0f} ms" for c, v in stolen.items()) + ". A gap that lost a "
-                  "slice of it (about 100 ms on the 2-core Zen 4 VM) lands in the p99."]
+                  "slice of it lands in the p99 (pipeline/admission.py sets such steps apart in bench)."]
     if r.get("vs_llama_server_at_concurrency"):
         lines += ["", "Ours over `llama-server -np N` at the same concurrency, same run: " + "; ".join(
             f"{m} " + ", ".join(f"{c}: {x:.2f}x" for c, x in v.items())
