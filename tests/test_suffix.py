@@ -10,7 +10,16 @@ from pipeline.runtime.decode import Bundle, decode
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.specconfig import SpecDecodeConfig
-from pipeline.runtime.suffix import ANCHOR, TOKEN_BYTES, VERIFY_COST, SuffixDrafter, SuffixStore, best_draft
+from pipeline.runtime.suffix import (
+    ANCHOR,
+    PREDICTION_FORGET,
+    TOKEN_BYTES,
+    VERIFY_COST,
+    Odds,
+    SuffixDrafter,
+    SuffixStore,
+    best_draft,
+)
 from tests.test_speculative import V, exact_two_token_dist, prompts, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,6 +244,100 @@ def test_a_failing_prediction_leaves_its_rounds_to_a_longer_context_match():
         row.pred_odds.add("prediction", 64, 4, 0)
     got = d.row_draft(0, prompt + out)
     assert got and got == src[12:12 + len(got)]
+
+
+def _rounds(d: SuffixDrafter, prompt: list[int], out: list[int]) -> list[tuple[int, list[int], int]]:
+    """Row 0 of `d` verified as a target whose greedy answer is `out` would: each round commits the draft's
+    agreeing prefix and the target's own next token. (output position, draft, tokens of it accepted) a round."""
+    c, rounds = list(prompt), []
+    while len(c) - len(prompt) < len(out):
+        pos = len(c) - len(prompt)
+        draft = d.row_draft(0, c)
+        n = 0
+        while n < len(draft) and pos + n < len(out) and draft[n] == out[pos + n]:
+            n += 1
+        rounds.append((pos, draft, n))
+        c = c + out[pos:pos + n + 1]
+    return rounds
+
+
+def _with_at(tokens: list[int], at: tuple[int, ...], parts: list[list[int]]) -> list[int]:
+    """tokens with parts[i] put before tokens[at[i]]."""
+    out = []
+    for i, t in enumerate(tokens):
+        if i in at:
+            out += parts[at.index(i)]
+        out.append(t)
+    return out
+
+
+def test_a_renamed_identifier_is_drafted_renamed_after_its_first_use():
+    """A prediction holding an identifier three times, an answer that renames it (one token to two): the first use
+    misses, and once the output is back on the prediction the rename is a substitution, so the later uses are
+    drafted renamed and every later draft is accepted whole."""
+    body, X, new = list(range(10, 130)), 200, [201, 202]
+    pred = _with_at(body, (20, 50, 80), [[X]] * 3)
+    out = _with_at(body, (20, 50, 80), [new] * 3)
+    d = SuffixDrafter([Request([2, 3], 200, prediction=pred)], 16, "cpu", None, VERIFY_COST)
+    rounds = _rounds(d, [2, 3], out)
+    assert d.rows[0].subs == [((X,), tuple(new))]
+    assert any(pos <= 20 < pos + len(draft) and draft[20 - pos] == X for pos, draft, _ in rounds)  # the first use
+    later = [(pos, draft, n) for pos, draft, n in rounds if pos > 30]
+    assert any(pos <= 51 < pos + len(draft) for pos, draft, _ in later)  # the second use was drafted ...
+    assert all(n == len(draft) or pos + n == len(out) for pos, draft, n in later)  # ... and nothing missed
+
+
+def test_a_substitution_the_output_declines_is_dropped_and_costs_the_prediction_no_odds():
+    """A one-off fix (X -> Z at its first use only) is learnt as a substitution like a rename, drafted at the next X,
+    declined there (the answer keeps X): it is dropped, that round counts no miss against the prediction, and the
+    third X is drafted as the prediction has it."""
+    body, X, Z = list(range(10, 130)), 200, 203
+    pred = _with_at(body, (20, 50, 80), [[X]] * 3)
+    out = _with_at(body, (20, 50, 80), [[Z], [X], [X]])
+    d = SuffixDrafter([Request([2, 3], 200, prediction=pred)], 16, "cpu", None, VERIFY_COST)
+    row = d.rows[0]
+    c, declined, rounds = [2, 3], None, []
+    while len(c) - 2 < len(out):
+        pos = len(c) - 2
+        draft = d.row_draft(0, c)  # takes in the last round's outcome first
+        misses = sum(row.pred_odds.tested.values()) - sum(row.pred_odds.accepted.values())
+        if declined is not None and declined[0] is None:
+            declined[0] = misses  # with the declined round's outcome in
+        n = 0
+        while n < len(draft) and pos + n < len(out) and draft[n] == out[pos + n]:
+            n += 1
+        if Z in draft and pos > 30:
+            assert row.subs == [((X,), (Z,))] and draft[n] == Z  # offered, and declined there
+            declined = [None, misses]
+        rounds.append((pos, draft, n))
+        c = c + out[pos:pos + n + 1]
+    assert declined is not None and row.subs == []
+    assert declined[0] <= declined[1] + 1e-9  # the declined round added no miss (earlier ones only fade)
+    third = out.index(X, out.index(X) + 1)
+    assert any(pos <= third < pos + n and draft[third - pos] == X for pos, draft, n in rounds)
+
+
+def test_a_predictions_misses_fade_as_its_tokens_are_accepted():
+    """A prediction's odds forget a miss as its tokens are accepted (edits cluster; past them the prediction is the
+    text again), so its drafts grow back to their length; misses with nothing accepted since do not fade."""
+    def odds(forget: float, rounds: list[tuple[int, int]]) -> float:
+        o = Odds(forget=forget)
+        for drafted, accepted in rounds:
+            o.add("prediction", 64, drafted, accepted)
+        return o.p("prediction", 64)
+
+    clean = [(16, 16)] * 7
+    missed = [(16, 16), (16, 3), (8, 0)] + clean[1:]
+    linear = [1.0 + 0.2 * s for s in range(64)]  # a verify that costs a fifth of a step a token
+
+    def length(p: float) -> int:
+        return best_draft(p, 32, linear)[0]
+
+    assert odds(PREDICTION_FORGET, missed) > odds(1.0, missed)
+    assert length(odds(1.0, missed)) < length(odds(1.0, clean)) == 32  # misses remembered: shorter for good
+    assert length(odds(PREDICTION_FORGET, missed)) == 32  # forgotten after ~100 accepted tokens
+    wrong = [(8, 0)] * 4  # an unrelated prediction: nothing accepted, nothing forgotten
+    assert odds(PREDICTION_FORGET, wrong) == odds(1.0, wrong)
 
 
 def test_a_deferred_hybrid_row_drafts_a_short_match_instead_of_a_plain_step(pair):

@@ -5,7 +5,9 @@ answer quoting the question's code), that text is the best draft there is. Each 
 looks for the context's newest tokens earlier in three sources and proposes what followed them there:
 
 1. the request's **prediction** (OpenAI Predicted Outputs), kept aligned to the output so far and re-synced after a
-   mismatch; while aligned it is weighed against the best match of the other two (its odds are its request's own);
+   mismatch; while aligned it is weighed against the best match of the other two (its odds are its request's own,
+   and forget a miss as its tokens are accepted); what the output wrote in place of the prediction's tokens between a
+   mismatch and the re-sync (a renamed identifier) is applied to the rest of it as a substitution;
 2. the request's own **prompt and output so far**;
 3. a bounded **store of recent outputs** of this deployment (`SuffixStore`: token ids only, at most
    `speculation.suffix_store_bytes` bytes, oldest dropped first).
@@ -48,6 +50,19 @@ RESYNC = 3  # a prediction that diverged is re-aligned only at a match this long
 # nothing about where the text goes next.
 RESYNC_FROM, RESYNC_SPAN, RESYNC_SLACK = 8, 24, 8
 TOKEN_BYTES = 4  # the store keeps int32 token ids
+# An edit that renames repeats itself: where the output left the prediction and came back to it, what it wrote instead
+# (`new`) of what the prediction held there (`old`) is a substitution, and the rest of the prediction is drafted with
+# it applied at each later occurrence of `old`, so a renamed identifier misses once, not at every use. Only
+# replacements of at most SUB_MAX tokens each way (an insertion or a deletion has nothing to repeat); at most
+# SUB_KEEP a request (the newest replaces an older one with the same `old`); one that the output declines (the
+# original kept where it applied: the rename's scope ended, or an "and" -> "or" fix that was not a pattern) is
+# dropped, and a draft rejected at its substituted token does not lower the prediction's odds.
+SUB_MAX, SUB_KEEP = 8, 8
+# A prediction's misses cluster where the edits are; past them it is the text again. So its odds forget a miss as the
+# target accepts its tokens (each accepted token scales the earlier misses by this: half a miss after 23), where one
+# early miss used to hold its drafts at 7-9 tokens for the rest of the answer. An unrelated prediction accepts
+# little, so its misses stay.
+PREDICTION_FORGET = 0.97
 
 # Verifying S tokens in one forward, in one-token steps (S = 1..): make bench's curve on the 2-core Zen 4 the issue
 # names (8: 1.57, 12: 2.14, 16: 3.93), linear between the points and past 16 at the 12-16 slope. A deployment's
@@ -94,9 +109,10 @@ class Odds:
     """Drafted tokens the target accepted, per source and match-length bucket; the estimate starts from a prior
     that grows with the match (a long match repeats more often than a short one) and learns from every round."""
 
-    accepted: dict[tuple[str, int], int] = field(default_factory=dict)
-    tested: dict[tuple[str, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[str, int], float] = field(default_factory=dict)
+    tested: dict[tuple[str, int], float] = field(default_factory=dict)
     prior_n: float = 4.0  # the prior counts as this many tested tokens
+    forget: float = 1.0  # < 1: each accepted token scales the earlier misses by this (PREDICTION_FORGET)
 
     @staticmethod
     def bucket(m: int) -> int:
@@ -109,8 +125,11 @@ class Odds:
 
     def add(self, source: str, m: int, drafted: int, accepted: int) -> None:
         key = (source, self.bucket(m))
-        self.accepted[key] = self.accepted.get(key, 0) + accepted
-        self.tested[key] = self.tested.get(key, 0) + accepted + (1 if accepted < drafted else 0)
+        a, t = self.accepted.get(key, 0), self.tested.get(key, 0)
+        if self.forget < 1.0 and accepted:
+            t = a + (t - a) * self.forget ** accepted
+        self.accepted[key] = a + accepted
+        self.tested[key] = t + accepted + (1 if accepted < drafted else 0)
 
 
 class _Index:
@@ -234,8 +253,11 @@ class _Row:
         # this request's own odds for its prediction: how good a prediction is belongs to the request that sent it
         # (the deployment's odds, shared by every request, had an unrelated file's rejections shorten the next
         # request's drafts from a right one, and the right one's acceptances lengthen a wrong one's)
-        self.pred_odds = Odds()
+        self.pred_odds = Odds(forget=PREDICTION_FORGET)
         self.seen = 0  # output tokens taken into pp
+        self.subs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (old, new) substitutions, oldest first
+        self.div: tuple[int, int] | None = None  # (prediction position, output index) of the last divergence
+        self.last_sub = -1  # where the last prediction draft's first substituted token was (-1: none)
         # (source, match, draft, context length then, the source's tokens or None, where the draft starts in them)
         self.last: tuple[str, int, list[int], int, list[int] | None, int] | None = None
         self.resync: tuple[list[int], int, int] | None = None  # (source tokens, mismatch there, context length then)
@@ -284,7 +306,10 @@ class SuffixDrafter:  # a Drafter
                 n += 1
             # n == len(new): the round verified fewer tokens than drafted (the load policy cut it): no rejection seen
             odds = row.pred_odds if source == "prediction" else self.odds
-            odds.add(source, m, len(draft) if n < len(new) else n, n)
+            if source == "prediction" and n == row.last_sub:
+                odds.add(source, m, n, n)  # a substitution tried and declined: not the prediction's miss
+            else:
+                odds.add(source, m, len(draft) if n < len(new) else n, n)
             if toks is not None and (m >= RESYNC_FROM or source in ("prediction", "resync")):
                 # the first mismatch with the source in what the target committed, its own token after the draft too
                 n = 0
@@ -296,15 +321,23 @@ class SuffixDrafter:  # a Drafter
             row.last = None
         if row.pred:
             out = c[row.prompt_len:]
-            for t in out[row.seen:]:
-                if row.pp is not None and row.pp < len(row.pred) and row.pred[row.pp] == t:
-                    row.pp += 1
-                else:
-                    row.pp = None
-            row.seen = len(out)
+            j = row.seen
+            while j < len(out) and row.pp is not None:
+                step = self._advance(row, out, j)
+                if step is None:  # the output is inside a substitution's `new`: wait for the rest
+                    break
+                if step == 0:
+                    row.div, row.pp = (row.pp, j), None
+                    break
+                j += step
+            row.seen = j if row.pp is not None else len(out)
             if row.pp is None or row.pp >= len(row.pred):
                 m, e = row.pred_index.best(c)
-                row.pp = e if m >= RESYNC else None
+                if m >= RESYNC:
+                    self._learn(row, out, m, e)
+                    row.pp, row.seen = e, len(out)
+                else:
+                    row.pp = None
         row.index.extend(c[len(row.index.toks):])
 
     def row_draft(self, b: int, c: list[int], min_match: int = 0) -> list[int]:
@@ -319,8 +352,12 @@ class SuffixDrafter:  # a Drafter
         self._update(row, c)
         mm = min_match or self.min_match
         cands: list[tuple[str, int, list[int], list[int] | None, int]] = []  # (source, match, cont, toks, start)
+        row.last_sub = -1
         if row.pp is not None and row.pp < len(row.pred):
-            cands.append(("prediction", MAX_MATCH, row.pred[row.pp:row.pp + self.k], row.pred, row.pp))
+            exp, sub_at = self._expected(row, len(c) - row.prompt_len - row.seen,
+                                         self.k + RESYNC_SPAN + RESYNC_SLACK)
+            if exp:
+                cands.append(("prediction", MAX_MATCH, exp[:self.k], exp, 0))
         m1, e1 = row.index.best(c)
         m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
         if max(m1, m2) >= mm:
@@ -348,7 +385,65 @@ class SuffixDrafter:  # a Drafter
         _, L, (source, m, cont, toks, e) = best
         draft = cont[:L]
         row.last = (source, m, draft, len(c), toks, e)
+        if source == "prediction" and 0 <= sub_at < L:
+            row.last_sub = sub_at
         return draft
+
+    @staticmethod
+    def _advance(row: _Row, out: list[int], j: int) -> int | None:
+        """Output tokens from out[j] that follow the aligned prediction at row.pp (advancing it): a substitution's
+        `new` for its `old`, else one token; 0 where the output leaves the prediction; None where out ends inside a
+        substitution's `new`. A substitution whose `old` was kept instead is dropped."""
+        pred, pp = row.pred, row.pp
+        for i, (old, new) in enumerate(row.subs):
+            if tuple(pred[pp:pp + len(old)]) != old:
+                continue
+            got = tuple(out[j:j + len(new)])
+            if got == new:
+                row.pp = pp + len(old)
+                return len(new)
+            if len(got) < len(new) and got == new[:len(got)]:
+                return None
+            if tuple(out[j:j + len(old)]) == old or (len(out) - j < len(old) and pred[pp] == out[j]):
+                del row.subs[i]  # the original kept here
+                break
+        if pp < len(pred) and pred[pp] == out[j]:
+            row.pp = pp + 1
+            return 1
+        return 0
+
+    @staticmethod
+    def _learn(row: _Row, out: list[int], m: int, e: int) -> None:
+        """After a divergence, the output back on the prediction (its last m tokens = pred[e - m:e]): what it wrote
+        between the two, in place of what the prediction held, becomes a substitution (SUB_MAX)."""
+        if row.div is None:
+            return
+        (dp, dj), row.div = row.div, None
+        po, oo = e - m, len(out) - m
+        if po < dp or oo < dj:
+            return
+        old, new = tuple(row.pred[dp:po]), tuple(out[dj:oo])
+        if not (1 <= len(old) <= SUB_MAX and 1 <= len(new) <= SUB_MAX) or old == new:
+            return
+        row.subs = [s for s in row.subs if s[0] != old][-(SUB_KEEP - 1):] + [(old, new)]
+
+    @staticmethod
+    def _expected(row: _Row, pending: int, n: int) -> tuple[list[int], int]:
+        """Up to n tokens the aligned prediction says come next, substitutions applied, past the `pending` output
+        tokens already inside one; and where the first substituted token is among them (-1: none)."""
+        pred, i, toks, first = row.pred, row.pp, [], -1
+        while len(toks) < n + pending and i < len(pred):
+            for old, new in row.subs:
+                if tuple(pred[i:i + len(old)]) == old:
+                    if first < 0 and len(toks) >= pending:
+                        first = len(toks) - pending
+                    toks.extend(new)
+                    i += len(old)
+                    break
+            else:
+                toks.append(pred[i])
+                i += 1
+        return toks[pending:pending + n], first
 
     @staticmethod
     def _resync(row: _Row, c: list[int]) -> int:
