@@ -13,6 +13,7 @@ from pipeline.runtime.specconfig import SpecDecodeConfig
 from pipeline.runtime.suffix import (
     ANCHOR,
     PREDICTION_FORGET,
+    PREDICTION_PRIOR,
     TOKEN_BYTES,
     VERIFY_COST,
     Odds,
@@ -315,6 +316,15 @@ def test_a_substitution_the_output_declines_is_dropped_and_costs_the_prediction_
     assert declined[0] <= declined[1] + 1e-9  # the declined round added no miss (earlier ones only fade)
     third = out.index(X, out.index(X) + 1)
     assert any(pos <= third < pos + n and draft[third - pos] == X for pos, draft, n in rounds)
+
+
+def test_an_aligned_prediction_drafts_long_from_its_first_round():
+    """A client sends a prediction to have it repeated: aligned, its first draft is as long as its prior odds and the
+    verify curve allow (11 tokens on the Zen 4 curve), not a ramp from a few tokens."""
+    src = list(range(10, 70))
+    d = SuffixDrafter([Request([2, 3, 4, 5], 64, prediction=src)], 16, "cpu", None, VERIFY_COST)
+    first = d.row_draft(0, [2, 3, 4, 5])
+    assert first == src[:len(first)] and len(first) == best_draft(PREDICTION_PRIOR, 16, VERIFY_COST)[0] >= 11
 
 
 def test_a_predictions_misses_fade_as_its_tokens_are_accepted():

@@ -63,6 +63,9 @@ SUB_MAX, SUB_KEEP = 8, 8
 # early miss used to hold its drafts at 7-9 tokens for the rest of the answer. An unrelated prediction accepts
 # little, so its misses stay.
 PREDICTION_FORGET = 0.97
+# A client sends a prediction to have it repeated, so an aligned one starts from these odds (its first draft 11 tokens
+# on the Zen 4 curve; from 0.9 the first drafts ramped 3, 3, 7, 9); an unrelated one's own misses shorten it.
+PREDICTION_PRIOR = 0.97
 
 # Verifying S tokens in one forward, in one-token steps (S = 1..): make bench's curve on the 2-core Zen 4 the issue
 # names (8: 1.57, 12: 2.14, 16: 3.93), linear between the points and past 16 at the 12-16 slope. A deployment's
@@ -120,7 +123,7 @@ class Odds:
 
     def p(self, source: str, m: int) -> float:
         key = (source, self.bucket(m))
-        prior = 0.9 if source == "prediction" else m / (m + 2.0)
+        prior = PREDICTION_PRIOR if source == "prediction" else m / (m + 2.0)
         return (self.accepted.get(key, 0) + self.prior_n * prior) / (self.tested.get(key, 0) + self.prior_n)
 
     def add(self, source: str, m: int, drafted: int, accepted: int) -> None:
