@@ -435,6 +435,8 @@ class SuffixDrafter:  # a Drafter
         """Up to n tokens the aligned prediction says come next, substitutions applied, past the `pending` output
         tokens already inside one; and where the first substituted token is among them (-1: none)."""
         pred, i, toks, first = row.pred, row.pp, [], -1
+        if not row.subs and not pending:  # the common case: the prediction as it is
+            return pred[i:i + n], -1
         while len(toks) < n + pending and i < len(pred):
             for old, new in row.subs:
                 if tuple(pred[i:i + len(old)]) == old:
