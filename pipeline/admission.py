@@ -61,8 +61,7 @@ def streams_while_admitting(target, chunk: int, streams: int = 2, prompt_tokens:
     def step() -> None:
         s0 = figures.steal_ms()
         pool.step(emit)
-        s1 = figures.steal_ms()
-        took = 0.0 if s0 is None or s1 is None else s1 - s0
+        took = figures.steal_since(s0) or 0.0
         steal["ms"] += took
         steal["steps"] += took > 0
         if not took:

@@ -40,6 +40,12 @@ def steal_ms() -> float | None:
         return None
 
 
+def steal_since(start: float | None) -> float | None:
+    """Steal time since a `steal_ms()` reading (ms), or None where there is no such figure."""
+    now = steal_ms()
+    return None if start is None or now is None else now - start
+
+
 def mean_accepted_len(tokens: int, forwards: int) -> float:
     """Tokens emitted per target forward pass (0 when nothing ran)."""
     return tokens / forwards if forwards > 0 else 0.0

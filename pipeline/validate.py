@@ -20,7 +20,7 @@ from pipeline import client, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
-from pipeline.figures import Run, mean_accepted_len, pct, steal_ms, summarize
+from pipeline.figures import Run, mean_accepted_len, pct, steal_ms, steal_since, summarize
 from pipeline.sidebyside import System
 from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
@@ -492,13 +492,13 @@ def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
     t, s0 = time.perf_counter(), steal_ms()
     with ThreadPoolExecutor(c) as ex:  # c workers over n requests: c in flight, the next sent as one is answered
         rs = list(ex.map(one, range(n)))
-    wall, s1 = time.perf_counter() - t, steal_ms()
+    wall, stolen = time.perf_counter() - t, steal_since(s0)
     itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
     return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
             "latency_ms_p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
             "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
             "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-            "steal_ms": None if s0 is None or s1 is None else s1 - s0}
+            "steal_ms": stolen}
 
 
 def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:
