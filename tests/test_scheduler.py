@@ -537,3 +537,110 @@ def test_rows_resume_speculation_only_with_tokens_enough_left_to_pay_for_it(bund
     _drain(sched, [a, b])
     assert a.final[0] == want and b.err is None
     assert any(what == "resumed" and value for what, _, value in counts) is resumed
+
+
+class SlowFake(Fake):
+    """A Fake whose every round trip (send, error, cancellation check) takes `delay` seconds, as Triton's IPC does;
+    `fail_sends`: its sends raise, as when the client has gone."""
+
+    def __init__(self, delay: float, fail_sends: bool = False, **kw):
+        super().__init__(**kw)
+        self.delay, self.fail_sends = delay, fail_sends
+
+    def send(self, texts, results, final):
+        time.sleep(self.delay)
+        if self.fail_sends:
+            raise RuntimeError("the client is gone")
+        super().send(texts, results, final)
+
+    def error(self, message, cancelled=False):
+        time.sleep(self.delay)
+        super().error(message, cancelled)
+
+    def cancelled(self):
+        time.sleep(self.delay)
+        return super().cancelled()
+
+
+def _drain_posted(sched: Scheduler, fakes: list[Fake], timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not all(f.answered for f in fakes):
+        assert time.monotonic() - t0 < timeout, "the scheduler did not answer every request"
+        sched.tick(0.001)
+
+
+def test_posted_responses_arrive_in_order_and_decoding_never_waits_for_them(bundle, parser):
+    """Through an Outbox, a client's slow round trips (50 ms a send or check here) leave the decode thread: the
+    scheduler decodes 24 tokens of two streams, checking both clients at every step, in far less than those 48
+    checks would take, and each client still gets every piece in order, then the final response, as an unposted
+    run sends them."""
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    prompts = ["Explain how rain forms over the ocean.", PROMPTS[2]]  # the first streams text (others: no piece)
+    ref = [Fake(), Fake()]
+    sched = Scheduler(bundle, 2)
+    for f, p in zip(ref, prompts):
+        sched.submit(_parse(parser, p, 24, stream=True), f)
+    _drain(sched, ref)
+
+    outbox, slow = Outbox(), [SlowFake(0.05), SlowFake(0.05)]
+    sched = Scheduler(bundle, 2)
+    sched.cancel_check_s = 0.0  # a check at every step too: 50 ms each, were it made on the decode thread
+    for f, p in zip(slow, prompts):
+        sched.submit(_parse(parser, p, 24, stream=True), PostedResponder(f, outbox))
+    t0 = time.monotonic()
+    sched.tick()  # takes both requests in
+    while sched.waiting or sched.pool.busy:
+        sched.tick()
+    decoding = time.monotonic() - t0
+    _drain_posted(sched, slow)
+    outbox.close()
+    assert decoding < 0.05 * 24, decoding  # the checks alone would take 2 x 24 x 50 ms on the decode thread
+    assert len(ref[0].pieces) > 1 and slow[0].pieces == ref[0].pieces  # every piece, in order
+    for f, r in zip(slow, ref):
+        assert f.err is None and f.final == r.final
+
+
+def test_a_posted_send_that_fails_counts_as_a_client_gone_and_stops_its_row(bundle, parser):
+    """A send that raises on the outbox's thread (the client left) marks its responder gone: the scheduler sees it
+    at its next check and stops the row; the other request is answered in full."""
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    outbox = Outbox()
+    bad, good = SlowFake(0.0, fail_sends=True), SlowFake(0.0)
+    sched = Scheduler(bundle, 2)
+    sched.cancel_check_s = 0.0
+    posted = PostedResponder(bad, outbox)
+    sched.submit(_parse(parser, PROMPTS[0], 200, stream=True), posted)
+    sched.submit(_parse(parser, PROMPTS[1], 24, stream=True), PostedResponder(good, outbox))
+    _drain_posted(sched, [good])
+    t0 = time.monotonic()
+    while sched.pool.busy or sched.waiting:
+        assert time.monotonic() - t0 < 30, "the row of the client that left kept decoding"
+        sched.tick(0.001)
+    outbox.close()
+    assert posted.gone and good.final is not None and good.err is None
+    assert bad.pieces == [] and bad.final is None  # every send of the gone client failed; nothing was recorded
+    assert bad.was_cancelled  # answered as cancelled (that error reached its responder)
+
+
+def test_a_posted_cancellation_check_answers_at_once_and_sees_the_client_leave(bundle, parser):
+    """`cancelled()` through an Outbox returns the last check's answer without waiting (a check takes 200 ms here),
+    posts a check only when none is under way, and sees a client that left a check later."""
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    outbox = Outbox()
+    f = SlowFake(0.2)
+    p = PostedResponder(f, outbox)
+    t0 = time.monotonic()
+    assert not any(p.cancelled() for _ in range(5))  # the first check is still under way: no more are posted
+    assert time.monotonic() - t0 < 0.1
+    time.sleep(0.5)
+    assert f.polls == 1
+    f.cancel_after = 0  # the client leaves
+    deadline = time.monotonic() + 5
+    while not p.cancelled():
+        assert time.monotonic() < deadline, "the posted check never came back"
+        time.sleep(0.01)
+    outbox.close()
+    assert f.polls == 2

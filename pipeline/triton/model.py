@@ -7,7 +7,8 @@ deadline and disconnect itself (no model forwards requests to another). One inst
 (`method` input; default from config). This file only translates between Triton and the Triton-free pieces it
 imports from the project: `pipeline.triton.parse` turns a request's tensors into runtime Requests (or a
 BadRequest naming the input), `pipeline.triton.scheduler` decodes them on one worker thread and answers
-through a `Responder`, here one that wraps the request's response sender, and `pipeline.triton.gate` makes the
+through a `Responder`, here one that wraps the request's response sender (posted to a thread of its own,
+`replies.PostedResponder`, so decoding never waits on a client's round trip), and `pipeline.triton.gate` makes the
 served models take turns at decoding steps (a file lock in the model repository). Decoupled (streaming) or not
 follows the model's transaction policy (spec `triton.decoupled`); both answer through the response sender, so
 `execute` never blocks on decoding.
@@ -124,6 +125,7 @@ class TritonPythonModel:
         from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
+        from pipeline.triton.replies import Outbox, PostedResponder
         from pipeline.triton.scheduler import WARMUP_TOKENS, Scheduler, warmup_request
 
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
@@ -158,6 +160,8 @@ class TritonPythonModel:
         # Both served models map one copy of the laid-out weights (pipeline/runtime/shared.py), not one copy each.
         os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
+        # Responses and cancellation checks go out from their own thread: the decode thread never waits on them.
+        self.outbox, self._posted = Outbox(self._log), PostedResponder
         bundle = self.scheduler.bundle
         # The spec's speculation block, as the repository wrote it; 'auto' takes the k measured at build time.
         bundle.use(SpecDecodeConfig.from_params(lambda key, default: _param(cfg, key, default),
@@ -213,7 +217,7 @@ class TritonPythonModel:
         from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
 
         for request in requests:
-            out = TritonResponder(request.get_response_sender(), self.block_tokens)
+            out = self._posted(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox)
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:
@@ -227,11 +231,12 @@ class TritonPythonModel:
                 self.scheduler.submit(parsed, out)
         return None
 
-    def _reject(self, out: TritonResponder, msg: str) -> None:
+    def _reject(self, out, msg: str) -> None:
         self.scheduler.reject(out, msg)
 
     def finalize(self) -> None:
         self.scheduler.close()
+        self.outbox.close()  # what the scheduler answered last (cancellations at shutdown) goes out first
         g = self.gate
         pb_utils.Logger.log_info(f"{self.model_name}: step lock taken {g.acquisitions} times, waited {g.waited_s:.1f}s "
                                  f"for it, handed it over {g.handoffs} times")

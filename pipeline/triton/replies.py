@@ -3,11 +3,13 @@
 `Replies` is the only part of the scheduler that talks to clients: it streams a row's new text, sends a
 job's final response or its error, counts what it answers, and answers whether a client has gone (gRPC
 cancel, deadline, disconnect, or a `stop` request naming the request id), polling Triton no more often
-than `cancel_check_s` per request (each check is a round trip).
+than `cancel_check_s` per request (each check is a round trip). `Outbox` and `PostedResponder` take those round
+trips off the decode thread (the served model wraps each request's responder in one).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,73 @@ class Responder(Protocol):
     def error(self, message: str, cancelled: bool = False) -> None: ...
 
     def cancelled(self) -> bool: ...
+
+
+class Outbox:
+    """One thread that makes every client round trip in order (sends and cancellation checks), so the decode thread
+    never waits on them. Through Triton's python backend each is an IPC round trip to the server: a streamed piece
+    took 0.46 ms and a cancellation check 0.3 ms on the 2-core Zen 4, at every step for every row (at 4 clients
+    about 3 ms of a 40 ms step that nothing decoded)."""
+
+    def __init__(self, log: Callable[[str, str], None] = lambda level, msg: None):
+        self.log = log
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="responses", daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[[], None], failed: Callable[[Exception], None]) -> None:
+        """Run `fn` on the outbox's thread after everything posted before it; `failed(e)` if it raises."""
+        self._q.put((fn, failed))
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, failed = item
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the client may be gone: its responder hears of it
+                try:
+                    failed(e)
+                except Exception as e2:  # noqa: BLE001 - the thread serves every request: it never stops
+                    self.log("warn", f"outbox: {type(e2).__name__}: {e2}")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is posted, then stop the thread."""
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+class PostedResponder:
+    """A Responder whose sends and cancellation checks run on an Outbox: `send` and `error` return at once (in the
+    order they were called, so a final response follows the pieces), and `cancelled` answers from the last
+    check and posts the next one (a client that left is seen one check later: `cancel_check_s` more work at
+    most). A send that fails marks the client gone, as a synchronous send's exception did."""
+
+    def __init__(self, inner: Responder, outbox: Outbox):
+        self.inner, self.outbox = inner, outbox
+        self.gone = False  # a send failed or the last check said so
+        self._checking = False
+
+    def _failed(self, e: Exception) -> None:
+        self.gone = True
+        self.outbox.log("warn", f"could not send a response: {type(e).__name__}: {e}; treating the client as gone")
+
+    def send(self, texts: list[str], results: list | None, final: bool) -> None:
+        self.outbox.post(lambda: self.inner.send(texts, results, final), self._failed)
+
+    def error(self, message: str, cancelled: bool = False) -> None:
+        self.outbox.post(lambda: self.inner.error(message, cancelled), self._failed)
+
+    def cancelled(self) -> bool:
+        if not self.gone and not self._checking:
+            self._checking = True
+            self.outbox.post(self._check, self._failed)
+        return self.gone
+
+    def _check(self) -> None:
+        try:
+            self.gone = self.gone or bool(self.inner.cancelled())
+        finally:
+            self._checking = False
 
 
 @dataclass
