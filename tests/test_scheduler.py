@@ -611,7 +611,7 @@ def test_a_posted_send_that_fails_counts_as_a_client_gone_and_stops_its_row(bund
     sched = Scheduler(bundle, 2)
     sched.cancel_check_s = 0.0
     posted = PostedResponder(bad, outbox)
-    sched.submit(_parse(parser, PROMPTS[0], 200, stream=True), posted)
+    sched.submit(_parse(parser, "Explain how rain forms over the ocean.", 200, stream=True), posted)  # streams text
     sched.submit(_parse(parser, PROMPTS[1], 24, stream=True), PostedResponder(good, outbox))
     _drain_posted(sched, [good])
     t0 = time.monotonic()
