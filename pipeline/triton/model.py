@@ -141,7 +141,7 @@ class TritonPythonModel:
 
             threads.append(f"threads: torch {torch.get_num_threads()}, kernels {kernels.threads()}")
             bundle = load_bundle(Path(_param(cfg, "engine_dir")), _param(cfg, "device", "cpu"))
-            sched = Scheduler(bundle, self.max_batch_size, count=self._count, log=self._log, gate=self.gate)
+            sched = Scheduler(bundle, self.max_batch_size, count=self._count_later, log=self._log, gate=self.gate)
             warm = int(_param(cfg, "warmup_tokens", str(WARMUP_TOKENS)) or 0)  # 0: none
             if warm > 0:  # ready means warm: the first request decodes as fast as the rest (docs/peers.md)
                 prompt, new = warmup_request(bundle, warm)
@@ -159,9 +159,10 @@ class TritonPythonModel:
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         # Both served models map one copy of the laid-out weights (pipeline/runtime/shared.py), not one copy each.
         os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
-        self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
-        # Responses and cancellation checks go out from their own thread: the decode thread never waits on them.
+        # Responses, cancellation checks and the metrics' counts go out from one thread of their own, in the order the
+        # decode thread made them (a request's counts before its final response): it never waits on those round trips.
         self.outbox, self._posted = Outbox(self._log), PostedResponder
+        self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
         bundle = self.scheduler.bundle
         # The spec's speculation block, as the repository wrote it; 'auto' takes the k measured at build time.
         bundle.use(SpecDecodeConfig.from_params(lambda key, default: _param(cfg, key, default),
@@ -202,6 +203,11 @@ class TritonPythonModel:
                 self._count(what, method, 0)
         for what in GAUGES:
             self._count(what, "", 0)
+
+    def _count_later(self, what: str, method: str, value: float) -> None:
+        """The scheduler's counts: each is an IPC round trip to the server, made on the outbox's thread."""
+        self.outbox.post(lambda: self._count(what, method, value),
+                         lambda e: self._log("warn", f"metric {what}: {type(e).__name__}: {e}"))
 
     def _count(self, what: str, method: str, value: float) -> None:
         key = (what, method)

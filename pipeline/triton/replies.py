@@ -31,8 +31,8 @@ class Responder(Protocol):
 
 
 class Outbox:
-    """One thread that makes every client round trip in order (sends and cancellation checks), so the decode thread
-    never waits on them. Through Triton's python backend each is an IPC round trip to the server: a streamed piece
+    """One thread that makes every client round trip in order (sends and cancellation checks; the served model posts
+    its metrics' counts here too), so the decode thread never waits on them. Through Triton's python backend each is an IPC round trip to the server: a streamed piece
     took 0.46 ms and a cancellation check 0.3 ms on the 2-core Zen 4, at every step for every row (at 4 clients
     about 3 ms of a 40 ms step that nothing decoded)."""
 
