@@ -31,10 +31,12 @@ class Responder(Protocol):
 
 
 class Outbox:
-    """One thread that makes every client round trip in order (sends and cancellation checks; the served model posts
-    its metrics' counts here too), so the decode thread never waits on them. Through Triton's python backend each is an IPC round trip to the server: a streamed piece
-    took 0.46 ms and a cancellation check 0.3 ms on the 2-core Zen 4, at every step for every row (at 4 clients
-    about 3 ms of a 40 ms step that nothing decoded)."""
+    """One thread that makes every round trip to the server in order (sends and cancellation checks; the served model
+    posts its metrics' counts here too), so the decode thread never waits on them. Through Triton's python backend
+    each is an IPC round trip: a streamed piece took 0.46 ms and a cancellation check 0.3 ms on the 2-core Zen 4, at
+    every step for every row (at 4 clients about 3 ms of a 40 ms step that nothing decoded). One thread, not one per
+    request: the stub hung when two threads made these calls at once (responses from execute's thread and the
+    worker's, 2026-12-01; sends here beside counts on the worker, one CI run of 885a841)."""
 
     def __init__(self, log: Callable[[str, str], None] = lambda level, msg: None):
         self.log = log
