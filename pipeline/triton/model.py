@@ -125,7 +125,7 @@ class TritonPythonModel:
         from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
-        from pipeline.triton.replies import Outbox, PostedResponder
+        from pipeline.triton.replies import Outbox
         from pipeline.triton.scheduler import WARMUP_TOKENS, Scheduler, warmup_request
 
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
@@ -161,7 +161,7 @@ class TritonPythonModel:
         os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
         # Responses, cancellation checks and the metrics' counts go out from one thread of their own, in the order the
         # decode thread made them (a request's counts before its final response): it never waits on those round trips.
-        self.outbox, self._posted = Outbox(self._log), PostedResponder
+        self.outbox = Outbox(self._log)
         self.scheduler = Scheduler.on_own_thread(setup)  # nothing is counted before a request arrives
         bundle = self.scheduler.bundle
         # The spec's speculation block, as the repository wrote it; 'auto' takes the k measured at build time.
@@ -221,9 +221,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
+        from pipeline.triton.replies import PostedResponder
 
         for request in requests:
-            out = self._posted(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox)
+            out = PostedResponder(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox)
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:

@@ -78,7 +78,8 @@ class PostedResponder:
 
     def _failed(self, e: Exception) -> None:
         self.gone = True
-        self.outbox.log("warn", f"could not send a response: {type(e).__name__}: {e}; treating the client as gone")
+        self.outbox.log("warn", f"a response or cancellation check failed: {type(e).__name__}: {e}; treating the "
+                        "client as gone")
 
     def send(self, texts: list[str], results: list | None, final: bool) -> None:
         self.outbox.post(lambda: self.inner.send(texts, results, final), self._failed)
