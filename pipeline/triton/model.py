@@ -221,7 +221,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         from pipeline.triton.parse import BadRequest  # after _add_paths (initialize ran it); cached by now
-        from pipeline.triton.replies import PostedResponder
+        from pipeline.triton.replies import PostedResponder  # as above: the project is reachable after _add_paths
 
         for request in requests:
             out = PostedResponder(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox)
