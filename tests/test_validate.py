@@ -66,6 +66,9 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     ours = [e for e in report["batch_curve"] if e["method"] == "baseline"]
     assert [e["concurrency"] for e in ours] == levels and all(e["ttft_ms_p99"] >= e["ttft_ms_p50"] > 0 for e in ours)
     assert set(report["vs_llama_server_at_concurrency"]["baseline"]) == {str(c) for c in levels}
+    # the methods ran in the spec's order on even prompts, reversed on odd ones (no method always after another)
+    assert report["method_order"] == [list(report["methods"]) if i % 2 == 0 else list(report["methods"])[::-1]
+                                      for i in range(ran)]
     passes = [ln for ln in lines if ln.lstrip().startswith("prompt ") and "tokens/s" in ln]
     assert len(passes) == ran and all("llama-server plain" in ln for ln in passes), passes
     plain = report["peers"]["llama_cpp_server"]["plain"]
