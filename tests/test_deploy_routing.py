@@ -53,7 +53,8 @@ def served_replicas(tmp_path_factory, tiny_tokenizer):
                            kv_heads=2, tokenizer=tiny_tokenizer)
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
-    cache_bytes = _cache_budget(tiny_tokenizer, layers, kv_heads=2, head_dim=64)
+    cache_bytes = _cache_budget(tiny_tokenizer, layers, kv_heads=cfg["num_key_value_heads"],
+                                head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
     free = srvmod.free_ports(2 + 4 * len(roots))  # distinct: ports taken one at a time can repeat
     proxy_ports, free = free[:2], free[2:]
     paths = []
@@ -87,9 +88,10 @@ def _cache_budget(tokenizer, layers: int, kv_heads: int, head_dim: int) -> int:
     """Each replica's prompt-cache budget. By default room for two and a half sessions (their longest document plus
     six turns of question, answer and chat markup, as bf16 K/V): what a deployment has, where more conversations
     reach a replica than its cache holds, so where a turn lands decides whether its history is still cached. The
-    session-affine proxy sends each replica its share (two of the four sessions here); round-robin sends every
-    replica all four. SPEC_ROUTING_CACHE=all gives every replica 256 MiB instead (nothing is ever evicted), the
-    geometry docs/deploy.md measures beside it."""
+    session-affine proxy sends each replica its share (the hash of the four keys puts three on one replica and one
+    on the other, so the busier one evicts a little too); round-robin sends every replica all four.
+    SPEC_ROUTING_CACHE=all gives every replica 256 MiB instead (nothing is ever evicted), the geometry
+    docs/deploy.md measures beside it."""
     if os.environ.get("SPEC_ROUTING_CACHE", "share") == "all":
         return 1 << 28
     longest = max(len(tokenizer(doc)["input_ids"]) for doc in _documents())
