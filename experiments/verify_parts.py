@@ -18,9 +18,8 @@ import torch
 
 from pipeline.runtime import kernels
 from pipeline.runtime.engine_io import load_engine
+from pipeline.runtime.gguf_weights import TYPE_NAMES
 from pipeline.runtime.model import wt
-
-GGUF_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 
 
 def best_of(fn, n: int) -> float:
@@ -42,7 +41,7 @@ def main(engine_dir: str, sizes: str = "1,8,32", contexts: str = "128,1024,2048"
     for layer in m.layers:
         for attr in ("wqkv", "wo", "w13", "w2"):
             w = wt(getattr(layer, attr))
-            types = "+".join(GGUF_TYPES.get(int(r[0]), str(int(r[0]))) for r in w.parts.tolist()) \
+            types = "+".join(TYPE_NAMES.get(int(r[0]), str(int(r[0]))) for r in w.parts.tolist()) \
                 if hasattr(w, "parts") else type(w).__name__
             groups[(attr, types)].append(w)
     for S in (int(s) for s in sizes.split(",")):
