@@ -53,8 +53,17 @@
 #define GG_SB_Q6K 3392
 #define GG_MAXPARTS 4
 // Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
-// panels are one sequential stream per thread.
+// panels are one sequential stream per thread. AVX-512: 5 KB, about two Q4_K records. The 1.5B's one-token matmuls
+// (all layers and the head, paired calls alternating with an 8 KB build, the bandwidth probe read between them, 2-core
+// Zen 4, 2026-12-05) took 0.91x the time with memory at 34-37 GB/s and 0.89-0.91x at 57-66 GB/s; 8 and 4 token rows
+// unchanged (0.99-1.03x); 4 and 6 KB 0.92-0.95x, 3 KB 0.97x, 16 and 32 KB 1.04-1.10x, none 1.06-1.09x, into L1
+// 1.6x; SmolLM2's Q4_1 layers (gguf_blocks32.c) 1.00x. The AVX2 build keeps 8 KB: run on the same Zen 4, 5 KB was 0.95x with memory slow and 1.09x with it fast.
+// Which lines are prefetched never changes a bit.
+#if defined(__AVX512F__)
+#define GG_PF 5120
+#else
 #define GG_PF 8192
+#endif
 // Token rows per pass over a panel, in both builds: verifying up to 8 tokens decodes each panel once (at 4, 5-8 rows
 // decoded it twice: 2.5x a one-token step at 5 rows on the 1.5B). In the AVX-512 build 32 zmm hold 8 rows'
 // super-block sums (a) and dot products beside the decoded weights; the AVX2 tiles keep each row's int16 sums in
