@@ -277,6 +277,10 @@ class ValidateSpec:
     # run first): the same spec then fits its time on a machine with half the speed; the report says how many ran.
     prompt_budget_s: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # ours and llama-server -np N
+    # New tokens per request of the concurrency curve (0: max_new_tokens, the answers the other sections time). A
+    # shorter request is mostly its prompt's prefill, which no method speeds up: the flagship's 32-token requests
+    # read hybrid 1.28-1.30x baseline at one client where 128-token ones read 1.5-1.9x (experiments/serving_log.md).
+    curve_tokens: int = 0
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     near_tie_margin: float = 0.05
     distribution_samples: int = 200
@@ -745,6 +749,8 @@ def _validate_validate(val: ValidateSpec) -> None:
     _check(val.max_edit_cases >= 0, "validate.max_edit_cases", val.max_edit_cases, "must be 0 (all) or more")
     _check(val.edit_new_tokens >= 0, "validate.edit_new_tokens", val.edit_new_tokens,
            "must be 0 (the whole file) or more")
+    _check(val.curve_tokens >= 0, "validate.curve_tokens", val.curve_tokens,
+           "must be 0 (validate.max_new_tokens) or a token count")
     _check(all(c >= 1 for c in val.concurrency) and val.concurrency, "validate.concurrency", val.concurrency,
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,

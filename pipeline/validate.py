@@ -28,9 +28,6 @@ from pipeline.triton import openai_api, server
 from pipeline.validate_api import run_validate_api, served
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
-# New tokens per request in the concurrency curve; at 64 its 32-request levels of forced-on speculation took
-# half the curve and pushed the main job past its 30-minute budget.
-CURVE_TOKENS = 32
 PEER_TOKENS = 32  # transformers' tokens per prompt in validate (bench runs the full length)
 
 
@@ -141,10 +138,11 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm, plain=llama))
     lap("llama_cpp_server")
     # 3b. Concurrency curve.
-    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, min(new, CURVE_TOKENS), log)
+    report["curve_tokens"] = curve_new = curve_tokens(v)
+    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log)
     report["crossover"] = crossover(report["batch_curve"], methods)
     # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
-    report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, min(new, CURVE_TOKENS), log)
+    report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
     report["vs_llama_server_at_concurrency"] = {
         m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
     report["disable_at_batch"] = spec.speculation.disable_at_batch
@@ -385,6 +383,11 @@ def over_budget(done: int, elapsed_s: float, budget_s: float) -> bool:
     return budget_s > 0 and done >= MIN_BUDGET_PROMPTS and elapsed_s >= budget_s
 
 
+def curve_tokens(v: ValidateSpec) -> int:
+    """New tokens per request of the concurrency curve: `validate.curve_tokens`, else the run's max_new_tokens."""
+    return min(v.curve_tokens or v.max_new_tokens, v.max_new_tokens)
+
+
 def trimmed(spec: Spec) -> list[str]:
     """What this run leaves out against the full validation (the defaults and the whole prompt file)."""
     from pipeline.sources import read_prompts  # lazy: loads torch (~1.5 s); the CLI imports this module at start
@@ -400,6 +403,9 @@ def trimmed(spec: Spec) -> list[str]:
     if max(v.concurrency) < max(full.concurrency):
         out.append(f"concurrency curve to {max(v.concurrency)} (full run: to {max(full.concurrency)}; "
                    "validate.concurrency)")
+    if curve_tokens(v) < v.max_new_tokens:
+        out.append(f"concurrency-curve requests of {curve_tokens(v)} new tokens (full run: {v.max_new_tokens}; "
+                   "validate.curve_tokens)")
     if len(v.temperatures) < len(full.temperatures):
         out.append(f"temperatures {v.temperatures} (full run: {full.temperatures}; validate.temperatures)")
     if v.context_sizes and max(v.context_sizes) < max(full.context_sizes):

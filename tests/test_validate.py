@@ -61,6 +61,8 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     levels = s.validate.concurrency
     curve = reqs[ran + 1:]
     assert len(curve) == sum(1 + max(c, ran) for c in levels) and len({r["port"] for r in curve}) == len(levels)
+    # the peer's curve asks for what ours does: validate.curve_tokens unset, the run's own 8 tokens
+    assert report["curve_tokens"] == 8 and {r["max_tokens"] for r in curve} == {8}
     peer = [e for e in report["batch_curve"] if e["method"] == "llama-server"]
     assert [e["concurrency"] for e in peer] == levels and all(e["itl_ms_p99"] >= e["itl_ms_p50"] for e in peer)
     ours = [e for e in report["batch_curve"] if e["method"] == "baseline"]
@@ -181,8 +183,30 @@ def test_trimmed_says_what_a_short_run_leaves_out(tmp_path):
     assert any(x.startswith("60 distribution samples (full run: 200") for x in out)
     assert any("concurrency curve to 2 (full run: to 16" in x for x in out)
     assert any(x.startswith("temperatures [0.7]") for x in out)
+    assert not any("curve_tokens" in x for x in out)  # the curve's requests are the run's own 64 tokens
     full = specmod.parse({"name": "t", "validate": {"prompts": str(prompts)}}, root=tmp_path)
     assert trimmed(full) == []
+
+
+def test_curve_tokens_default_to_the_runs_answers_and_a_shorter_curve_is_named_as_trimmed(tmp_path):
+    from pipeline import spec as specmod
+    from pipeline.validate import curve_tokens, trimmed
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\n")
+
+    def parsed(**v):
+        return specmod.parse({"name": "t", "validate": {"prompts": str(prompts), **v}}, root=tmp_path)
+
+    assert curve_tokens(parsed().validate) == 128
+    assert curve_tokens(parsed(max_new_tokens=48).validate) == 48
+    assert curve_tokens(parsed(curve_tokens=32).validate) == 32
+    assert curve_tokens(parsed(max_new_tokens=16, curve_tokens=32).validate) == 16  # never past the answers
+    assert trimmed(parsed(curve_tokens=32)) == [
+        "concurrency-curve requests of 32 new tokens (full run: 128; validate.curve_tokens)"]
+    assert trimmed(parsed(curve_tokens=128)) == []
+    with pytest.raises(specmod.SpecError, match="validate.curve_tokens"):
+        parsed(curve_tokens=-1)
 
 
 def test_draft_summary_reads_the_built_draft(tmp_path):
