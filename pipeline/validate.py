@@ -678,7 +678,8 @@ def plots(report: dict, out: Path) -> None:
     ax.minorticks_off()
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title(f"{report['spec']}: tokens/s by concurrency")
+    per = f" ({report['curve_tokens']}-token requests)" if report.get("curve_tokens") else ""
+    ax.set_title(f"{report['spec']}: tokens/s by concurrency{per}")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "batch_curve.png", dpi=100)
@@ -750,7 +751,8 @@ def markdown(r: dict) -> str:
                               for m, e in r["first_prompt"].items()) + "."]
     if r["suspicious"]:
         lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
-    lines += ["", "## Concurrency curve (aggregate tokens/s)", ""]
+    per = f", requests of {r['curve_tokens']} new tokens" if r.get("curve_tokens") else ""
+    lines += ["", f"## Concurrency curve (aggregate tokens/s{per})", ""]
     levels = sorted({e["concurrency"] for e in r["batch_curve"] if e.get("concurrency") is not None})
     ms = list(r["methods"])
     peer = [m for m in [peer_curve.PEER_METHOD] if any(e["method"] == m for e in r["batch_curve"])]

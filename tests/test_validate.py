@@ -110,7 +110,9 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     assert methods["draft_target"]["lookup_min_ngram"] == 2
     for peer in ("hf_generate", "hf_assisted"):  # the spec's 8 tokens: under validate's PEER_TOKENS cap
         assert on_disk["peers"][peer]["tokens_per_s"] > 0 and on_disk["peers"][peer]["new_tokens"] == 8
-    assert "transformers hf_generate (2 prompts x 8 tokens)" in (s.report_dir / "validate.md").read_text()
+    md = (s.report_dir / "validate.md").read_text()
+    assert "transformers hf_generate (2 prompts x 8 tokens)" in md
+    assert "## Concurrency curve (aggregate tokens/s, requests of 8 new tokens)" in md
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2)
                                                                for m in [*methods, "llama-server"]}
