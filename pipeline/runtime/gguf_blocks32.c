@@ -121,7 +121,7 @@ static void gg32_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int
                 for (int i = 0; i < G; i++) acc[i] = vf_zero();
                 for (int j = 0; j < nb; j++) {
                     const uint8_t *r = panel + (int64_t)j * rec;
-                    gg_pf(r, GG_PF);
+                    __builtin_prefetch(r + GG_PF, 0, 2);
                     vi_t u[8];
                     if (type == GG_Q8_0) {
                         for (int c = 0; c < 8; c++) u[c] = gg_load(r + 64 * c + hb);

@@ -64,11 +64,6 @@
 #else
 #define GG_PF 8192
 #endif
-// The prefetch address is formed as an integer: GG_PF past one of a part's last records lies past its panels, and C
-// allows no pointer beyond an object's end (docs/kernels.md "Prefetches"); a prefetch itself never faults.
-static inline void gg_pf(const uint8_t *p, int64_t off) {
-    _mm_prefetch((const char *)(uintptr_t)((uintptr_t)p + (uintptr_t)off), PF_HINT);
-}
 // Token rows per pass over a panel, in both builds: verifying up to 8 tokens decodes each panel once (at 4, 5-8 rows
 // decoded it twice: 2.5x a one-token step at 5 rows on the 1.5B). In the AVX-512 build 32 zmm hold 8 rows'
 // super-block sums (a) and dot products beside the decoded weights; the AVX2 tiles keep each row's int16 sums in
@@ -203,7 +198,7 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
             if (h == 0)
-                for (int off = 0; off < GG_SB_Q4K; off += 64) gg_pf(rec, GG_PF + off);
+                for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h), dmin = gg_loadf((const float *)sc + 16 + A8_LANES * h);
             for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
             for (int j = 0; j < 8; j++) {
@@ -248,7 +243,7 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
         for (int s = 0; s < nsb; s++) {
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
             if (h == 0)
-                for (int off = 0; off < GG_SB_Q6K; off += 64) gg_pf(rec, GG_PF + off);
+                for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
             const vf_t d = gg_loadf((const float *)sc + A8_LANES * h);
             for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
             for (int j = 0; j < 16; j++) {
@@ -310,7 +305,7 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
         if (h0 == 0)
-            for (int off = 0; off < GG_SB_Q4K; off += 64) gg_pf(rec, GG_PF + off);
+            for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int hh = 0; hh < H; hh++)
             for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 8; j++) {
@@ -379,7 +374,7 @@ static inline __attribute__((always_inline)) void gg_pass_q6k(const gx_t *X, con
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
         if (h0 == 0)
-            for (int off = 0; off < GG_SB_Q6K; off += 64) gg_pf(rec, GG_PF + off);
+            for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int hh = 0; hh < H; hh++)
             for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 16; j++) {
@@ -590,7 +585,7 @@ static inline __attribute__((always_inline)) void gg_amx_q4k(const gx_t *X, cons
     const int8_t *xq = X->q + (int64_t)s0 * K;
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
-        for (int off = 0; off < GG_SB_Q4K; off += 64) gg_pf(rec, GG_PF + off);
+        for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int line = 0; line < 32; line++) {
             vi_t lo, hi;
             a8_nibbles(rec + 64 * line, &lo, &hi);
@@ -629,7 +624,7 @@ static inline __attribute__((always_inline)) void gg_amx_q6k(const gx_t *X, cons
     const int8_t *xq = X->q + (int64_t)s0 * K;
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
-        for (int off = 0; off < GG_SB_Q6K; off += 64) gg_pf(rec, GG_PF + off);
+        for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int j = 0; j < 16; j++) {
             vi_t l0, h0, l1, h1;
             a8_nibbles(rec + 64 * (2 * j), &l0, &h0);
