@@ -958,3 +958,27 @@ def test_the_kv_cache_holds_k_and_v_rounded_to_bf16_as_rope_write_writes_them():
         assert torch.equal(vc[0, :, slot], x[0, t, hq + hkv:].to(torch.bfloat16)), t
     untouched = [s for s in range(L) if s not in slots[0].tolist()]
     assert bool((kc[0, :, untouched] == 7).all() and (vc[0, :, untouched] == 7).all())
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_the_gguf_tiles_prefetch_their_records_ahead_in_the_built_library(isa):
+    """The GGUF tiles' software prefetch is most of a one-token step's speed (none: 1.06-1.13x the time, 2-core Zen 4,
+    kernel_log.md 2026-12-05) and no output shows it: an address formed as an integer made GCC 12 drop every one of
+    them. So the built library is read: the functions that run the panels hold the prefetches."""
+    import shutil
+
+    if isa not in kernels.supported_isas() or shutil.which("objdump") is None:
+        pytest.skip(f"needs the {isa} build and objdump")
+    lib = kernels._compile(isa)
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib.so_path)], capture_output=True, text=True,
+                         check=True).stdout
+    count: dict[str, int] = {}
+    fn = ""
+    for line in asm.splitlines():
+        if line.endswith(">:"):
+            fn = line.split("<", 1)[1].rstrip(">:").split(".", 1)[0]
+        elif "prefetcht1" in line:
+            count[fn] = count.get(fn, 0) + 1
+    # a Q4_K and a Q6_K record's lines (38 and 53) are prefetched in loops the compiler may unroll or not; each tile
+    # body that gg_panels inlines keeps at least its two record loops, beside the 32-weight blocks' one
+    assert count.get("gg_panels", 0) >= 3, count
