@@ -55,9 +55,10 @@
 // Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
 // panels are one sequential stream per thread. AVX-512: 5 KB, about two Q4_K records. The 1.5B's one-token matmuls
 // (all layers and the head, paired calls alternating with an 8 KB build, the bandwidth probe read between them, 2-core
-// Zen 4, 2026-12-05) took 0.91x the time with memory at 34-37 GB/s and 0.89-0.91x at 57-66 GB/s; 8 and 4 token rows
-// unchanged (0.99-1.03x); 4 and 6 KB 0.92-0.95x, 3 KB 0.97x, 16 and 32 KB 1.04-1.10x, none 1.06-1.09x, into L1
-// 1.6x; SmolLM2's Q4_1 layers (gguf_blocks32.c) 1.00x. The AVX2 build keeps 8 KB: run on the same Zen 4, 5 KB was 0.95x with memory slow and 1.09x with it fast.
+// Zen 4, 2026-12-05) took 0.90-0.92x the time with memory at 33-37 GB/s and 0.89-0.92x at 57-67 GB/s; 4 and 8 token
+// rows unchanged (0.98-1.03x); 4 and 6 KB 0.91-0.99x, 3 KB 0.97x, 16 and 32 KB 1.04-1.10x, none 1.06-1.09x, into L1
+// 1.6x; SmolLM2's Q4_1 layers (gguf_blocks32.c) 1.00x. The AVX2 build keeps 8 KB: run on the same Zen 4, 5 KB was
+// 0.95x its 8 KB with memory slow and 1.09x with it fast (experiments/kernel_log.md, 2026-12-05 10:00).
 // Which lines are prefetched never changes a bit.
 #if defined(__AVX512F__)
 #define GG_PF 5120
