@@ -46,6 +46,7 @@ def gguf_draft(spec, ids: torch.Tensor):
 def step_timer(model, context: list[int]):
     """A function timing one one-token step (best of `reps`) after `context`, as speedpick's draft_step."""
     from pipeline.runtime import kernels
+    from pipeline.speedpick import best_time
 
     cache = model.new_cache(1, len(context) + 8)
     model(torch.tensor([context]), torch.arange(len(context))[None], cache)
@@ -54,16 +55,8 @@ def step_timer(model, context: list[int]):
     def step() -> None:
         kernels.argmax_prob(model.logits(model(tok, pos, cache)[:, 0]))
 
-    def best(reps: int = 10) -> float:
-        out = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            out = min(out, time.perf_counter() - t0)
-        return out
-
     step()
-    return best
+    return lambda reps=10: best_time(step, reps)
 
 
 def main() -> int:

@@ -10,7 +10,6 @@ Best of a few calls each (random activations, weights streamed from memory as in
 from __future__ import annotations
 
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,15 +19,7 @@ from pipeline.runtime import kernels
 from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.gguf_weights import TYPE_NAMES
 from pipeline.runtime.model import wt
-
-
-def best_of(fn, n: int) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+from pipeline.speedpick import best_time
 
 
 @torch.inference_mode()
@@ -47,7 +38,7 @@ def main(engine_dir: str, sizes: str = "1,8,32", contexts: str = "128,1024,2048"
     for S in (int(s) for s in sizes.split(",")):
         for (attr, types), ws in groups.items():
             x = torch.randn(S, ws[0].in_features)
-            t = best_of(lambda x=x, ws=ws: [kernels.linear(x, w) for w in ws], 4)
+            t = best_time(lambda x=x, ws=ws: [kernels.linear(x, w) for w in ws], 4)
             macs = S * sum(w.in_features * w.out_features for w in ws)
             print(f"S={S:3d} {attr:5s} {types:15s} x{len(ws):2d} layers: {t * 1e3:7.2f} ms, "
                   f"{macs / t / 1e9:4.0f} G/s ({100 * macs / t / peak:.0f}% of the int8 peak)")
@@ -58,7 +49,7 @@ def main(engine_dir: str, sizes: str = "1,8,32", contexts: str = "128,1024,2048"
             q = torch.randn(1, S, hq, d)
             kc, vc = (torch.randn(1, hkv, L, d).to(kernels.KV_DTYPE) for _ in range(2))
             slots = (ctx + torch.arange(S))[None]
-            t = best_of(lambda q=q, kc=kc, vc=vc, L=L, slots=slots: kernels.attention(q, kc, vc, None, L, slots), 20)
+            t = best_time(lambda q=q, kc=kc, vc=vc, L=L, slots=slots: kernels.attention(q, kc, vc, None, L, slots), 20)
             macs = 2 * S * L * hq * d
             print(f"attention, context {ctx:5d}, S={S:3d}: {t * 1e3:.3f} ms a layer, {t * 1e3 * len(m.layers):6.1f} ms "
                   f"for {len(m.layers)} layers, {macs / t / 1e9:4.0f} G multiply-adds/s")

@@ -27,7 +27,8 @@ from pipeline.runtime.speculative import draft_target
 from pipeline.sources import read_prompts
 
 
-def _time(fn, reps: int) -> float:
+def best_time(fn, reps: int) -> float:
+    """Seconds of fn's fastest run of `reps` (at least one): a shared machine's contention only adds time."""
     best = float("inf")
     for _ in range(max(1, reps)):
         t0 = time.perf_counter()
@@ -93,7 +94,7 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
     best = [float("inf")]
 
     def draft_round():
-        best[0] = min(best[0], _time(draft_step, 2))
+        best[0] = min(best[0], best_time(draft_step, 2))
 
     c_verify = verify_costs(target, max_k + 1, context, reps, between=draft_round, rows=rows)
     return {"c_draft": best[0], "c_verify": c_verify}
