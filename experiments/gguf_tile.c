@@ -3,14 +3,14 @@
 // int8 peak (int8_peak: vpdpbusd in 12 independent chains). `copies` > 1 cycles through that many copies of the
 // weights, so with a total above the L3 they stream from memory as in a decode step; 1 keeps them in cache, which
 // leaves only the tile's own instruction cost.
-//   gcc -O3 -ffp-contract=off -pthread -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni experiments/gguf_tile.c -o /tmp/gguf_tile -lm
+//   gcc -O3 -ffp-contract=off -pthread -mavx2 -mfma -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mf16c experiments/gguf_tile.c -o /tmp/gguf_tile -lm
 //   /tmp/gguf_tile q4k 1024 1536 1 1      # type, rows N, columns K, threads, copies [, seconds per S]
 //   /tmp/gguf_tile q4k 17920 1536 2 12    # gate/up of the 1.5B target, streamed (12 x 16.3 MB)
 //   /tmp/gguf_tile q4k 1024 1536 1 1 1 amx   # the AMX tiles (Sapphire Rapids and later), checked bit for bit against
 //                                            # the AVX-512 tiles at every S first; `amx-model` runs the same code on
 //                                            # the software model of the tiles (its timings mean nothing)
 //   /tmp/gguf_tile q4k 1536 1536 1 1 1 avx512 1,4,8,16,32,64,128,256,512   # rows per step up to a prefill chunk
-// Drop the AVX-512 flags for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
+// Drop the AVX-512 flags (keep -mavx2 -mfma -mf16c) for the AVX2 build. docs/gguf_weights.md has what it printed on Zen 4.
 #include "../pipeline/runtime/skinny.c"
 
 #include <time.h>
@@ -46,10 +46,16 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)rnd();
     for (size_t r = 0; r < (size_t)P * nsb; r++) {  // sane scales: fp32 d (and dmin), 6-bit Q4_K sub-block scales
         uint8_t *b = w + r * rec;
-        float *d = (float *)(b + (type == GG_Q4K ? 2048 : 3072));
-        for (int l = 0; l < (type == GG_Q4K ? 32 : 16); l++) d[l] = 1e-3f * (float)(1 + rnd() % 100);
-        if (type == GG_Q4K)
-            for (int i = 0; i < 256; i++) b[2048 + 128 + i] &= 63;
+        if (type == GG_Q4K) {  // d and dmin fp16, then the 6-bit scales and mins
+            for (int l = 0; l < 32; l++) {
+                const uint16_t h = _cvtss_sh(1e-3f * (float)(1 + rnd() % 100), 0);
+                memcpy(b + 2048 + 2 * l, &h, 2);
+            }
+            for (int i = 0; i < 256; i++) b[2048 + 64 + i] &= 63;
+        } else {
+            float *d = (float *)(b + 3072);
+            for (int l = 0; l < 16; l++) d[l] = 1e-3f * (float)(1 + rnd() % 100);
+        }
     }
     for (int c = 1; c < copies; c++) memcpy(w + stride * c, w, bytes);
     int list[64], ns = 0, smax = 8;

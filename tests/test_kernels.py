@@ -545,7 +545,7 @@ def test_fused_linear_modes_are_row_count_independent_and_correct(kind):
 
 
 def test_the_avx512_build_needs_avx512_bf16_and_vnni(monkeypatch, caplog):
-    base = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    base = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: base | {"avx512_bf16", "avx512_vnni"})
     assert kernels.supported_isas() == ["avx512", "avx2"]
     for missing in ("avx512_bf16", "avx512_vnni"):
@@ -554,6 +554,16 @@ def test_the_avx512_build_needs_avx512_bf16_and_vnni(monkeypatch, caplog):
         with caplog.at_level("INFO", logger="pipeline.kernels"):
             assert kernels.supported_isas() == ["avx2"]
         assert "AVX512_BF16" in caplog.text and "AVX512_VNNI" in caplog.text
+
+
+def test_both_builds_need_f16c_for_the_q4k_scales(monkeypatch):
+    """The Q4_K panels keep the GGUF's fp16 d / dmin and both builds widen them with F16C (vcvtph2ps)."""
+    every = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: every)
+    assert kernels.supported_isas() == ["avx512", "avx2"]
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: every - {"f16c"})
+    assert kernels.supported_isas() == []
+    assert all("-mf16c" in flags for flags in kernels.ISA_FLAGS.values())
 
 
 def test_configure_threads_sets_torch_and_the_kernels(threads):

@@ -4,9 +4,10 @@
 // Weights. A GGUF tensor keeps its own integers and scales; at build time (pipeline/runtime/gguf_weights.py) each
 // part of a layer is repacked into panels of 16 output rows (one int32 lane per row, as W4A8's tile_a8), super-block
 // (256 columns) after super-block, each super-block one contiguous record:
-//   Q4_K (2432 bytes): 32 lines of 64 bytes of nibbles q (line c: byte 4 l + j holds row l's column 8c + j in the low
-//        nibble, 8c + 4 + j in the high one), d[16] fp32, dmin[16] fp32 (the fp16 values, widened exactly),
-//        sc[8][16] and m[8][16] uint8 (sub-block j of 32 columns, row l): w = d sc_j q - dmin m_j.
+//   Q4_K (2368 bytes): 32 lines of 64 bytes of nibbles q (line c: byte 4 l + j holds row l's column 8c + j in the low
+//        nibble, 8c + 4 + j in the high one), d[16] fp16, dmin[16] fp16 (the GGUF's own, widened exactly by
+//        vcvtph2ps as they are read: fp32 copies had cost 64 bytes a record, 2.6% of every Q4_K read), sc[8][16] and
+//        m[8][16] uint8 (sub-block j of 32 columns, row l): w = d sc_j q - dmin m_j.
 //   Q6_K (3392 bytes): the low 4 bits of q (0..63) as the Q4_K nibbles, then 16 lines of 64 bytes of its high 2 bits
 //        (line j covers nibble lines 2j, 2j + 1: bits 0-1 / 2-3 / 4-5 / 6-7 of byte 4 l + jj belong to columns
 //        16j + jj, 16j + 4 + jj, 16j + 8 + jj, 16j + 12 + jj), d[16] fp32, sc[16][16] int8 (sub-block j of 16
@@ -49,7 +50,7 @@
 #define GG_Q5_0 6
 #define GG_Q5_1 7
 #define GG_Q8_0 8
-#define GG_SB_Q4K 2432
+#define GG_SB_Q4K 2368
 #define GG_SB_Q6K 3392
 #define GG_MAXPARTS 4
 // Every line of a record is prefetched (into L2, as the other weight types) this far ahead of the one being read: the
@@ -76,6 +77,7 @@
 #define GG_BOTH6 1
 #if defined(__AVX512F__)
 static inline vf_t gg_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf_t gg_loadh(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm512_mul_ps(a, b); }
@@ -96,6 +98,7 @@ static inline vi_t gg_dp(vi_t acc, vi_t u, const int8_t *x4) {
 static inline vi_t gg_dp0(vi_t u, const int8_t *x4) { return vi_dp(_mm512_setzero_si512(), u, x4); }
 #else
 static inline vf_t gg_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf_t gg_loadh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline vf_t gg_u8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm256_mul_ps(a, b); }
@@ -200,11 +203,11 @@ static inline __attribute__((always_inline)) void gg_tile_q4k(const gx_t *X, con
             const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
             if (h == 0)
                 for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
-            const vf_t d = gg_loadf((const float *)sc + A8_LANES * h), dmin = gg_loadf((const float *)sc + 16 + A8_LANES * h);
+            const vf_t d = gg_loadh(sc + 2 * A8_LANES * h), dmin = gg_loadh(sc + 32 + 2 * A8_LANES * h);
             for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
             for (int j = 0; j < 8; j++) {
-                const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j + A8_LANES * h));
-                const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j + A8_LANES * h));
+                const vf_t D = gg_mul(d, gg_u8(sc + 64 + 16 * j + A8_LANES * h));
+                const vf_t M = gg_mul(dmin, gg_u8(sc + 192 + 16 * j + A8_LANES * h));
                 vi_t p[4][GG_MAXG];
                 for (int c = 0; c < 4; c++) {
                     vi_t lo, hi;
@@ -335,8 +338,8 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
             const int b = 8 * s + j;
             for (int hh = 0; hh < H; hh++) {
                 const int h = h0 + hh;
-                const vf_t D = gg_mul(gg_loadf((const float *)sc + 8 * h), gg_u8(sc + 128 + 16 * j + 8 * h));
-                const vf_t M = gg_mul(gg_loadf((const float *)sc + 16 + 8 * h), gg_u8(sc + 256 + 16 * j + 8 * h));
+                const vf_t D = gg_mul(gg_loadh(sc + 16 * h), gg_u8(sc + 64 + 16 * j + 8 * h));
+                const vf_t M = gg_mul(gg_loadh(sc + 32 + 16 * h), gg_u8(sc + 192 + 16 * j + 8 * h));
                 for (int i = 0; i < G; i++) {
                     a[hh][i] = vf_fma(vf_cvt(_mm256_madd_epi16(t[hh][i], ones)), D, a[hh][i]);
                     a[hh][i] = gg_fnma(M, gg_set1(X->xs[(int64_t)(s0 + i) * nb + b]), a[hh][i]);
@@ -593,14 +596,14 @@ static inline __attribute__((always_inline)) void gg_amx_q4k(const gx_t *X, cons
             _mm512_store_si512((void *)wq[line / 4][2 * (line % 4)], lo);
             _mm512_store_si512((void *)wq[line / 4][2 * (line % 4) + 1], hi);
         }
-        const vf_t d = gg_loadf((const float *)sc), dmin = gg_loadf((const float *)sc + 16);
+        const vf_t d = gg_loadh(sc), dmin = gg_loadh(sc + 32);
         for (int i = 0; i < G; i++) a[i] = gg_set1(0.f);
         const int8_t *xa = xq + 256 * s;
         GG_AMX_SUB(emu, 0, 8, xa, K, wq[0], ci);
         for (int j = 0; j < 8; j++) {
             GG_AMX_SUB(emu, j + 1, 8, xa + 32 * (j + 1), K, wq[j + 1], ci);  // the next one before these float steps
-            const vf_t D = gg_mul(d, gg_u8(sc + 128 + 16 * j));
-            const vf_t M = gg_mul(dmin, gg_u8(sc + 256 + 16 * j));
+            const vf_t D = gg_mul(d, gg_u8(sc + 64 + 16 * j));
+            const vf_t M = gg_mul(dmin, gg_u8(sc + 192 + 16 * j));
             const int b = 8 * s + j;
             for (int i = 0; i < G; i++) {
                 a[i] = vf_fma(vf_cvt(_mm512_load_si512((const void *)ci[j & 1][i])), D, a[i]);
@@ -931,13 +934,18 @@ int gguf_amx_selftest(int want) {
         static const float fp16[] = {0.f, 5.9604645e-8f, 65504.f, -65504.f, -0.5f, 1e-3f, 3.0517578e-5f, 2.0f};
         for (int rb = 0; rb < P * NSB; rb++) {
             uint8_t *rec0 = w[i] + (size_t)rb * rec + 2048 + (types[i] == GG_Q6K ? 1024 : 0);
-            float *d = (float *)rec0;
             for (int l = 0; l < (types[i] == GG_Q4K ? 32 : 16); l++) {  // d (and Q4_K's dmin): fp16 values
                 r ^= r << 13, r ^= r >> 7, r ^= r << 17;
-                d[l] = rb == 0 ? fp16[l % 8] : ldexpf((float)(1024 + r % 1024), -24 - (int)(r >> 32) % 12);
+                const float v = rb == 0 ? fp16[l % 8] : ldexpf((float)(1024 + r % 1024), -24 - (int)(r >> 32) % 12);
+                if (types[i] == GG_Q4K) {  // Q4_K keeps them as fp16 (rounded to it: both paths read the same bytes)
+                    const uint16_t hv = _cvtss_sh(v, 0);
+                    memcpy(rec0 + 2 * l, &hv, 2);
+                } else {
+                    memcpy(rec0 + 4 * l, &v, 4);
+                }
             }
             if (types[i] == GG_Q4K)
-                for (int b = 0; b < 256; b++) rec0[128 + b] &= 63;  // 6-bit sub-block scales and mins
+                for (int b = 0; b < 256; b++) rec0[64 + b] &= 63;  // 6-bit sub-block scales and mins
         }
         desc.part[i] = (gg_part_t){types[i], rows[i], N, 0, w[i]};
         N += rows[i];
@@ -996,11 +1004,12 @@ void gguf_dequant(const gg_desc_t *desc, int part, float *out) {
                 float v;
                 if (pt->type == GG_Q4K) {
                     const uint8_t *sc = r + 2048;
-                    float d, dmin;
-                    memcpy(&d, sc + 4 * l, 4);
-                    memcpy(&dmin, sc + 64 + 4 * l, 4);
-                    const volatile float D = d * (float)sc[128 + 16 * (k / 32) + l];
-                    const volatile float M = dmin * (float)sc[256 + 16 * (k / 32) + l];
+                    uint16_t dh, mh;
+                    memcpy(&dh, sc + 2 * l, 2);
+                    memcpy(&mh, sc + 32 + 2 * l, 2);
+                    const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(mh);
+                    const volatile float D = d * (float)sc[64 + 16 * (k / 32) + l];
+                    const volatile float M = dmin * (float)sc[192 + 16 * (k / 32) + l];
                     const volatile float Dq = D * (float)qv;
                     v = Dq - M;
                 } else {

@@ -2,7 +2,8 @@
 
 The GGUF's integers and scales are kept; at build time each tensor is repacked (`pack`) into the panels of 16 output
 rows gguf_kernels.c reads (its header gives the byte layout and the arithmetic contract): the same integers q, the
-same 6-bit / 8-bit sub-block scales, and d / dmin widened from fp16 to fp32 (exactly). Nothing is re-rounded: a
+same 6-bit / 8-bit sub-block scales, Q4_K's d / dmin as the GGUF's own fp16 (Q6_K's d widened to fp32, exactly).
+Nothing is re-rounded: a
 weight enters every matmul as its exact value d sc q - dmin m (Q4_K) or d sc (q - 32) (Q6_K), which is the GGUF's
 dequantized value (gguf.quants) whenever that is representable in fp32; always for Q6_K, and for Q4_K wherever
 `q4k_exact` says so (the engine build counts the sub-blocks where it is not and reports them).
@@ -33,14 +34,14 @@ Q4_K, Q6_K = 12, 14  # ggml type ids (gguf.GGMLQuantizationType)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8  # the blocks of 32 (gguf_blocks32.c)
 TYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0"}
 GGUF_BLOCK = {Q4_K: 144, Q6_K: 210}   # bytes per 256 weights in the GGUF
-RECORD = {Q4_K: 2432, Q6_K: 3392}     # bytes per 16 rows x 256 columns in the kernel's panels
+RECORD = {Q4_K: 2368, Q6_K: 3392}     # bytes per 16 rows x 256 columns in the kernel's panels
 GGUF_BLOCK32 = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per 32 weights in the GGUF
 RECORD32 = {Q4_0: 320, Q4_1: 384, Q5_0: 384, Q5_1: 448, Q8_0: 576}  # bytes per 16 rows x 32 columns in the panels
 ZERO32 = {Q4_0: 8, Q5_0: 16}          # w = d (q - z); Q4_1 / Q5_1: w = d q + m; Q8_0: d q (q int8)
 SUPPORTED = (*RECORD, *RECORD32)
 # A record's sections as (bytes, bytes of one panel row per group of 16): every section keeps each of the 16 rows'
 # bytes at a fixed place in each group (gguf_kernels.c / gguf_blocks32.c), so rows can be gathered (GGUFLinear.rows).
-LANE_SECTIONS = {Q4_K: ((2048, 4), (64, 4), (64, 4), (128, 1), (128, 1)),
+LANE_SECTIONS = {Q4_K: ((2048, 4), (32, 2), (32, 2), (128, 1), (128, 1)),
                  Q6_K: ((2048, 4), (1024, 4), (64, 4), (256, 1)),
                  **{t: ((rec, 4),) for t, rec in RECORD32.items()}}
 FORMAT = GGUF_FORMAT  # joins an engine's input hash (quant.layout_tag): a changed layout rebuilds, never misreads
@@ -164,8 +165,9 @@ def pack(qtype: int, raw: np.ndarray, K: int) -> np.ndarray:
     if qtype == Q4_K:
         d, dmin, sc, m, q = q4k_fields(raw)
         nib = _nibble_lines(_pad_rows(q, Np)).reshape(Np // 16, nsb, 2048)
-        parts = [nib, _lanes(_pad_rows(d, Np)), _lanes(_pad_rows(dmin, Np)), _lanes(_pad_rows(sc, Np)),
-                 _lanes(_pad_rows(m, Np))]
+        # d and dmin as the GGUF's fp16 (widened by the kernel, exactly): 64 bytes a record fewer than fp32
+        parts = [nib, _lanes(_pad_rows(d.astype(np.float16), Np)), _lanes(_pad_rows(dmin.astype(np.float16), Np)),
+                 _lanes(_pad_rows(sc, Np)), _lanes(_pad_rows(m, Np))]
     else:
         d, sc, q = q6k_fields(raw)
         q = _pad_rows(q, Np)
@@ -314,8 +316,8 @@ def unpack(qtype: int, packed: Tensor, N: int, K: int) -> dict[str, Tensor]:
         return v.permute(0, 3, 1, 2).reshape(P * 16, nsb, per)[:N]
 
     if qtype == Q4_K:
-        d, dmin = lanes(r[..., 2048:2112], torch.float32, 1), lanes(r[..., 2112:2176], torch.float32, 1)
-        sc, m = lanes(r[..., 2176:2304], torch.uint8, 8), lanes(r[..., 2304:2432], torch.uint8, 8)
+        d, dmin = lanes(r[..., 2048:2080], torch.float16, 1).float(), lanes(r[..., 2080:2112], torch.float16, 1).float()
+        sc, m = lanes(r[..., 2112:2240], torch.uint8, 8), lanes(r[..., 2240:2368], torch.uint8, 8)
         return {"q": q[:N], "D": (d * sc.float()).reshape(N, -1), "M": (dmin * m.float()).reshape(N, -1)}
     hb = r[..., 2048:3072].reshape(P, nsb * 16, 16, 4)
     h = torch.stack([(hb >> (2 * f)) & 3 for f in range(4)], dim=3)  # [panel, sub-block, row, field, jj]

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 SRC = Path(__file__).with_name("skinny.c")
 ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                        "-mavx512vnni"],
-             "avx2": ["-mavx2", "-mfma"]}
+                        "-mavx512vnni", "-mf16c"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c"]}
 # Both builds: only the fused multiply-adds written in skinny.c (fmaf, FMA intrinsics) fuse. GCC's default for GNU C is
 # -ffp-contract=fast, which lets each build fuse a * b + c on its own, so plain C arithmetic (RoPE, RMSNorm, SwiGLU,
 # the int8 row scale) could round differently in the two builds; the bit-for-bit contract needs it off.
@@ -81,14 +81,14 @@ def supported_isas() -> list[str]:
     """The kernel builds this CPU can run, best first."""
     f = _cpu_flags()
     out = []
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= f:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= f:
         if {"avx512_bf16", "avx512_vnni"} <= f:
             out.append("avx512")
         elif not _warned_bf16:
             _warned_bf16.append(True)
             log.info("this CPU has AVX-512 but not AVX512_BF16 (vdpbf16ps) and AVX512_VNNI (vpdpbusd): the skinny "
                      "kernel runs its AVX2 build")
-    if {"avx2", "fma"} <= f:
+    if {"avx2", "fma", "f16c"} <= f:  # F16C: the Q4_K panels' fp16 scales (every AVX2 CPU has it)
         out.append("avx2")
     return out
 

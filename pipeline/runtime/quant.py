@@ -62,7 +62,7 @@ ALGOS = ("int8", "int4", "int4_a8")
 # activations (TensorRT-LLM's own W4A8_AWQ takes fp8 activations).
 QUANT_ALGO = {"none": None, "int8": "W8A16", "int4": "W4A16", "int4_a8": "W4A8", "gguf": "GGUF"}
 # The GGUF's own Q4_K / Q6_K weights in the kernels' panels (gguf_weights.py; torch backend on CPU only).
-GGUF_FORMAT = "gguf-panels/2"  # /2: norms, biases and the embedding kept fp32
+GGUF_FORMAT = "gguf-panels/3"  # /2: norms, biases and the embedding kept fp32; /3: Q4_K d / dmin kept fp16
 GROUP_SIZES = (32, 64, 128)
 # The runtime's linear layers: every matmul a decode step reads. Embeddings stay in the engine dtype
 # (a row lookup reads almost nothing); a tied head is quantized as its own copy.
