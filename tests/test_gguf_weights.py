@@ -104,6 +104,24 @@ def test_every_weight_decoded_from_the_panels_equals_the_gguf_reference_dequanti
         assert torch.equal(lin.dequant_kernel(0), ref), build  # the C build's decoding of the same panels
 
 
+def test_q4k_panels_keep_the_ggufs_fp16_scales_and_read_no_more_than_148_bytes_per_144():
+    """A Q4_K record holds each row's d and dmin as the file's own fp16 bytes (the kernels widen them), so the panels
+    read 2368 bytes per 16 rows x 256 columns: 148 per 144 GGUF bytes, where fp32 copies had read 152."""
+    rng = np.random.default_rng(7)
+    N, K = 40, 512
+    raw = random_blocks(gw.Q4_K, N, K, rng)
+    packed = gw.pack(gw.Q4_K, raw, K)
+    P, nsb = -(-N // 16), K // 256
+    assert packed.nbytes == P * nsb * 2368 == P * 16 * nsb * 148
+    rec = packed.reshape(P, nsb, 2368)
+    blocks = raw.reshape(N, nsb, 144)
+    for n in (0, 17, 39):
+        p, lane = divmod(n, 16)
+        for s in range(nsb):
+            assert bytes(rec[p, s, 2048 + 2 * lane:2050 + 2 * lane]) == bytes(blocks[n, s, 0:2])  # d
+            assert bytes(rec[p, s, 2080 + 2 * lane:2082 + 2 * lane]) == bytes(blocks[n, s, 2:4])  # dmin
+
+
 def test_q6k_weights_are_always_exact_and_q4k_exactness_is_counted_per_sub_block():
     rng = np.random.default_rng(3)
     raw = adversarial_blocks(gw.Q4_K, rng)

@@ -2,11 +2,11 @@
 
 The GGUF's integers and scales are kept; at build time each tensor is repacked (`pack`) into the panels of 16 output
 rows gguf_kernels.c reads (its header gives the byte layout and the arithmetic contract): the same integers q, the
-same 6-bit / 8-bit sub-block scales, Q4_K's d / dmin as the GGUF's own fp16 (Q6_K's d widened to fp32, exactly).
-Nothing is re-rounded: a
-weight enters every matmul as its exact value d sc q - dmin m (Q4_K) or d sc (q - 32) (Q6_K), which is the GGUF's
-dequantized value (gguf.quants) whenever that is representable in fp32; always for Q6_K, and for Q4_K wherever
-`q4k_exact` says so (the engine build counts the sub-blocks where it is not and reports them).
+same 6-bit / 8-bit sub-block scales, Q4_K's d / dmin as the GGUF's own fp16 (the kernels widen them; Q6_K's d is
+widened to fp32 here, exactly). Nothing is re-rounded: a weight enters every matmul as its exact value
+d sc q - dmin m (Q4_K) or d sc (q - 32) (Q6_K), which is the GGUF's dequantized value (gguf.quants) whenever that
+is representable in fp32; always for Q6_K, and for Q4_K wherever `q4k_exact` says so (the engine build counts the
+sub-blocks where it is not and reports them).
 
 Activations are quantized per 256 columns (a super-block) to int8 at each matmul (gguf_kernels.c); `reference_matmul`
 is that arithmetic in torch, bit for bit (the torch fallback and the tests' reference).
