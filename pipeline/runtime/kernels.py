@@ -227,7 +227,7 @@ def _choose() -> tuple[str, ctypes.CDLL | None]:
         return "torch", None
     isas = supported_isas()
     if not isas:
-        log.warning("this CPU has neither AVX-512 nor AVX2+FMA (or is not x86-64): the runtime uses torch ops")
+        log.warning("this CPU lacks AVX2, FMA or F16C (or is not x86-64): the runtime uses torch ops")
         return "torch", None
     if forced:
         if forced not in isas:
