@@ -24,7 +24,7 @@ from pipeline.figures import Run, mean_accepted_len, pct, steal_ms, steal_since,
 from pipeline.sidebyside import System
 from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
-from pipeline.triton import openai_api, server
+from pipeline.triton import openai_api, repo, server
 from pipeline.validate_api import run_validate_api, served
 
 SPEC_METHODS = ("draft_target", "prompt_lookup", "medusa")
@@ -139,7 +139,8 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     lap("llama_cpp_server")
     # 3b. Concurrency curve.
     report["curve_tokens"] = curve_new = curve_tokens(v)
-    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log)
+    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log,
+                                       repo.default_method(spec))
     report["crossover"] = crossover(report["batch_curve"], methods)
     # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
     report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
@@ -480,11 +481,11 @@ def suspicious(report: dict, bundle) -> list[str]:
     return flags
 
 
-def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
+def _burst_raw(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
     """c streamed clients, each sending its next request when the last is answered, until
-    `peer_curve.curve_requests` requests (prompt i % len(texts)) are answered: aggregate tokens/s over the wall time,
-    latency p50, time to first token and inter-token latency (the gaps between a stream's pieces after its first, all
-    streams pooled; a speculative piece holds the tokens of a round) p50/p99."""
+    `peer_curve.curve_requests` requests (prompt i % len(texts)) are answered: what `_burst_figures` turns into a
+    curve point (tokens, wall seconds, per-request latency and time to first token, the gaps between a stream's
+    pieces after its first, all streams pooled: a speculative piece holds the tokens of a round)."""
     n = peer_curve.curve_requests(c, len(texts))
     gaps: list[list[float]] = [[] for _ in range(n)]
 
@@ -503,21 +504,57 @@ def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
     with ThreadPoolExecutor(c) as ex:  # c workers over n requests: c in flight, the next sent as one is answered
         rs = list(ex.map(one, range(n)))
     wall, stolen = time.perf_counter() - t, steal_since(s0)
-    itl, ttft = [g for gs in gaps for g in gs], [1e3 * r["ttft_s"] for r in rs]
-    return {"tokens_per_s": sum(r["num_output_tokens"] for r in rs) / wall,
-            "latency_ms_p50": pct([r["latency_s"] * 1000 for r in rs], 0.5),
-            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-            "steal_ms": stolen}
+    return {"tokens": sum(r["num_output_tokens"] for r in rs), "wall_s": wall,
+            "latency_ms": [r["latency_s"] * 1000 for r in rs], "ttft_ms": [1e3 * r["ttft_s"] for r in rs],
+            "itl_ms": [g for gs in gaps for g in gs], "steal_ms": stolen}
 
 
-def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log) -> list[dict]:
+def _burst_figures(raws: list[dict]) -> dict:
+    """One curve point from one or more bursts of the same method and level: aggregate tokens/s over their wall
+    time, latency p50, time to first token and inter-token latency p50/p99 over every request and gap of them all;
+    `bursts_tokens_per_s` each burst's own tokens/s where there were several."""
+    stolen = [r["steal_ms"] for r in raws]
+    out = {"tokens_per_s": sum(r["tokens"] for r in raws) / sum(r["wall_s"] for r in raws),
+           "latency_ms_p50": pct([x for r in raws for x in r["latency_ms"]], 0.5)}
+    ttft, itl = [x for r in raws for x in r["ttft_ms"]], [x for r in raws for x in r["itl_ms"]]
+    out.update({"ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+                "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+                "steal_ms": None if any(s is None for s in stolen) else sum(stolen)})
+    if len(raws) > 1:
+        out["bursts_tokens_per_s"] = [r["tokens"] / r["wall_s"] for r in raws]
+    return out
+
+
+def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
+    """One burst's curve point (`_burst_raw`, `_burst_figures`)."""
+    return _burst_figures([_burst_raw(url, texts, method, c, new)])
+
+
+def curve_order(methods: list[str], default: str | None) -> list[str]:
+    """The bursts of one curve level: the default method and baseline first, the other methods, then baseline and
+    the default again, so that the two the issue's figures set side by side are read twice, each pair's mean at the
+    same place in the level (the machine's memory speed moves within minutes: one burst each had read the default
+    at 0.90x baseline at 2 clients where six paired repeats read 0.94-1.07, median 1.02). With no default besides
+    baseline, every method once."""
+    if default is None or default == "baseline" or default not in methods or "baseline" not in methods:
+        return list(methods)
+    return [default, "baseline", *[m for m in methods if m not in (default, "baseline")], "baseline", default]
+
+
+def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log,
+                default: str | None = None) -> list[dict]:
+    """Each level's bursts in `curve_order`: one point a method, a method's bursts pooled (`_burst_figures`)."""
     out = []
     for c in levels:
+        raws: dict[str, list[dict]] = {}
+        for m in curve_order(methods, default):
+            raws.setdefault(m, []).append(_burst_raw(url, texts, m, c, new))
         for m in methods:
-            r = _burst(url, texts, m, c, new)
-            out.append({"concurrency": c, "method": m, **r})
-        log(f"  concurrency {c}: " + ", ".join(f"{e['method']} {e['tokens_per_s']:.1f}" for e in out[-len(methods):]))
+            out.append({"concurrency": c, "method": m, **_burst_figures(raws[m])})
+        log(f"  concurrency {c}: " + ", ".join(
+            f"{e['method']} {e['tokens_per_s']:.1f}" + (" (" + ", ".join(f"{x:.1f}" for x in e["bursts_tokens_per_s"])
+                                                        + ")" if "bursts_tokens_per_s" in e else "")
+            for e in out[-len(methods):]))
     return out
 
 
@@ -768,6 +805,10 @@ def markdown(r: dict) -> str:
     for c in levels:
         lines.append(f"| {c} | " + " | ".join(cell(c, m) for m in ms + peer) + " | "
                      f"{curve_latency(by, c, ms + peer, 'ttft')} | {curve_latency(by, c, ms + peer, 'itl')} |")
+    twice = [m for m in ms if any("bursts_tokens_per_s" in e for e in r["batch_curve"] if e["method"] == m)]
+    if twice:
+        lines += ["", f"{' and '.join(twice)}: two bursts a level, before and after the other methods, pooled "
+                  "(`bursts_tokens_per_s` in validate.json holds each); the other methods one burst each."]
     stolen = {c: sum(e.get("steal_ms") or 0.0 for e in r["batch_curve"] if e.get("concurrency") == c) for c in levels}
     if any(stolen.values()):
         lines += ["", "Steal time over each level's bursts, all methods (the hypervisor taking this VM's cores, "

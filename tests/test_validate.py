@@ -67,6 +67,13 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     assert [e["concurrency"] for e in peer] == levels and all(e["itl_ms_p99"] >= e["itl_ms_p50"] for e in peer)
     ours = [e for e in report["batch_curve"] if e["method"] == "baseline"]
     assert [e["concurrency"] for e in ours] == levels and all(e["ttft_ms_p99"] >= e["ttft_ms_p50"] > 0 for e in ours)
+    # the default method (draft_target here) and baseline: two bursts a level, pooled; the others one
+    for e in report["batch_curve"]:
+        if e["method"] in ("baseline", "draft_target"):
+            assert len(e["bursts_tokens_per_s"]) == 2
+            assert min(e["bursts_tokens_per_s"]) <= e["tokens_per_s"] <= max(e["bursts_tokens_per_s"]), e
+        else:
+            assert "bursts_tokens_per_s" not in e, e
     assert set(report["vs_llama_server_at_concurrency"]["baseline"]) == {str(c) for c in levels}
     # the methods ran in the spec's order on even prompts, reversed on odd ones (no method always after another)
     assert report["method_order"] == [list(report["methods"]) if i % 2 == 0 else list(report["methods"])[::-1]
@@ -113,6 +120,7 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     md = (s.report_dir / "validate.md").read_text()
     assert "transformers hf_generate (2 prompts x 8 tokens)" in md
     assert "## Concurrency curve (aggregate tokens/s, requests of 8 new tokens)" in md
+    assert "baseline and draft_target: two bursts a level, before and after the other methods, pooled" in md
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2)
                                                                for m in [*methods, "llama-server"]}
@@ -273,3 +281,39 @@ def test_the_curve_tables_latency_cells_show_what_the_bursts_measured():
     assert curve_latency(by, 4, ["hybrid", "llama-server"], "ttft") == "hybrid 516/1353, llama-server 3103/3104"
     assert curve_latency(by, 4, ["hybrid", "baseline"], "itl") == "hybrid 64/486"
     assert curve_latency(by, 2, ["hybrid"], "itl") == ""
+
+
+def test_the_curve_reads_the_default_and_baseline_twice_around_the_other_methods():
+    """Each curve level runs the default method and baseline before and after the others (their mean bursts at the
+    same place in the level, as memory speed drifts); every method once where the default is baseline or absent."""
+    from pipeline.validate import curve_order
+
+    ms = ["baseline", "draft_target", "prompt_lookup", "suffix", "hybrid"]
+    order = curve_order(ms, "hybrid")
+    assert order == ["hybrid", "baseline", "draft_target", "prompt_lookup", "suffix", "baseline", "hybrid"]
+    for m in ("hybrid", "baseline"):  # both read at mean position 3 of 0..6
+        assert sum(i for i, x in enumerate(order) if x == m) / 2 == (len(order) - 1) / 2
+    assert curve_order(ms, "baseline") == ms
+    assert curve_order(ms, None) == ms
+    assert curve_order(["draft_target", "medusa"], "draft_target") == ["draft_target", "medusa"]  # no baseline here
+    assert curve_order(ms, "medusa") == ms  # not among the measured methods
+
+
+def test_a_curve_point_of_two_bursts_pools_their_requests_and_keeps_each_bursts_speed():
+    """Two bursts of one method and level make one point: tokens over the summed wall time, percentiles over every
+    request and gap of both; one burst's point has no `bursts_tokens_per_s`."""
+    from pipeline.validate import _burst_figures
+
+    a = {"tokens": 100, "wall_s": 2.0, "latency_ms": [900.0, 1000.0], "ttft_ms": [100.0, 300.0],
+         "itl_ms": [20.0] * 9 + [200.0], "steal_ms": 5.0}
+    b = {"tokens": 100, "wall_s": 3.0, "latency_ms": [1500.0, 1600.0], "ttft_ms": [200.0, 400.0],
+         "itl_ms": [30.0] * 10, "steal_ms": None}
+    both = _burst_figures([a, b])
+    assert both["tokens_per_s"] == pytest.approx(40.0)  # 200 tokens in 5 s, not the mean of 50 and 33.3
+    assert both["bursts_tokens_per_s"] == pytest.approx([50.0, 100 / 3])
+    assert both["latency_ms_p50"] == 1000.0 and both["ttft_ms_p50"] == 200.0 and both["ttft_ms_p99"] == 400.0
+    assert both["itl_ms_p50"] == 30.0 and both["itl_ms_p99"] == 200.0  # the 200 ms gap is 1 of 20
+    assert both["steal_ms"] is None  # one burst without the figure: no sum
+    one = _burst_figures([a])
+    assert one["tokens_per_s"] == 50.0 and "bursts_tokens_per_s" not in one and one["steal_ms"] == 5.0
+    assert one["itl_ms_p50"] == 20.0 and one["itl_ms_p99"] == 200.0
