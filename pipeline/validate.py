@@ -147,6 +147,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     report["vs_llama_server_at_concurrency"] = {
         m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
     report["disable_at_batch"] = spec.speculation.disable_at_batch
+    report["draft_length"] = spec.speculation.draft_length
     if "draft_target" in report["methods"]:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
     # 3c. Temperatures: exact methods vs Medusa typical (lossy).
@@ -752,6 +753,15 @@ def curve_latency(by: dict, c: int, methods: list[str], what: str) -> str:
                      if (e := by.get((c, m))) and f"{what}_ms_p50" in e)
 
 
+def curve_setting(disable_at_batch: int, draft_length: str | None) -> str:
+    """How the curve's requests speculate, for validate.md: each sends `disable_at_batch: 0`, so the spec's switch
+    stays out of it; with `draft_length: load` the load policy still chooses each round's drafts, as served."""
+    how = ("the load policy (`speculation.draft_length: load`) still chooses each round's drafts, none included, as "
+           "it does served" if draft_length == "load" else "every round drafts the method's k")
+    return (f"Each request sends `disable_at_batch: 0`, so the spec's switch (`speculation.disable_at_batch: "
+            f"{disable_at_batch}`, 0 = never) does not apply; {how}.")
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
              "", r["acceptance_definition"], "",
@@ -821,8 +831,7 @@ def markdown(r: dict) -> str:
             "between a stream's pieces (a speculative piece holds a round's tokens); llama-server's (not streamed) "
             "its decode time over its tokens, and its time to first token its wall time less that decode time."]
     lines += ["", f"Crossover (first concurrency where the method is no faster than baseline): {r['crossover']}. "
-              f"Measured with speculation forced on; the served setting is `speculation.disable_at_batch: "
-              f"{r.get('disable_at_batch', 0)}` (0 = never switch off).", "",
+              + curve_setting(r.get("disable_at_batch", 0), r.get("draft_length")), "",
               "## Temperatures", "", "| T | method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|---|"]
     for e in r["temperatures"]:
         sp = f"{e['speedup']:.2f}x" if e["speedup"] else ""

@@ -317,3 +317,15 @@ def test_a_curve_point_of_two_bursts_pools_their_requests_and_keeps_each_bursts_
     one = _burst_figures([a])
     assert one["tokens_per_s"] == 50.0 and "bursts_tokens_per_s" not in one and one["steal_ms"] == 5.0
     assert one["itl_ms_p50"] == 20.0 and one["itl_ms_p99"] == 200.0
+
+
+def test_the_curve_note_says_the_load_policy_still_chooses_the_drafts_where_the_spec_sets_it():
+    """validate.md had said the curve ran with speculation forced on, while under `draft_length: load` the load
+    policy still drafts nothing from 2 rows on the flagship (its default read baseline's plain steps there)."""
+    from pipeline.validate import curve_setting
+
+    load = curve_setting(0, "load")
+    assert "`speculation.disable_at_batch: 0`" in load and "load policy" in load and "forced" not in load
+    fixed = curve_setting(2, "fixed")
+    assert "`speculation.disable_at_batch: 2`" in fixed and "drafts the method's k" in fixed
+    assert "load policy" not in fixed
