@@ -86,3 +86,20 @@ def summarize(runs: list[Run], base: list[Run]) -> dict:
         "num_output_tokens": out,
         "per_prompt_tokens_per_s": tps,
     }
+
+
+def curve_point(raws: list[dict]) -> dict:
+    """One concurrency-curve point (validate's and the peer's) from one or more bursts of the same system and level,
+    each {tokens, wall_s, latency_ms, ttft_ms, itl_ms, steal_ms}: aggregate tokens/s over their wall
+    time, latency p50, time to first token and inter-token latency p50/p99 over every request and gap of them all;
+    `bursts_tokens_per_s` each burst's own tokens/s where there were several."""
+    stolen = [r["steal_ms"] for r in raws]
+    out = {"tokens_per_s": sum(r["tokens"] for r in raws) / sum(r["wall_s"] for r in raws),
+           "latency_ms_p50": pct([x for r in raws for x in r["latency_ms"]], 0.5)}
+    ttft, itl = [x for r in raws for x in r["ttft_ms"]], [x for r in raws for x in r["itl_ms"]]
+    out.update({"ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+                "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
+                "steal_ms": None if any(s is None for s in stolen) else sum(stolen)})
+    if len(raws) > 1:
+        out["bursts_tokens_per_s"] = [r["tokens"] / r["wall_s"] for r in raws]
+    return out

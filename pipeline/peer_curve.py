@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import peers
-from pipeline.figures import pct, steal_ms, steal_since
+from pipeline.figures import curve_point, steal_ms, steal_since
 from pipeline.peers import ratio
 
 PEER_METHOD = "llama-server"  # the method name of the peer's entries in batch_curve
@@ -46,13 +46,9 @@ def burst(srv: peers.LlamaServer, texts: list[str], c: int, new: int) -> dict:
     with ThreadPoolExecutor(c) as ex:
         rs = list(ex.map(one, range(curve_requests(c, len(texts)))))
     wall, stolen = time.perf_counter() - t0, steal_since(s0)
-    ttft = [1e3 * w - r["decode_ms"] for r, w in rs]
-    itl = [r["decode_ms"] / r["tokens"] for r, _ in rs if r["tokens"]]
-    return {"tokens_per_s": sum(r["tokens"] for r, _ in rs) / wall,
-            "latency_ms_p50": pct([1e3 * w for _, w in rs], 0.5),
-            "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-            "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-            "steal_ms": stolen}
+    return curve_point([{"tokens": sum(r["tokens"] for r, _ in rs), "wall_s": wall,
+                         "latency_ms": [1e3 * w for _, w in rs], "ttft_ms": [1e3 * w - r["decode_ms"] for r, w in rs],
+                         "itl_ms": [r["decode_ms"] / r["tokens"] for r, _ in rs if r["tokens"]], "steal_ms": stolen}])
 
 
 def peer_curve(spec, texts: list[str], levels: list[int], new: int, log=print) -> list[dict]:

@@ -20,7 +20,7 @@ from pipeline import client, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
-from pipeline.figures import Run, mean_accepted_len, pct, steal_ms, steal_since, summarize
+from pipeline.figures import Run, curve_point, mean_accepted_len, pct, steal_ms, steal_since, summarize
 from pipeline.sidebyside import System
 from pipeline.sidebyside import write_report as write_section
 from pipeline.spec import Spec, ValidateSpec
@@ -484,8 +484,8 @@ def suspicious(report: dict, bundle) -> list[str]:
 
 def _burst_raw(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
     """c streamed clients, each sending its next request when the last is answered, until
-    `peer_curve.curve_requests` requests (prompt i % len(texts)) are answered: what `_burst_figures` turns into a
-    curve point (tokens, wall seconds, per-request latency and time to first token, the gaps between a stream's
+    `peer_curve.curve_requests` requests (prompt i % len(texts)) are answered: what `figures.curve_point` turns into
+    a curve point (tokens, wall seconds, per-request latency and time to first token, the gaps between a stream's
     pieces after its first, all streams pooled: a speculative piece holds the tokens of a round)."""
     n = peer_curve.curve_requests(c, len(texts))
     gaps: list[list[float]] = [[] for _ in range(n)]
@@ -510,25 +510,9 @@ def _burst_raw(url: str, texts: list[str], method: str, c: int, new: int) -> dic
             "itl_ms": [g for gs in gaps for g in gs], "steal_ms": stolen}
 
 
-def _burst_figures(raws: list[dict]) -> dict:
-    """One curve point from one or more bursts of the same method and level: aggregate tokens/s over their wall
-    time, latency p50, time to first token and inter-token latency p50/p99 over every request and gap of them all;
-    `bursts_tokens_per_s` each burst's own tokens/s where there were several."""
-    stolen = [r["steal_ms"] for r in raws]
-    out = {"tokens_per_s": sum(r["tokens"] for r in raws) / sum(r["wall_s"] for r in raws),
-           "latency_ms_p50": pct([x for r in raws for x in r["latency_ms"]], 0.5)}
-    ttft, itl = [x for r in raws for x in r["ttft_ms"]], [x for r in raws for x in r["itl_ms"]]
-    out.update({"ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
-                "itl_ms_p50": pct(itl, 0.5), "itl_ms_p99": pct(itl, 0.99),
-                "steal_ms": None if any(s is None for s in stolen) else sum(stolen)})
-    if len(raws) > 1:
-        out["bursts_tokens_per_s"] = [r["tokens"] / r["wall_s"] for r in raws]
-    return out
-
-
 def _burst(url: str, texts: list[str], method: str, c: int, new: int) -> dict:
-    """One burst's curve point (`_burst_raw`, `_burst_figures`)."""
-    return _burst_figures([_burst_raw(url, texts, method, c, new)])
+    """One burst's curve point (`_burst_raw`, `figures.curve_point`)."""
+    return curve_point([_burst_raw(url, texts, method, c, new)])
 
 
 def curve_order(methods: list[str], default: str | None) -> list[str]:
@@ -544,19 +528,22 @@ def curve_order(methods: list[str], default: str | None) -> list[str]:
 
 def batch_curve(url: str, texts: list[str], methods: list[str], levels: list[int], new: int, log,
                 default: str | None = None) -> list[dict]:
-    """Each level's bursts in `curve_order`: one point a method, a method's bursts pooled (`_burst_figures`)."""
+    """Each level's bursts in `curve_order`: one point a method, a method's bursts pooled (`figures.curve_point`)."""
     out = []
     for c in levels:
         raws: dict[str, list[dict]] = {}
         for m in curve_order(methods, default):
             raws.setdefault(m, []).append(_burst_raw(url, texts, m, c, new))
         for m in methods:
-            out.append({"concurrency": c, "method": m, **_burst_figures(raws[m])})
-        log(f"  concurrency {c}: " + ", ".join(
-            f"{e['method']} {e['tokens_per_s']:.1f}" + (" (" + ", ".join(f"{x:.1f}" for x in e["bursts_tokens_per_s"])
-                                                        + ")" if "bursts_tokens_per_s" in e else "")
-            for e in out[-len(methods):]))
+            out.append({"concurrency": c, "method": m, **curve_point(raws[m])})
+        log(f"  concurrency {c}: " + ", ".join(_point_label(e) for e in out[-len(methods):]))
     return out
+
+
+def _point_label(e: dict) -> str:
+    """'hybrid 41.4', or with its bursts 'hybrid 40.7 (41.6, 39.9)': the curve's progress line."""
+    each = e.get("bursts_tokens_per_s")
+    return f"{e['method']} {e['tokens_per_s']:.1f}" + (f" ({', '.join(f'{x:.1f}' for x in each)})" if each else "")
 
 
 def crossover(curve: list[dict], methods: list[str]) -> dict:

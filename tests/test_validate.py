@@ -74,6 +74,10 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
             assert min(e["bursts_tokens_per_s"]) <= e["tokens_per_s"] <= max(e["bursts_tokens_per_s"]), e
         else:
             assert "bursts_tokens_per_s" not in e, e
+    import re  # the progress line names both bursts of the two read twice
+
+    level = [ln for ln in lines if ln.lstrip().startswith("concurrency 1: ")][0]
+    assert re.search(r"baseline [\d.]+ \([\d.]+, [\d.]+\)", level) and re.search(r"medusa [\d.]+(,|$)", level), level
     assert set(report["vs_llama_server_at_concurrency"]["baseline"]) == {str(c) for c in levels}
     # the methods ran in the spec's order on even prompts, reversed on odd ones (no method always after another)
     assert report["method_order"] == [list(report["methods"]) if i % 2 == 0 else list(report["methods"])[::-1]
@@ -302,19 +306,19 @@ def test_the_curve_reads_the_default_and_baseline_twice_around_the_other_methods
 def test_a_curve_point_of_two_bursts_pools_their_requests_and_keeps_each_bursts_speed():
     """Two bursts of one method and level make one point: tokens over the summed wall time, percentiles over every
     request and gap of both; one burst's point has no `bursts_tokens_per_s`."""
-    from pipeline.validate import _burst_figures
+    from pipeline.figures import curve_point
 
     a = {"tokens": 100, "wall_s": 2.0, "latency_ms": [900.0, 1000.0], "ttft_ms": [100.0, 300.0],
          "itl_ms": [20.0] * 9 + [200.0], "steal_ms": 5.0}
     b = {"tokens": 100, "wall_s": 3.0, "latency_ms": [1500.0, 1600.0], "ttft_ms": [200.0, 400.0],
          "itl_ms": [30.0] * 10, "steal_ms": None}
-    both = _burst_figures([a, b])
+    both = curve_point([a, b])
     assert both["tokens_per_s"] == pytest.approx(40.0)  # 200 tokens in 5 s, not the mean of 50 and 33.3
     assert both["bursts_tokens_per_s"] == pytest.approx([50.0, 100 / 3])
     assert both["latency_ms_p50"] == 1000.0 and both["ttft_ms_p50"] == 200.0 and both["ttft_ms_p99"] == 400.0
     assert both["itl_ms_p50"] == 30.0 and both["itl_ms_p99"] == 200.0  # the 200 ms gap is 1 of 20
     assert both["steal_ms"] is None  # one burst without the figure: no sum
-    one = _burst_figures([a])
+    one = curve_point([a])
     assert one["tokens_per_s"] == 50.0 and "bursts_tokens_per_s" not in one and one["steal_ms"] == 5.0
     assert one["itl_ms_p50"] == 20.0 and one["itl_ms_p99"] == 200.0
 
