@@ -16,7 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline import client, peer_curve, peers
+from pipeline import client, curve_targets, peer_curve, peers
 from pipeline import spec as specmod
 from pipeline.client import chat_text
 from pipeline.common import chat_ids
@@ -146,6 +146,11 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
     report["vs_llama_server_at_concurrency"] = {
         m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
+    default = repo.default_method(spec)
+    if default in methods and "baseline" in methods:
+        report["curve_targets"] = curve_targets.summarize(
+            report["batch_curve"], default, report["vs_llama_server_at_concurrency"].get(default),
+            curve_targets.ceilings(spec.engine_dir / "draft" / "config.json", default, v.concurrency))
     report["disable_at_batch"] = spec.speculation.disable_at_batch
     report["draft_length"] = spec.speculation.draft_length
     if "draft_target" in report["methods"]:
@@ -818,8 +823,11 @@ def markdown(r: dict) -> str:
             "between a stream's pieces (a speculative piece holds a round's tokens); llama-server's (not streamed) "
             "its decode time over its tokens, and its time to first token its wall time less that decode time."]
     lines += ["", f"Crossover (first concurrency where the method is no faster than baseline): {r['crossover']}. "
-              + curve_setting(r.get("disable_at_batch", 0), r.get("draft_length")), "",
-              "## Temperatures", "", "| T | method | tokens/s | speedup | mean accepted len |", "|---|---|---|---|---|"]
+              + curve_setting(r.get("disable_at_batch", 0), r.get("draft_length"))]
+    if r.get("curve_targets"):
+        lines += ["", *curve_targets.markdown(r["curve_targets"])]
+    lines += ["", "## Temperatures", "", "| T | method | tokens/s | speedup | mean accepted len |",
+              "|---|---|---|---|---|"]
     for e in r["temperatures"]:
         sp = f"{e['speedup']:.2f}x" if e["speedup"] else ""
         lines.append(f"| {e['temperature']} | {e['method']}{' (lossy)' if e['lossy'] else ''} | "

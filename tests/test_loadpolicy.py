@@ -13,6 +13,7 @@ from pipeline.runtime.loadpolicy import (
     MIN_GAIN_ROWS,
     Costs,
     DraftPolicy,
+    ceiling,
     choose,
     plain_from,
     policy_from,
@@ -203,3 +204,26 @@ def test_from_two_rows_a_width_must_expect_min_gain_rows_over_a_plain_step():
     assert choose(rates, [100], 1, c)[0] == [1]  # one row: drafts
     assert choose(rates * 2, [100, 100], 1, c)[0] == [0, 0]  # two rows, the same gain: plain
     assert choose([[1.0]] * 2, [100, 100], 1, Costs({2: 0.0}, {2: [0.010, 0.010]}))[0] == [1, 1]  # 2x: drafts
+
+
+def test_the_ceiling_is_the_best_width_with_no_margin_and_its_rate_over_a_plain_step():
+    """`ceiling` reports what the cost model allows: the width `choose` would take with a gain of 1, and its expected
+    tokens/s over a plain step's; it falls with the rows on a machine whose steps fill with them."""
+    c = _memory_bound()
+    pol = DraftPolicy(c, 8, GOOD)
+    rates = row_rates(GOOD, [], [], 8)
+    for b in (1, 2, 4, 16):
+        w, x = ceiling(pol, b)
+        ks, rate = choose([rates] * b, [1 << 30] * b, 8, c, gain=1.0)
+        assert w == max(ks) and x == pytest.approx(rate / (b / c.verify(b, 1)))
+    assert ceiling(pol, 1)[1] > ceiling(pol, 4)[1] > 1.0 == ceiling(pol, 16)[1]
+    assert ceiling(pol, 16)[0] == 0  # 16 rows fill the step: no width pays, the plain step is the ceiling
+
+
+def test_the_ceiling_ignores_min_gain_rows_where_the_policy_keeps_to_plain_steps():
+    c = Costs({1: 0.0, 2: 0.0}, {1: [0.010, 0.015], 2: [0.010, 0.015]})  # the case above: 1.27x expected at 2 rows
+    pol = DraftPolicy(c, 1, [0.9])
+    assert pol.lengths([(False, 100, [], []), (False, 100, [], [])]) == [0, 0]
+    w, x = ceiling(pol, 2)
+    assert w == 1 and x == pytest.approx((1 + 0.9) / 1.5)
+    assert ceiling(None, 2) is None

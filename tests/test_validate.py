@@ -128,6 +128,13 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     curve = on_disk["batch_curve"]
     assert {(e["concurrency"], e["method"]) for e in curve} == {(c, m) for c in (1, 2)
                                                                for m in [*methods, "llama-server"]}
+    # issue 51's targets from the same curve: the default over baseline per level, as the table's figures give it
+    tps = {(e["concurrency"], e["method"]): e["tokens_per_s"] for e in curve}
+    targets = on_disk["curve_targets"]
+    assert targets["default_method"] == "draft_target" and set(targets["over_baseline"]) == {"1", "2"}
+    for c, e in targets["over_baseline"].items():
+        assert e["measured"] == pytest.approx(tps[(int(c), "draft_target")] / tps[(int(c), "baseline")])
+    assert "Issue 51's targets (default method draft_target): over baseline at 1: " in md
     # each burst, ours and the peer's, with the steal time the machine reported over it (None off Linux)
     assert all("steal_ms" in e and (e["steal_ms"] is None or e["steal_ms"] >= 0) for e in curve)
     assert "environment" in on_disk and on_disk["environment"]["packages"]["torch"]

@@ -105,15 +105,15 @@ def row_rates(prior: list[float], accepted: list[int], proposed: list[int], k: i
 
 
 def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, costs: Costs,
-           rows: int | None = None) -> tuple[list[int], float]:
+           rows: int | None = None, gain: float | None = None) -> tuple[list[int], float]:
     """Per-row draft lengths for one round and the expected tokens/s they give. `rates[b]` is row b's acceptance
     by position (None: the row is finished), `remaining[b]` the tokens it may still emit, `rows` the batch's
-    physical rows (default len(rates)). Ties go to the shorter draft, and a width that drafts must expect `MIN_GAIN`
-    times the plain step's rate (`MIN_GAIN_ROWS` from two rows)."""
+    physical rows (default len(rates)). Ties go to the shorter draft, and a width that drafts must expect `gain`
+    times the plain step's rate (default `MIN_GAIN`, `MIN_GAIN_ROWS` from two rows)."""
     B = rows or len(rates)
     best: tuple[float, int, list[int]] = (-1.0, 0, [0] * len(rates))
     plain = sum(1.0 for r in rates if r is not None) / costs.verify(B, 1)
-    gain = MIN_GAIN if B < 2 else MIN_GAIN_ROWS
+    gain = (MIN_GAIN if B < 2 else MIN_GAIN_ROWS) if gain is None else gain
     for w in range(k_max + 1):
         ks = [0 if r is None else max(0, min(w, rem - 1)) for r, rem in zip(rates, remaining)]
         top = max(ks, default=0)
@@ -161,6 +161,18 @@ def plain_from(policy: DraftPolicy | None, max_rows: int) -> int | None:
         if max(ks, default=0) == 0:
             return b
     return None
+
+
+def ceiling(policy: DraftPolicy | None, rows: int) -> tuple[int, float] | None:
+    """What the cost model allows at `rows` busy rows, before anything it leaves out: the width with the best expected
+    tokens/s from the stored costs and the prior acceptance, with no margin (`gain` 1), and that rate over a plain
+    step's. Every round's real overheads only lower it, so a concurrency whose target lies above it needs cheaper
+    many-row verification (the kernels), not another policy. None without stored costs."""
+    if policy is None:
+        return None
+    rates = row_rates(policy.prior, [], [], policy.k_max)
+    ks, rate = choose([rates] * rows, [1 << 30] * rows, policy.k_max, policy.costs, gain=1.0)
+    return max(ks, default=0), rate * policy.costs.verify(rows, 1) / rows
 
 
 def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) -> DraftPolicy | None:
