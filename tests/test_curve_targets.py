@@ -31,6 +31,18 @@ def test_the_targets_set_each_levels_default_over_baseline_and_the_two_figures_a
     assert s["itl_p99_over_p50"]["measured"] == pytest.approx(4.0) and s["itl_p99_over_p50"]["met"] is False
 
 
+def test_each_level_says_how_far_apart_baselines_two_bursts_were():
+    """Where baseline ran twice a level (validate.curve_order) the spread of its bursts over their pooled figure is
+    that level's noise, shown beside a default-over-baseline figure that both methods' plain steps put near 1."""
+    curve = [{**_point(4, "baseline", 56.1), "bursts_tokens_per_s": [57.4, 54.8]}, _point(4, "hybrid", 56.0)]
+    s = ct.summarize(curve, "hybrid", None, None)
+    e = s["over_baseline"]["4"]
+    assert e["baseline_spread"] == pytest.approx(2.6 / 56.1) and e["met"] is False
+    assert s["at_least_baseline_every_level"] is False  # strict: the spread is shown, never applied
+    assert "4: 1.00x (target >= 1.2; baseline's two bursts 5% apart: not met)" in " ".join(ct.markdown(s))
+    assert "baseline_spread" not in ct.summarize(CURVE, "hybrid", None, None)["over_baseline"]["4"]
+
+
 def test_a_figure_the_run_lacks_is_neither_met_nor_missed():
     s = ct.summarize([_point(1, "baseline", 30.0), _point(1, "hybrid", 40.0)], "hybrid", None, None)
     assert set(s["over_baseline"]) == {"1"} and s["at_least_baseline_every_level"] is True
