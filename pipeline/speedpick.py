@@ -100,14 +100,55 @@ def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: 
     return {"c_draft": best[0], "c_verify": c_verify}
 
 
-def measure_costs_by_rows(target: Transformer, draft: Transformer, max_k: int, one: dict,
-                          rows: tuple[int, ...] = ROWS_MEASURED[1:], reps: int = 3) -> dict[str, dict]:
-    """`measure_costs` at each batch size in `rows` beside the one-row costs `one` (stored as `costs_by_rows`,
-    keys are row counts as strings: JSON): what the load-adaptive draft length (loadpolicy.py) weighs each round."""
-    out = {"1": one}
+@torch.inference_mode()
+def measure_costs_by_rows(target: Transformer, draft: Transformer, max_k: int,
+                          rows: tuple[int, ...] = ROWS_MEASURED, context: int = 64, reps: int = 4,
+                          order: list[int] | None = None) -> dict[str, dict]:
+    """`measure_costs` at each batch size in `rows` (stored as `costs_by_rows`, keys are row counts as strings: JSON):
+    what the load-adaptive draft length (loadpolicy.py) weighs each round.
+
+    Every batch size is timed in the same rounds (each round: every size in turn, its verify of 1..max_k+1 tokens
+    and then its draft step; the sizes' order rotating round by round), after a warm-up round, and each cell keeps
+    its minimum. Why: this machine's memory reads at one of two speeds that switch within minutes, and the sizes
+    timed one after another had the one-row curve read in a slow minute (a one-token step 27.6 ms) and two rows in a
+    fast one (two one-token rows 22.0 ms): the policy then took one-row verification as nearly flat and drafted
+    widths it could not pay for. Timed together, every cell sees the same minutes. `order`, when given, receives the
+    row counts in the order they were timed (warm-up included)."""
+    V = target.cfg.vocab_size
+    n_max = max_k + 1
+    state = {}
     for r in rows:
-        out[str(r)] = measure_costs(target, draft, max_k, reps=reps, rows=r)
-    return out
+        ctx = torch.randint(0, V, (r, context))
+        at = torch.arange(context)[None].expand(r, -1).contiguous()
+        dc = draft.new_cache(r, context + 8)
+        draft(ctx, at, dc)
+        tc = target.new_cache(r, context + n_max + 2)
+        target(torch.zeros(r, context, dtype=torch.long), at, tc)
+        state[r] = (ctx, dc, tc, torch.full((r, 1), context))
+    best = {r: {"c_draft": float("inf"), "c_verify": [float("inf")] * n_max} for r in rows}
+    for rnd in range(reps + 1):
+        turn = list(rows[rnd % len(rows):]) + list(rows[:rnd % len(rows)])
+        for r in turn:
+            ctx, dc, tc, one = state[r]
+            for n in range(1, n_max + 1):
+                tok = torch.zeros(r, n, dtype=torch.long)
+                t = time.perf_counter()
+                target.logits(target(tok, (context + torch.arange(n)[None]).expand(r, -1).contiguous(), tc))
+                dt = time.perf_counter() - t
+                if rnd:
+                    best[r]["c_verify"][n - 1] = min(best[r]["c_verify"][n - 1], dt)
+            # a drafting step as _ModelDrafter runs it: body, head, argmax and confidence
+            step = best_time(lambda c=ctx, o=one, d=dc: kernels.argmax_prob(draft.logits(draft(c[:, :1], o, d)[:, 0])),
+                             2)
+            if rnd:
+                best[r]["c_draft"] = min(best[r]["c_draft"], step)
+            if order is not None:
+                order.append(r)
+    for c in best.values():
+        cv = c["c_verify"]
+        for i in range(1, len(cv)):
+            cv[i] = max(cv[i], cv[i - 1])  # more tokens never cost less
+    return {str(r): best[r] for r in rows}
 
 
 def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,
@@ -168,8 +209,8 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
     """Measure, print the table, return the `speculation` block stored in the draft engine's config.
 
     `fixed`: the spec's own k (1..max_k), kept whatever the table says; it is still measured and reported."""
-    costs = measure_costs(target, draft, max_k)
-    by_rows = measure_costs_by_rows(target, draft, max_k, costs)
+    by_rows = measure_costs_by_rows(target, draft, max_k)
+    costs = by_rows["1"]
     emitted: list[int] = []
     rates = measure_acceptance(target, draft, prompts, max_k, emitted=emitted)
     rows = speed_table(costs, rates)
@@ -189,10 +230,15 @@ def measure_and_pick(target: Transformer, draft: Transformer, prompts: list[list
         out["coverage"] = round(cov, 4)
         log(f"reduced draft head covers {cov:.1%} of the target's tokens on the tuning prompts")
     log(f"draft step = {out['draft_step_fraction']:.3f} of a target step")
-    log("by rows (draft step / verify 1, k+1 tokens per row, ms): " + "; ".join(
-        f"{r}: {1e3 * c['c_draft']:.1f} / {1e3 * c['c_verify'][0]:.1f}, {1e3 * c['c_verify'][-1]:.1f}"
-        for r, c in by_rows.items()))
+    log(rows_line(by_rows))
     return out
+
+
+def rows_line(by_rows: dict[str, dict]) -> str:
+    """The costs by rows in one line of the build's and the re-timing's log."""
+    return "by rows (draft step / verify 1, k+1 tokens per row, ms): " + "; ".join(
+        f"{r}: {1e3 * c['c_draft']:.1f} / {1e3 * c['c_verify'][0]:.1f}, {1e3 * c['c_verify'][-1]:.1f}"
+        for r, c in by_rows.items())
 
 
 def remeasure_costs(target: Transformer, draft: Transformer, stored: dict, log=print) -> dict:
@@ -208,13 +254,14 @@ def remeasure_costs(target: Transformer, draft: Transformer, stored: dict, log=p
         raise ValueError("the draft engine's speculation block has no pick-k table to keep; run `python -m pipeline "
                          "pick-k SPEC --write` (it measures the acceptance too)")
     max_k = len(table)
-    costs = measure_costs(target, draft, max_k)
-    by_rows = measure_costs_by_rows(target, draft, max_k, costs)
+    by_rows = measure_costs_by_rows(target, draft, max_k)
+    costs = by_rows["1"]
     rows = speed_table(costs, [float(r["accept_pos"]) for r in table])
     k = int(stored["num_draft_tokens"])
     out = {**stored, "table": rows, "costs_s": costs, "costs_by_rows": by_rows,
            "expected_speedup": rows[k - 1]["speedup"], "draft_step_fraction": costs["c_draft"] / costs["c_verify"][0]}
     log(format_table(rows, costs))
+    log(rows_line(by_rows))
     log(f"re-timed: target step {1e3 * stored['costs_s']['c_verify'][0]:.1f} -> {1e3 * costs['c_verify'][0]:.1f} ms, "
         f"draft step {1e3 * stored['costs_s']['c_draft']:.1f} -> {1e3 * costs['c_draft']:.1f} ms; k = {k} kept")
     return out

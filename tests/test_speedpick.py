@@ -46,6 +46,21 @@ def test_draft_steps_are_timed_between_the_verify_rounds():
     assert runs.count("draft") == 3 and runs[-1] == "draft", runs
 
 
+def test_costs_by_rows_time_every_batch_size_in_the_same_rounds_in_turn():
+    """The memory's speed switches within minutes here, so the row counts are timed together (each round every size
+    in turn, the order rotating) rather than one after another: each cell keeps its minimum over the same minutes."""
+    from pipeline.speedpick import measure_costs_by_rows
+
+    target, draft = tiny(seed=0), tiny(seed=1)
+    order: list[int] = []
+    by = measure_costs_by_rows(target, draft, max_k=2, rows=(1, 2, 4), context=16, reps=3, order=order)
+    assert order == [1, 2, 4, 2, 4, 1, 4, 1, 2, 1, 2, 4]  # a warm-up round, then three timed, each starting later
+    assert list(by) == ["1", "2", "4"]
+    for c in by.values():
+        cv = c["c_verify"]
+        assert len(cv) == 3 and c["c_draft"] > 0 and 0 < cv[0] and cv == sorted(cv)  # more tokens never cost less
+
+
 def test_expected_tokens_per_step():
     assert expected_tokens([0.8, 0.5, 0.2], 2) == pytest.approx(2.3)
     assert expected_tokens_iid(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)

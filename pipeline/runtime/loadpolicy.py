@@ -37,7 +37,7 @@ MIN_GAIN = 1.2
 MIN_GAIN_ROWS = 1.8
 PRIOR_WEIGHT = 4  # rounds of pick-k's measured acceptance a row starts from before its own counts take over
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
-ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs`)
+ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
 
 
 def _interp(points: dict[int, float], x: int) -> float:
