@@ -74,30 +74,13 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
     return best
 
 
-@torch.inference_mode()
 def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5,
                   rows: int = 1) -> dict:
     """Seconds for one draft step (incl. its head, argmax and confidence) and for target verification of 1..max_k+1
-    tokens, for a batch of `rows` rows."""
-    V = target.cfg.vocab_size
-    ctx = torch.randint(0, V, (rows, context))
-    dc = draft.new_cache(rows, context + 8)
-    draft(ctx, torch.arange(context)[None].expand(rows, -1).contiguous(), dc)
-    one = torch.full((rows, 1), context)
-
-    def draft_step():  # a drafting step as _ModelDrafter runs it: body, head, argmax and confidence
-        kernels.argmax_prob(draft.logits(draft(ctx[:, :1], one, dc)[:, 0]))
-
-    # Draft steps are timed between the verify rounds: this machine's memory bandwidth drifts by tens of percent
-    # within a minute, and a draft timed before the target put that drift into the step fraction.
-    draft_step()
-    best = [float("inf")]
-
-    def draft_round():
-        best[0] = min(best[0], best_time(draft_step, 2))
-
-    c_verify = verify_costs(target, max_k + 1, context, reps, between=draft_round, rows=rows)
-    return {"c_draft": best[0], "c_verify": c_verify}
+    tokens, for a batch of `rows` rows: `measure_costs_by_rows` at that one size. Draft steps are timed between the
+    verify rounds: this machine's memory bandwidth drifts by tens of percent within a minute, and a draft timed
+    before the target put that drift into the step fraction."""
+    return measure_costs_by_rows(target, draft, max_k, (rows,), context, reps)[str(rows)]
 
 
 @torch.inference_mode()

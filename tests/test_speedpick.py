@@ -42,8 +42,8 @@ def test_draft_steps_are_timed_between_the_verify_rounds():
     assert costs["c_draft"] > 0 and len(costs["c_verify"]) == 3
     timed = calls[calls.index("target"):]  # after the draft's prefill and warm-up, and the target's prefill
     runs = [n for i, n in enumerate(timed) if i == 0 or timed[i - 1] != n]
-    # target prefill + warm-up round + timed round, then draft steps after every timed round
-    assert runs.count("draft") == 3 and runs[-1] == "draft", runs
+    # target prefill + warm-up round, then a draft step after it (untimed) and after every timed round
+    assert runs.count("draft") == 4 and runs[-1] == "draft" and runs.count("target") == 4, runs
 
 
 def test_costs_by_rows_time_every_batch_size_in_the_same_rounds_in_turn():
