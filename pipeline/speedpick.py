@@ -50,28 +50,47 @@ def verify_costs(model: Transformer, max_tokens: int, context: int = 128, reps: 
     timer that must see the same load, such as the draft step's). `rounds`, when given, receives each timed round's
     seconds per size (sizes timed within a fraction of a second of each other: bench's paired ratios). `rows`: a batch
     of that many rows, n tokens each (the load-adaptive draft length's costs by batch size)."""
-    cache = model.new_cache(rows, context + max_tokens + 2)
-    at = torch.arange(context)[None].expand(rows, -1).contiguous()
-    model(torch.zeros(rows, context, dtype=torch.long), at, cache)
+    cache = _verify_cache(model, rows, context, max_tokens)
     best = [float("inf")] * max_tokens
     for r in range(reps + 1):
-        this = []
-        for n in range(1, max_tokens + 1):
-            tok = torch.zeros(rows, n, dtype=torch.long)
-            kv = context + n
-            mask = dict(mask=torch.ones(1, n, kv, dtype=torch.bool), kv_len=kv) if tree else {}
-            t = time.perf_counter()
-            model.logits(model(tok, (context + torch.arange(n)[None]).expand(rows, -1).contiguous(), cache, **mask))
-            this.append(time.perf_counter() - t)
-            if r:
-                best[n - 1] = min(best[n - 1], this[-1])
+        this = _verify_round(model, cache, rows, context, max_tokens, tree)
+        if r:
+            best = [min(b, x) for b, x in zip(best, this)]
         if r and rounds is not None:
             rounds.append(this)
         if r and between is not None:
             between()
-    for i in range(1, len(best)):
-        best[i] = max(best[i], best[i - 1])
-    return best
+    return _non_decreasing(best)
+
+
+def _verify_cache(model: Transformer, rows: int, context: int, max_tokens: int):
+    """A cache of `rows` rows holding `context` tokens, with room for a verification of `max_tokens` after them."""
+    cache = model.new_cache(rows, context + max_tokens + 2)
+    at = torch.arange(context)[None].expand(rows, -1).contiguous()
+    model(torch.zeros(rows, context, dtype=torch.long), at, cache)
+    return cache
+
+
+def _verify_round(model: Transformer, cache, rows: int, context: int, max_tokens: int,
+                  tree: bool = False) -> list[float]:
+    """Seconds of one forward plus its logits over n = 1..max_tokens new tokens per row after `context` tokens."""
+    out = []
+    for n in range(1, max_tokens + 1):
+        tok = torch.zeros(rows, n, dtype=torch.long)
+        kv = context + n
+        mask = dict(mask=torch.ones(1, n, kv, dtype=torch.bool), kv_len=kv) if tree else {}
+        t = time.perf_counter()
+        model.logits(model(tok, (context + torch.arange(n)[None]).expand(rows, -1).contiguous(), cache, **mask))
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _non_decreasing(costs: list[float]) -> list[float]:
+    """More tokens never cost less: each cost at least the one before it."""
+    out = list(costs)
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1])
+    return out
 
 
 def measure_costs(target: Transformer, draft: Transformer, max_k: int, context: int = 64, reps: int = 5,
@@ -102,36 +121,24 @@ def measure_costs_by_rows(target: Transformer, draft: Transformer, max_k: int,
     state = {}
     for r in rows:
         ctx = torch.randint(0, V, (r, context))
-        at = torch.arange(context)[None].expand(r, -1).contiguous()
         dc = draft.new_cache(r, context + 8)
-        draft(ctx, at, dc)
-        tc = target.new_cache(r, context + n_max + 2)
-        target(torch.zeros(r, context, dtype=torch.long), at, tc)
-        state[r] = (ctx, dc, tc, torch.full((r, 1), context))
+        draft(ctx, torch.arange(context)[None].expand(r, -1).contiguous(), dc)
+        state[r] = (ctx, dc, _verify_cache(target, r, context, n_max), torch.full((r, 1), context))
     best = {r: {"c_draft": float("inf"), "c_verify": [float("inf")] * n_max} for r in rows}
     for rnd in range(reps + 1):
-        turn = list(rows[rnd % len(rows):]) + list(rows[:rnd % len(rows)])
-        for r in turn:
+        for r in list(rows[rnd % len(rows):]) + list(rows[:rnd % len(rows)]):
             ctx, dc, tc, one = state[r]
-            for n in range(1, n_max + 1):
-                tok = torch.zeros(r, n, dtype=torch.long)
-                t = time.perf_counter()
-                target.logits(target(tok, (context + torch.arange(n)[None]).expand(r, -1).contiguous(), tc))
-                dt = time.perf_counter() - t
-                if rnd:
-                    best[r]["c_verify"][n - 1] = min(best[r]["c_verify"][n - 1], dt)
+            verify = _verify_round(target, tc, r, context, n_max)
             # a drafting step as _ModelDrafter runs it: body, head, argmax and confidence
             step = best_time(lambda c=ctx, o=one, d=dc: kernels.argmax_prob(draft.logits(draft(c[:, :1], o, d)[:, 0])),
                              2)
             if rnd:
-                best[r]["c_draft"] = min(best[r]["c_draft"], step)
+                b = best[r]
+                b["c_verify"] = [min(x, y) for x, y in zip(b["c_verify"], verify)]
+                b["c_draft"] = min(b["c_draft"], step)
             if order is not None:
                 order.append(r)
-    for c in best.values():
-        cv = c["c_verify"]
-        for i in range(1, len(cv)):
-            cv[i] = max(cv[i], cv[i - 1])  # more tokens never cost less
-    return {str(r): best[r] for r in rows}
+    return {str(r): {"c_draft": b["c_draft"], "c_verify": _non_decreasing(b["c_verify"])} for r, b in best.items()}
 
 
 def measure_acceptance(target: Transformer, draft: Transformer, prompts: list[list[int]], max_k: int,

@@ -139,14 +139,13 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     lap("llama_cpp_server")
     # 3b. Concurrency curve.
     report["curve_tokens"] = curve_new = curve_tokens(v)
-    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log,
-                                       repo.default_method(spec))
+    default = repo.default_method(spec)
+    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log, default)
     report["crossover"] = crossover(report["batch_curve"], methods)
     # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
     report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
     report["vs_llama_server_at_concurrency"] = {
         m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
-    default = repo.default_method(spec)
     if default in methods and "baseline" in methods:
         report["curve_targets"] = curve_targets.summarize(
             report["batch_curve"], default, report["vs_llama_server_at_concurrency"].get(default),

@@ -4,6 +4,7 @@ policy's ceiling from the draft engine's stored costs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_a_level_between_two_named_ones_takes_the_lower_ones_target():
                                                                               1.0]
 
 
-def _draft_config(tmp_path, k: int = 4) -> object:
+def _draft_config(tmp_path, k: int = 4) -> Path:
     by = {r: {"c_draft": 0.002 * (1 + r / 8), "c_verify": [0.02 * max(1.0, r * n / 4) for n in range(1, 10)]}
           for r in (1, 2, 4, 8)}
     table = [{"k": i + 1, "accept_pos": 0.9 ** (i + 1)} for i in range(8)]
