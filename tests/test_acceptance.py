@@ -44,24 +44,27 @@ def next_probs(model: Transformer, ctx: list[int], params: SamplingParams) -> to
 
 def greedy_replay(target: Transformer, draft: Transformer, prompt: list[int], k: int, new: int) -> dict:
     """What draft_target's counters must read for a greedy row, rebuilt from plain decoding: the draft's greedy
-    proposals from fresh forwards, matched against the target's own greedy continuation."""
+    proposals from fresh forwards, matched against the target's own greedy continuation; k a round, or the row's
+    room where that is less (a round emits at most its drafts and one token, the row at most `new`)."""
     (ref,) = generate(target, [Request(prompt, new + k + 1)])
     base = ref.tokens
-    steps, proposed, accepted, acc_pos = 1, 0, 0, [0] * k
+    steps, proposed, accepted, acc_pos, prop_pos = 1, 0, 0, [0] * k, [0] * k
     i = 1  # prefill emitted the first token
     while i < new:
         ctx, d = prompt + base[:i], []
-        for _ in range(k):
+        for _ in range(min(k, new - i - 1)):
             d.append(int(next_probs(draft, ctx + d, SamplingParams()).argmax()))
         n = 0
-        while n < k and d[n] == base[i + n]:
+        while n < len(d) and d[n] == base[i + n]:
             n += 1
-        steps, proposed, accepted = steps + 1, proposed + k, accepted + n
+        steps, proposed, accepted = steps + 1, proposed + len(d), accepted + n
         for j in range(n):
             acc_pos[j] += 1
+        for j in range(len(d)):
+            prop_pos[j] += 1
         i += n + 1
     return {"tokens": base[:new], "steps": steps, "draft_proposed": proposed, "draft_accepted": accepted,
-            "accepted_per_position": acc_pos, "proposed_per_position": [steps - 1] * k}
+            "accepted_per_position": acc_pos, "proposed_per_position": prop_pos}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +162,8 @@ def test_sampled_acceptance_and_output_match_enumeration(small_pair):
         accept += float(p1[a] * torch.minimum(p2, q2).sum())
     n, counts, accepted = 6000, torch.zeros(V, V), 0
     for c in range(0, n, 1000):
-        reqs = [Request(prompt, 2, SamplingParams(1.0, seed=c + i)) for i in range(1000)]
+        # 3 tokens: the round after the prefill's token has room for its draft (2 would make it a plain step)
+        reqs = [Request(prompt, 3, SamplingParams(1.0, seed=c + i)) for i in range(1000)]
         for r in draft_target(t, d, reqs, 1):
             counts[r.tokens[0], r.tokens[1]] += 1
             assert r.draft_proposed == 1 and r.draft_accepted in (0, 1)

@@ -42,7 +42,8 @@ def _draft_probs(draft, ctx: list[int]) -> torch.Tensor:
 def confidence_replay(target, draft, prompt: list[int], k: int, conf: float, new: int) -> list[tuple[int, int]]:
     """(proposed, accepted) of each round of a greedy row, rebuilt from plain decoding: the draft proposes its
     greedy tokens until (and including) the first whose probability is below conf, at most k; the target's
-    greedy continuation accepts the matching prefix."""
+    greedy continuation accepts the matching prefix; no more than the row's room (a round emits at most its drafts
+    and one token, and the row at most `new`)."""
     (ref,) = generate(target, [Request(prompt, new + k + 1)])
     base, rounds, i = ref.tokens, [], 1  # prefill emitted the first token
     while i < new:
@@ -54,6 +55,7 @@ def confidence_replay(target, draft, prompt: list[int], k: int, conf: float, new
             d.append(int(probs.argmax()))
             if top < conf:
                 break
+        d = d[:max(0, new - i - 1)]
         n = 0
         while n < len(d) and d[n] == base[i + n]:
             n += 1

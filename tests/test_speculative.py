@@ -80,7 +80,9 @@ def test_acceptance_stats_are_consistent(target, drafts):
         rate = sum(r.draft_accepted for r in out) / sum(r.draft_proposed for r in out)
         assert lo <= rate <= hi, which
         for r in out:
-            assert r.draft_proposed == 3 * (r.steps - 1) == sum(r.proposed_per_position)
+            # k a round, less only in the last rounds, whose room (max_new_tokens) holds fewer: at most 1 + 2 + 3
+            assert 3 * (r.steps - 1) - 6 <= r.draft_proposed <= 3 * (r.steps - 1)
+            assert r.draft_proposed == sum(r.proposed_per_position)
             assert r.draft_accepted == sum(r.accepted_per_position)
             assert r.accepted_per_position == sorted(r.accepted_per_position, reverse=True)
             assert len(r.tokens) <= r.draft_accepted + r.steps
@@ -148,7 +150,8 @@ def test_prompt_lookup_proposes_the_latest_match():
 @pytest.mark.parametrize("which", ["noisy", "random"])
 def test_greedy_draft_target_with_lookup_equals_baseline(target, drafts, k, which, min_ngram):
     ps = prompts(5, 48, seed=40 + k, lo=4, hi=16)
-    reqs = _reqs([p + p[: len(p) // 2] for p in ps])
+    # long enough that lookup rounds find room for their 4 tokens (a round drafts no more than the answer's room)
+    reqs = _reqs([p + p[: len(p) // 2] for p in ps], new=(40, 48, 56, 64))
     base = generate(target, reqs)
     out = draft_target(target, drafts[which], reqs, k, lookup_min_ngram=min_ngram, lookup_num_tokens=4)
     assert [r.tokens for r in out] == [r.tokens for r in base]
@@ -172,10 +175,10 @@ def test_draft_confidence_stops_a_row_at_its_first_doubtful_token(target):
     reqs = [Request(p, 24) for p in prompts(3, 48, seed=51)]
     always_doubt = draft_target(target, target, reqs, 4, draft_confidence=0.999999)
     never_doubt = draft_target(target, target, reqs, 4, draft_confidence=1e-9)
-    for r in always_doubt:
-        assert r.proposed_per_position == [r.steps - 1, 0, 0, 0] and r.draft_proposed == r.steps - 1
-    for r in never_doubt:
-        assert r.proposed_per_position[3] == r.steps - 1 == r.proposed_per_position[0]
+    for r in always_doubt:  # the last round may have no room for a draft (a plain step)
+        assert r.proposed_per_position[1:] == [0, 0, 0] and r.draft_proposed in (r.steps - 1, r.steps - 2)
+    for r in never_doubt:  # all k but in the last rounds, whose room holds fewer
+        assert r.proposed_per_position[3] >= r.steps - 4 and r.proposed_per_position[0] >= r.steps - 2
 
 
 def test_draft_cache_catches_up_after_lookup_rounds(target):
@@ -239,7 +242,8 @@ def sampled_two_token_dist(target, draft, prompt, params, n, k, **kw) -> torch.T
     counts = torch.zeros(V, V)
     chunk = 500
     for c in range(0, n, chunk):
-        reqs = [Request(prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i))
+        # 2 + k tokens: the first round drafts all k (with 2, the room cap would make it a plain step)
+        reqs = [Request(prompt, 2 + k, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i))
                 for i in range(chunk)]
         out = (draft_target(target, draft, reqs, k, **kw) if draft is not None
                else prompt_lookup(target, reqs, k, max_ngram=2))

@@ -19,6 +19,7 @@ from pipeline.runtime.suffix import (
     Odds,
     SuffixDrafter,
     SuffixStore,
+    _Index,
     best_draft,
 )
 from tests.test_speculative import V, exact_two_token_dist, prompts, tiny
@@ -159,6 +160,24 @@ def test_long_drafts_follow_the_verify_curve_not_the_cap(pair):
     assert widths["flat"] == 32 and 8 <= widths["zen4"] <= best_draft(0.999, 32, VERIFY_COST)[0] < 16
 
 
+@pytest.mark.parametrize("method", ["suffix", "hybrid", "draft_target"])
+def test_a_capped_answer_drafts_no_token_past_its_room(pair, method):
+    """max_new_tokens bounds what a round can emit, so drafts past it would be verified for nothing: with the answer
+    as the prediction on the flat curve, a 12-token answer verifies its 10 drafts and no more (1 token from the
+    prefill, 1 bonus); a 3-token answer drafts at most 1 a round (the draft model narrowed too), a 2-token one none."""
+    t, d = pair
+    p = prompts(1, 48, seed=5, lo=12, hi=13)[0]
+    (ref,) = generate(t, [Request(p, 80)])
+    b = bundle(t, d, max_draft_len=32, suffix_min_match=2)
+    b.verify_cost = FLAT
+    for new, most in ((12, 10), (3, 1), (2, 0)):
+        (r,) = decode(b, method, [Request(p, new, cache_prompt=False, prediction=ref.tokens)])
+        assert r.tokens == ref.tokens[:new]
+        assert _widest(r.proposed_per_position) <= most
+        if method != "draft_target" and most:
+            assert r.draft_proposed == r.draft_accepted == most  # the prediction is the answer: nothing wasted
+
+
 @pytest.mark.parametrize("min_match", [ANCHOR, 4])
 def test_after_an_edit_in_copied_text_the_drafter_resyncs_to_the_source_past_it(min_match):
     """An answer copying the prompt's file, with one token replaced (a renamed identifier): once the output's last
@@ -172,7 +191,12 @@ def test_after_an_edit_in_copied_text_the_drafter_resyncs_to_the_source_past_it(
     first = d.row_draft(0, c)
     assert len(first) > 3 and first == src[12:12 + len(first)]
     c = c + src[12:15] + [99]  # the target took 3 drafted tokens, then wrote 99 where the file has src[15]
-    assert d.row_draft(0, c) == [] and d.weak(0, c) == []  # 99 is nowhere in the file: nothing to draft yet
+    # 99 is nowhere in the file: the guess is that it replaced src[15] and the file goes on from src[16] ("skip")
+    skip = d.row_draft(0, c) if min_match == ANCHOR else d.weak(0, c)
+    assert skip and skip == src[16:16 + len(skip)] and d.rows[0].last[0] == "skip"
+    if min_match > ANCHOR:
+        assert d.row_draft(0, c) == []  # the hybrid's draft model would take the row
+    d.rows[0].last = None  # that draft was not verified
     c = c + [src[16]]  # ... and goes on as the file does
     strong = d.row_draft(0, c)
     got = strong if min_match == ANCHOR else d.weak(0, c)
@@ -288,6 +312,44 @@ def test_a_renamed_identifier_is_drafted_renamed_after_its_first_use():
     assert all(n == len(draft) or pos + n == len(out) for pos, draft, n in later)  # ... and nothing missed
 
 
+def test_a_diverged_prediction_rejoins_at_the_nearest_equal_match_past_where_it_left():
+    """The edit set's calendar fix: the answer writes "or" where the prediction has "and", then "year % 4", which the
+    prediction holds just past the edit ("year % 400") and again lines later ("2000 + year % 400"). Both match as
+    long; the output rejoins where it left the prediction, not at the later line (drafted there, 11 tokens had 2
+    accepted). With no divergence to be near, equal matches still go to the latest occurrence."""
+    head, mid, A = list(range(10, 40)), list(range(100, 140)), [60, 61, 62]
+    X, Y, Q = 200, 201, 202
+    pred = head + [X] + A + [70, 71, 72, 73] + mid + [Q] + A + [80, 81, 82, 83]
+    d = SuffixDrafter([Request([2, 3], 200, prediction=pred)], 16, "cpu", None, FLAT)
+    c = [2, 3] + head
+    assert d.row_draft(0, c)[0] == X  # aligned: the prediction drafts on
+    c = c + [Y]  # the target wrote Y where the prediction has X
+    assert d.row_draft(0, c)[:2] == A[:2] and d.rows[0].last[0] == "skip"  # the guess: Y replaced X
+    d.rows[0].last = None  # that draft was not verified
+    c = c + A  # then text the prediction holds twice, after X and after Q
+    assert d.row_draft(0, c)[:4] == [70, 71, 72, 73]
+    assert d.rows[0].last[0] == "prediction"
+    ix = _Index()
+    ix.extend(pred)
+    assert ix.best([Y] + A) == (3, len(pred) - 4)  # no `near`: the latest of equal matches
+
+
+def test_after_a_mismatch_with_the_prompt_equal_matches_go_to_the_nearest_past_it():
+    """The same edit with the file in the prompt (no prediction): after the long copy's mismatch, the text the file
+    holds twice is drafted from the occurrence just past the mismatch, not from the latest one."""
+    head, mid, A = list(range(10, 40)), list(range(100, 140)), [60, 61, 62]
+    X, Y, Q = 200, 201, 202
+    prompt = [2, 3] + head + [X] + A + [70, 71, 72, 73] + mid + [Q] + A + [80, 81, 82, 83] + [4]
+    d = SuffixDrafter([Request(prompt, 200)], 16, "cpu", None, FLAT)
+    c = prompt + head[:20]
+    first = d.row_draft(0, c)
+    assert first[:11] == head[20:] + [X]  # the copy drafts on past the edit point
+    c = c + head[20:] + [Y]  # the target took the rest of the head, then wrote Y where the file has X
+    d.row_draft(0, c)
+    c = c + A
+    assert d.row_draft(0, c)[:2] == [70, 71]
+
+
 def test_a_substitution_the_output_declines_is_dropped_and_costs_the_prediction_no_odds():
     """A one-off fix (X -> Z at its first use only) is learnt as a substitution like a rename, drafted at the next X,
     declined there (the answer keeps X): it is dropped, that round counts no miss against the prediction, and the
@@ -400,7 +462,8 @@ def test_draft_length_grows_with_the_odds_and_follows_the_verify_cost():
 def sampled(b: Bundle, method: str, prompt, params, n: int, **kw) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for c in range(0, n, 500):
-        reqs = [Request(prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i), **kw)
+        # 5 tokens: the first round has room for the draft model's k = 3 (with 2 it would be a plain step)
+        reqs = [Request(prompt, 5, SamplingParams(params.temperature, params.top_k, params.top_p, seed=c + i), **kw)
                 for i in range(500)]
         for r in decode(b, method, reqs):
             counts[r.tokens[0], r.tokens[1]] += 1

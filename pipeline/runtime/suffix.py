@@ -28,8 +28,11 @@ store nor the odds can change an answer, only how many tokens a round commits.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -48,6 +51,9 @@ RESYNC = 3  # a prediction that diverged is re-aligned only at a match this long
 # method, and in the hybrid while its draft model waits for its prefill (`weak`); where the draft model drafts, it
 # keeps the row. Only after matches of at least RESYNC_FROM tokens (or a prediction): a short match that fails says
 # nothing about where the text goes next.
+# Where the output's last token is nowhere near in the source, the row guesses that what the output wrote replaced
+# the mismatched token and drafts the source from the token after it ("skip", its own odds): a one-for-one fix ("and"
+# -> "or") then continues drafted at once, and a renamed identifier from its last piece on.
 RESYNC_FROM, RESYNC_SPAN, RESYNC_SLACK = 8, 24, 8
 TOKEN_BYTES = 4  # the store keeps int32 token ids
 # An edit that renames repeats itself: where the output left the prediction and came back to it, what it wrote instead
@@ -150,25 +156,34 @@ class _Index:
             if n >= ANCHOR:
                 self.at.setdefault(tuple(own[n - ANCHOR:]), []).append(n)
 
-    def best(self, ctx: list[int], min_end: int = 0) -> tuple[int, int]:
+    def best(self, ctx: list[int], min_end: int = 0, near: int | None = None) -> tuple[int, int]:
         """(match length, position after the match) of the longest match of ctx's end among the latest
-        occurrences ending before the list's end and at or after min_end; (0, -1) when none."""
+        occurrences ending before the list's end and at or after min_end; (0, -1) when none. Equal matches go to
+        the latest occurrence, or with `near` to the first at or after it (then the last before it): an edit is
+        local, so the output rejoins a prediction just past where it left it, not at a later line that also
+        ends in "year % 4"."""
         if len(ctx) < ANCHOR:
             return 0, -1
         ends = self.at.get(tuple(ctx[-ANCHOR:]))
         if not ends:
             return 0, -1
         toks, L = self.toks, len(ctx)
-        best_m, best_e = 0, -1
+        best_m, best_e, best_key = 0, -1, None
         seen = 0
-        for e in reversed(ends):
+        if near is None:
+            order: Iterable[int] = reversed(ends)
+        else:  # the occurrences nearest after `near` first, then those before it, nearest first
+            i = bisect_left(ends, near)
+            order = chain(ends[i:], reversed(ends[:i]))
+        for e in order:
             if e >= len(toks) or e < min_end:
                 continue
             m = ANCHOR
             while m < MAX_MATCH and m < e and m < L and toks[e - 1 - m] == ctx[L - 1 - m]:
                 m += 1
-            if m > best_m:
-                best_m, best_e = m, e
+            key = (m,) if near is None else (m, e >= near, -abs(e - near))
+            if best_key is None or key > best_key:
+                best_m, best_e, best_key = m, e, key
             seen += 1
             if seen >= MAX_CANDIDATES or best_m >= MAX_MATCH:
                 break
@@ -335,7 +350,7 @@ class SuffixDrafter:  # a Drafter
                 j += step
             row.seen = j if row.pp is not None else len(out)
             if row.pp is None or row.pp >= len(row.pred):
-                m, e = row.pred_index.best(c)
+                m, e = row.pred_index.best(c, near=row.div[0] if row.div is not None else None)
                 if m >= RESYNC:
                     self._learn(row, out, m, e)
                     row.pp, row.seen = e, len(out)
@@ -361,7 +376,9 @@ class SuffixDrafter:  # a Drafter
                                          self.k + RESYNC_SPAN + RESYNC_SLACK)
             if exp:
                 cands.append(("prediction", MAX_MATCH, exp[:self.k], exp, 0))
-        m1, e1 = row.index.best(c)
+        # after a mismatch with the context, equal matches go to the one nearest past it (as a prediction re-aligns)
+        near = row.resync[1] if row.resync is not None and row.resync[0] is row.index.toks else None
+        m1, e1 = row.index.best(c, near=near)
         m2, cont2 = self.store.best(c) if self.store is not None and self.use_store[b] else (0, [])
         if max(m1, m2) >= mm:
             if m1 >= m2:
@@ -372,6 +389,11 @@ class SuffixDrafter:  # a Drafter
             j = self._resync(row, c)
             if j >= 0:
                 cands.append(("resync", 1, row.resync[0][j:j + self.k], row.resync[0], j))
+            elif row.resync is not None and self._inside_replacement(row, c):
+                # the guess: the replacement ends here ("and" -> "or", the last piece of a renamed identifier) and
+                # the source goes on past the token it replaced ("skip": odds of its own)
+                toks, e0, _ = row.resync
+                cands.append(("skip", 1, toks[e0 + 1:e0 + 1 + self.k], toks, e0 + 1))
         best: tuple[float, int, tuple] | None = None
         for cand in cands:
             source, m, cont = cand[:3]
@@ -465,6 +487,14 @@ class SuffixDrafter:  # a Drafter
             if toks[j] == last:
                 return j + 1
         return -1
+
+    @staticmethod
+    def _inside_replacement(row: _Row, c: list[int]) -> bool:
+        """No token the output wrote since the mismatch is in the source near past it (where `_resync` looks): the
+        output is still writing what replaced the mismatched token, and the source has a token after that one."""
+        toks, e0, at = row.resync
+        window = set(toks[e0:min(len(toks), e0 + len(c) - at + RESYNC_SLACK)])
+        return e0 + 1 < len(toks) and not window.intersection(c[at:])
 
     def lookup_rows(self, ctx: list[list[int]]) -> list[list[int]]:
         return [self.row_draft(b, c) for b, c in enumerate(ctx)]
