@@ -271,8 +271,8 @@ def test_a_speculative_request_arriving_below_disable_at_batch_joins_the_running
     assert done == ["short", "long"]
     assert got["short"]["text"] == solo_short and got["long"]["text"] == solo_long
     # The self-draft accepts everything, k=4: the long stream's 219 tokens after its first come 5 a round (176
-    # drafted), and the short one's 3 in one round.
-    assert got["short"]["total_draft_tokens"] >= 3 and got["long"]["total_draft_tokens"] >= 170
+    # drafted), and the short one's 3 in one round (2 drafts and the target's own: no drafts past its room).
+    assert got["short"]["total_draft_tokens"] >= 2 and got["long"]["total_draft_tokens"] >= 170
     after = _metrics(s)
     assert _moved(before, after, "spec_decode_requests_speculation_off_total", "draft_target") == 0
     assert _moved(before, after, "spec_decode_speculation_resumed_total", "draft_target") == 0
