@@ -431,9 +431,8 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
                 if hasattr(drafter, "narrow") and max(room) < drafter.k_max:
                     drafter.narrow(max(room))  # rows' room only shrinks, so this never has to widen again
                 drafts, q, limit = drafter.propose(ctx, pos, gens)
-                if min(r for r, s in zip(room, seqs) if not s.done) < max(limit):
-                    limit = [max(0, min(lb, r)) for lb, r in zip(limit, room)]
-                    drafts = drafts[:, :max(limit)]
+                limit = [max(0, min(lb, r)) for lb, r in zip(limit, room)]
+                drafts = drafts[:, :max(limit)]
         else:
             ks = policy.lengths([(s.done, s.req.max_new_tokens - len(s.tokens), st.acc_pos, st.prop_pos)
                                  for s, st in zip(seqs, stats)])
