@@ -21,7 +21,7 @@ import torch
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.loadpolicy import Costs, DraftPolicy, choose, policy_from, row_rates
 from pipeline.runtime.speculative import draft_target
-from pipeline.speedpick import measure_acceptance, measure_costs
+from pipeline.speedpick import measure_acceptance, measure_costs_by_rows
 from tests.test_speculative import prompts, tiny
 
 K = 6
@@ -46,7 +46,8 @@ def measured() -> None:
     t = tiny(seed=0, hidden=256, layers=4, vocab=512)
     d = tiny(base=t, noise=0.003, seed=7)
     generate(t, [Request([3, 4, 5], 8)])
-    by = {r: measure_costs(t, d, K, context=64, reps=2, rows=r) for r in (1, 2, 4, 8)}
+    # every batch size timed in the same rounds (speedpick.measure_costs_by_rows), keys back to ints
+    by = {int(r): c for r, c in measure_costs_by_rows(t, d, K, (1, 2, 4, 8), context=64, reps=2).items()}
     costs = Costs({r: c["c_draft"] for r, c in by.items()}, {r: c["c_verify"] for r, c in by.items()})
     ps = prompts(16, 512, seed=1)
     rates = measure_acceptance(t, d, ps[:4], K, max_new=32)

@@ -168,7 +168,7 @@ class _Index:
         if not ends:
             return 0, -1
         toks, L = self.toks, len(ctx)
-        best_m, best_e, best_key = 0, -1, None
+        best_m, best_e = 0, -1
         seen = 0
         if near is None:
             order: Iterable[int] = reversed(ends)
@@ -181,9 +181,8 @@ class _Index:
             m = ANCHOR
             while m < MAX_MATCH and m < e and m < L and toks[e - 1 - m] == ctx[L - 1 - m]:
                 m += 1
-            key = (m,) if near is None else (m, e >= near, -abs(e - near))
-            if best_key is None or key > best_key:
-                best_m, best_e, best_key = m, e, key
+            if m > best_m:  # ties keep the first in `order`: the latest, or the nearest to `near`
+                best_m, best_e = m, e
             seen += 1
             if seen >= MAX_CANDIDATES or best_m >= MAX_MATCH:
                 break
@@ -386,14 +385,10 @@ class SuffixDrafter:  # a Drafter
             else:
                 cands.append(("store", m2, cont2[:self.k], None, 0))
         elif not cands and row.resync is not None and mm <= ANCHOR:  # not where the hybrid's draft model would draft
-            j = self._resync(row, c)
-            if j >= 0:
-                cands.append(("resync", 1, row.resync[0][j:j + self.k], row.resync[0], j))
-            elif row.resync is not None and self._inside_replacement(row, c):
-                # the guess: the replacement ends here ("and" -> "or", the last piece of a renamed identifier) and
-                # the source goes on past the token it replaced ("skip": odds of its own)
-                toks, e0, _ = row.resync
-                cands.append(("skip", 1, toks[e0 + 1:e0 + 1 + self.k], toks, e0 + 1))
+            rejoin = self._rejoin(row, c)
+            if rejoin is not None:
+                source, toks, j = rejoin
+                cands.append((source, 1, toks[j:j + self.k], toks, j))
         best: tuple[float, int, tuple] | None = None
         for cand in cands:
             source, m, cont = cand[:3]
@@ -473,28 +468,24 @@ class SuffixDrafter:  # a Drafter
         return toks[pending:pending + n], first
 
     @staticmethod
-    def _resync(row: _Row, c: list[int]) -> int:
-        """Where in the source the output continues after a mismatch (just past the first occurrence of the
-        context's last token from the mismatch on, at most RESYNC_SLACK past the tokens since it); -1: none, and
-        a mismatch RESYNC_SPAN tokens back is forgotten."""
+    def _rejoin(row: _Row, c: list[int]) -> tuple[str, list[int], int] | None:
+        """Where in the source the output goes on after a mismatch, for RESYNC_SPAN tokens (then the mismatch is
+        forgotten), looking from the mismatch to RESYNC_SLACK past the tokens written since: ("resync", source, just
+        past the first occurrence of the output's last token there); else, while no token written since the mismatch
+        is there, ("skip", source, just past the mismatched token): the guess that what the output wrote replaced it
+        ("and" -> "or", the last piece of a renamed identifier); None otherwise."""
         toks, e0, at = row.resync
         since = len(c) - at
         if since > RESYNC_SPAN:
             row.resync = None
-            return -1
-        last = c[-1]
-        for j in range(e0, min(len(toks) - 1, e0 + since + RESYNC_SLACK)):
-            if toks[j] == last:
-                return j + 1
-        return -1
-
-    @staticmethod
-    def _inside_replacement(row: _Row, c: list[int]) -> bool:
-        """No token the output wrote since the mismatch is in the source near past it (where `_resync` looks): the
-        output is still writing what replaced the mismatched token, and the source has a token after that one."""
-        toks, e0, at = row.resync
-        window = set(toks[e0:min(len(toks), e0 + len(c) - at + RESYNC_SLACK)])
-        return e0 + 1 < len(toks) and not window.intersection(c[at:])
+            return None
+        near = range(e0, min(len(toks) - 1, e0 + since + RESYNC_SLACK))
+        j = next((i + 1 for i in near if toks[i] == c[-1]), -1)
+        if j >= 0:
+            return "resync", toks, j
+        if e0 + 1 < len(toks) and not {toks[i] for i in near}.intersection(c[at:]):
+            return "skip", toks, e0 + 1
+        return None
 
     def lookup_rows(self, ctx: list[list[int]]) -> list[list[int]]:
         return [self.row_draft(b, c) for b, c in enumerate(ctx)]
