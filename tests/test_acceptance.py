@@ -119,6 +119,28 @@ def test_leviathan_accept_commits_target_tokens_with_the_right_acceptance():
         assert stat < chi2_critical(df), (counts, probs)
 
 
+def test_draft_probs_over_a_reduced_vocabulary_decide_as_the_expanded_rows_do():
+    """A draft head over a subset of the vocabulary: leviathan_accept given DraftProbs (each draft's probability and
+    the reduced rows, one row expanded at the first rejection) accepts and commits what it does given the rows
+    expanded to the full vocabulary, draw for draw from the same generator state."""
+    from pipeline.runtime.speculative import DraftProbs
+
+    g = torch.Generator().manual_seed(4)
+    V, ids = 12, torch.tensor([1, 3, 4, 7, 10])
+    for trial in range(300):
+        k = 1 + trial % 4
+        rows = torch.softmax(torch.randn(k, len(ids), generator=g) * 2, -1)
+        p = torch.softmax(torch.randn(k + 1, V, generator=g) * 2, -1)
+        picks = torch.stack([sample(r, g) for r in rows])
+        drafts = ids[picks]
+        full = torch.zeros(k, V).index_copy_(-1, ids, rows)
+        state = g.get_state()
+        want = leviathan_accept(p, full, drafts, g)
+        g.set_state(state)
+        got = leviathan_accept(p, DraftProbs(rows[torch.arange(k), picks], rows, ids, V), drafts, g)
+        assert got == want, (trial, got, want)
+
+
 def test_residual_is_the_normalised_positive_part_and_completes_p():
     """q(x) min(1, p(x)/q(x)) + (1 - beta) r(x) = p(x) with beta = sum min(p, q): what makes the rule exact."""
     g = torch.Generator().manual_seed(1)

@@ -361,3 +361,105 @@ def test_swiglu_is_within_two_ulps_of_float64_and_keeps_expfs_limits(build):
     for bad in (float("nan"), float("-inf")):
         row = torch.tensor([[bad] + [1.0] * 7 + [1.0] * 8])
         assert kernels.fused_linear(row, torch.eye(8), swiglu=True).isnan().all()
+
+
+SAMPLE_PATHS = [*BUILDS, "torch"]
+
+
+@pytest.mark.parametrize("build", SAMPLE_PATHS, indirect=True)
+def test_sample_rows_takes_the_first_entry_whose_running_total_passes_u(build):
+    """Inverse-CDF sampling: index i for u in [total before i, total through i) / total, across the 32-entry blocks
+    and the N % 32 tail, with zero entries never chosen (u at a zero entry's place takes the next positive one),
+    and u just under 1 taking the last positive entry; random rows give the same indices in every build."""
+    n = 70  # two full blocks and a 6-entry tail
+    p = torch.zeros(1, n)
+    p[0, [3, 31, 32, 40, 65]] = torch.tensor([1.0, 2.0, 1.0, 4.0, 2.0])  # running totals 1, 3, 4, 8, 10
+    edges = {0.0: 3, 0.0999: 3, 0.1: 31, 0.2999: 31, 0.3: 32, 0.3999: 32, 0.4: 40, 0.7999: 40, 0.8: 65,
+             1 - 2 ** -53: 65}
+    for u, want in edges.items():
+        got = int(kernels.sample_rows(p, torch.tensor([u], dtype=torch.float64))[0])
+        assert got == want, (build, u, got, want)
+    g = torch.Generator().manual_seed(5)
+    for cols in (1, 31, 32, 33, 1000):
+        rows = torch.rand(64, cols, generator=g) ** 3
+        rows[rows < 0.05] = 0
+        rows[:, -1] += 0.01  # every row has a positive entry
+        u = torch.rand(64, generator=g, dtype=torch.float64)
+        got = kernels.sample_rows(rows, u)
+        run = rows.double().cumsum(-1)
+        want = torch.searchsorted(run, (u * run[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert torch.equal(got, want), (build, cols)
+        assert (rows.gather(1, got[:, None]) > 0).all()
+
+
+@pytest.mark.parametrize("build", SAMPLE_PATHS, indirect=True)
+def test_sample_rows_refuses_a_row_without_a_distribution_and_names_it(build):
+    """A negative, NaN or infinite weight, or a row of zeros, is refused (torch.multinomial refuses them too) with
+    the row's number; the block holding it may be a full one or the tail."""
+    u = torch.full((3,), 0.5, dtype=torch.float64)
+    for at, bad in ((5, float("nan")), (40, -1.0), (68, float("inf")), (None, 0.0)):
+        p = torch.rand(3, 70, generator=torch.Generator().manual_seed(1))
+        if at is None:
+            p[2] = 0.0
+        else:
+            p[2, at] = bad
+        with pytest.raises(ValueError, match="row 2 has a negative, NaN or infinite weight or none positive"):
+            kernels.sample_rows(p, u)
+    with pytest.raises(ValueError, match=r"want \[B, N\] and \[B\]"):
+        kernels.sample_rows(torch.rand(3, 70), u[:2])
+
+
+@pytest.mark.parametrize("build", SAMPLE_PATHS, indirect=True)
+def test_softmax_rows_is_torchs_softmax_of_logits_over_the_temperature(build):
+    """Every sampled token's distribution (sampling.warp): within 1e-5 of float64's softmax(x / t) per entry above
+    1e-30, in the 8-column body and the N % 8 tail, -inf entries (top-k's mask) exactly 0; and where torch's float
+    softmax is NaN (a NaN or +inf logit, a row of -inf, a NaN temperature, a temperature so small that x / t
+    overflows) the row is NaN too, other rows unchanged."""
+    g = torch.Generator().manual_seed(2)
+    for n in (5, 8, 13, 1000):
+        x = torch.randn(4, n, generator=g) * 4
+        x[1, n - 1] = float("-inf")
+        for t in (1.0, 0.7, 1e-3, 50.0):
+            got, want = kernels.softmax_rows(x, t), torch.softmax(x.double() / t, -1)
+            big = want > 1e-30
+            assert ((got.double() - want).abs() <= 1e-5 * want)[big].all(), (build, n, t)
+            assert got[1, n - 1] == 0 and (got >= 0).all()
+    nan, inf = float("nan"), float("inf")
+    x = torch.randn(5, 13, generator=g)
+    x[0, 2], x[1, 12], x[2] = nan, inf, -inf
+    for t in (1.0, nan, 1e-39):
+        got, want = kernels.softmax_rows(x, t), torch.softmax(x / t, -1)
+        assert torch.equal(got.isnan().all(-1), want.isnan().any(-1)), (build, t)
+        if t == 1.0:
+            assert not got[3:].isnan().any()
+
+
+def test_torch_on_caller_runs_torch_on_one_thread_and_restores_the_count():
+    """Sampling's vocabulary-wide ops run with torch on the calling thread alone (kernels.torch_on_caller, around
+    sampling.warp and speculative.residual); the thread count comes back after it, after an exception too, and
+    nested uses keep the outer setting."""
+    from pipeline.runtime import sampling
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with kernels.torch_on_caller():
+            seen.append(torch.get_num_threads())
+            with kernels.torch_on_caller():
+                seen.append(torch.get_num_threads())
+            seen.append(torch.get_num_threads())
+        assert seen == [1, 1, 1] and torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), kernels.torch_on_caller():
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+        inside = []
+        real = kernels.softmax_rows
+        kernels.softmax_rows = lambda x, t: (inside.append(torch.get_num_threads()), real(x, t))[1]
+        try:
+            sampling.warp(torch.randn(3, 40), sampling.SamplingParams(temperature=0.8, top_p=0.9))
+        finally:
+            kernels.softmax_rows = real
+        assert inside == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

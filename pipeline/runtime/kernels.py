@@ -24,6 +24,7 @@ compute each output element the same way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -159,6 +160,10 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.skinny_isa.restype = ctypes.c_char_p
     lib.argmax_prob.argtypes = [P, Int, Int, P, P]
     lib.argmax_prob.restype = None
+    lib.sample_rows.argtypes = [P, Int, Int, P, P]
+    lib.sample_rows.restype = Int
+    lib.softmax_rows.argtypes = [P, Int, Int, F32, P]
+    lib.softmax_rows.restype = None
     lib.stream_read.argtypes = [P, ctypes.c_int64, Int]
     lib.stream_read.restype = ctypes.c_uint64
     lib.int8_peak.argtypes = [ctypes.c_int64, Int]
@@ -652,6 +657,68 @@ def argmax_prob(logits: torch.Tensor, with_prob: bool = True) -> tuple[torch.Ten
     prob = torch.empty(lg.shape[0], dtype=torch.float32) if with_prob else None
     _lib.argmax_prob(lg.data_ptr(), lg.shape[0], lg.shape[1], idx.data_ptr(), None if prob is None else prob.data_ptr())
     return idx, prob
+
+
+@contextlib.contextmanager
+def torch_on_caller():
+    """torch's ops inside run on the calling thread alone (torch.set_num_threads(1), restored after; OpenMP's thread
+    count is the caller's own setting). Sampling's vocabulary-wide ops (a fill, a division, a scatter over 151,936
+    entries) are OpenMP regions, and right after a kernel call the pool's workers hold the cores spinning: a region's
+    worker waited for one, 0.5-0.8 ms on average and 3-8 ms at the 97th percentile where the op alone takes 0.07-0.1
+    on one thread (2-core Zen 4)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def softmax_rows(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """softmax(logits / temperature) over the last dimension, on the calling thread (skinny.c's softmax_rows:
+    torch's OpenMP regions wait for a core the kernels' pool holds); torch's softmax without the kernel. A row with
+    NaN or +inf, or all -inf, comes out NaN, as torch's does."""
+    x = logits.float()
+    if _load() is None or x.device.type != "cpu" or x.dim() == 0:
+        return torch.softmax(x / temperature, dim=-1)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib.softmax_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], temperature, out.data_ptr())
+    return out
+
+
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of non-negative weights [B, N] (any positive total), the first index whose running total exceeds
+    u[b] x the row's total: index i with odds p_i / total for u [B] uniform in [0, 1) (float64), in one C pass a
+    row (skinny.c's sample_rows; torch's float64 cumsum without the kernel). A row with a negative, NaN or infinite
+    entry, or nothing positive, raises ValueError, as torch.multinomial refuses it."""
+    flat = probs.float().contiguous()
+    if flat.dim() != 2 or u.shape != (flat.shape[0],):
+        raise ValueError(f"sample_rows: probs {list(probs.shape)} and u {list(u.shape)}; want [B, N] and [B]")
+    uu = u.to(torch.float64).contiguous()
+    if _load() is not None and flat.device.type == "cpu":
+        idx = torch.empty(flat.shape[0], dtype=torch.long)
+        rc = _lib.sample_rows(flat.data_ptr(), flat.shape[0], flat.shape[1], uu.data_ptr(), idx.data_ptr())
+        if rc < 0:
+            raise MemoryError("sample_rows: no memory for a row's block sums")
+        if rc > 0:
+            raise ValueError(f"sample_rows: row {rc - 1} has a negative, NaN or infinite weight or none positive; "
+                             "sampling needs a distribution (check the logits for NaN/inf)")
+        return idx
+    ok = (flat >= 0) & (flat < float("inf"))
+    total = flat.double().sum(-1)
+    bad = ~ok.all(-1) | ~(total > 0)
+    if bool(bad.any()):
+        raise ValueError(f"sample_rows: row {int(bad.nonzero()[0])} has a negative, NaN or infinite weight or none "
+                         "positive; sampling needs a distribution (check the logits for NaN/inf)")
+    run = flat.double().cumsum(-1)
+    idx = torch.searchsorted(run, (uu * run[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    # rounding past the end, or onto a zero entry: the last positive entry at or before it
+    pos = torch.arange(flat.shape[1]).expand_as(flat).masked_fill(flat <= 0, -1).cummax(-1).values
+    return pos.gather(-1, idx.clamp(max=flat.shape[1] - 1).unsqueeze(-1)).squeeze(-1)
 
 
 def stream_read(x: torch.Tensor) -> int:

@@ -1554,6 +1554,133 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
     }
 }
 
+// Per row of probs [B, N] (non-negative weights, any positive total): idx[b] = the first index whose running total
+// exceeds u[b] x the row's total, so index i comes with odds p_i / total for u[b] uniform in [0, 1): inverse-CDF
+// sampling from one uniform draw a row. torch.multinomial draws one exponential per entry instead (151,936 logs a
+// token for Qwen: 3.1 ms, against a 22 ms target step and a 5 ms draft step, on the 2-core Zen 4); this reads the
+// row twice, about 0.1 ms. Sums are double: 32-entry block sums, then their running total, then the running total
+// inside the block that holds the target, one order throughout (a target the block's own scan misses by rounding
+// takes that block's last positive entry). A zero entry is never chosen. Returns 0, or 1 + the first bad row (a
+// negative, NaN or infinite entry, or a total of 0): torch.multinomial refuses those rows too.
+#define SAMPLE_BLOCK 32
+int sample_rows(const float *probs, int B, int N, const double *u, int64_t *idx) {
+    const int nb = (N + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double *bs = malloc(sizeof(double) * (size_t)(nb > 0 ? nb : 1));
+    if (!bs) return -1;
+    for (int b = 0; b < B; b++) {
+        const float *p = probs + (int64_t)b * N;
+        int bad = 0;
+        double total = 0.0;
+        for (int j = 0; j < nb; j++) {
+            const int k0 = j * SAMPLE_BLOCK, k1 = k0 + SAMPLE_BLOCK < N ? k0 + SAMPLE_BLOCK : N;
+            double s = 0.0;
+            int k = k0;
+            if (k1 - k0 == SAMPLE_BLOCK) {
+                __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+                __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                for (; k < k1; k += 8) {
+                    const __m256 v = _mm256_loadu_ps(p + k);
+                    // v >= 0 and v < inf (false for NaN): the entries multinomial accepts
+                    ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ),
+                                                         _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_LT_OQ)));
+                    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+                    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+                }
+                bad |= _mm256_movemask_ps(ok) != 0xff;
+                double t[4];
+                _mm256_storeu_pd(t, _mm256_add_pd(a0, a1));
+                s = (t[0] + t[1]) + (t[2] + t[3]);
+            } else {
+                for (; k < k1; k++) {
+                    bad |= !(p[k] >= 0.f && p[k] < INFINITY);
+                    s += p[k];
+                }
+            }
+            bs[j] = s;
+            total += s;
+        }
+        if (bad || !(total > 0.0)) {
+            free(bs);
+            return b + 1;
+        }
+        const double target = u[b] * total;
+        double acc = 0.0;
+        int j = 0;
+        while (j < nb - 1 && !(acc + bs[j] > target)) acc += bs[j++];
+        int last = 0;  // rounding walked past the last positive block: take its last positive entry
+        while (j > 0 && bs[j] == 0.0) j--, last = 1;
+        const int k0 = j * SAMPLE_BLOCK, k1 = k0 + SAMPLE_BLOCK < N ? k0 + SAMPLE_BLOCK : N;
+        int64_t at = -1;
+        for (int k = k0; k < k1; k++) {
+            if (!(p[k] > 0.f)) continue;
+            at = k;
+            acc += p[k];
+            if (!last && acc > target) break;
+        }
+        idx[b] = at;
+    }
+    free(bs);
+    return 0;
+}
+
+// out [B, N] = softmax(x / t) per row, on the calling thread: every sampled token's distribution (warp). torch's
+// division and softmax over a vocabulary are OpenMP regions, and right after a kernel call the pool's workers hold
+// the cores spinning (up to pool_spin_quiet_ns), so a region's worker waited for one: the flagship's draft warped its
+// 65,536-entry row in 1.17 ms on average inside draft_target's rounds (0.085 alone) and the target its 7 x 151,936
+// in 3.4 ms (2-core Zen 4, T = 1). exp by exp_neg8 (to float rounding above exp(-87), 0 below), the sum in double.
+// x / t is a division, as torch's logits / temperature, so overflow
+// and NaN go as they go there: a row holding NaN, or +inf after the division, or only -inf, and every row for a NaN t,
+// come out all NaN, as torch's softmax makes them (sampling then refuses them).
+void softmax_rows(const float *x, int B, int N, float t_, float *out) {
+    for (int b = 0; b < B; b++) {
+        const float *l = x + (int64_t)b * N;
+        float *o = out + (int64_t)b * N;
+        __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + 8 <= N; k += 8) {
+            const __m256 v = _mm256_loadu_ps(l + k);
+            m8 = _mm256_max_ps(m8, v);
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float t[8], mx = -INFINITY;
+        int nan = _mm256_movemask_ps(nan8) != 0;
+        _mm256_storeu_ps(t, m8);
+        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
+        for (; k < N; k++) {
+            mx = l[k] > mx ? l[k] : mx;
+            nan |= l[k] != l[k];
+        }
+        mx = mx / t_;  // the largest of x / t (t > 0: division keeps the order, rounding included)
+        if (nan || !(mx > -INFINITY && mx < INFINITY)) {
+            for (k = 0; k < N; k++) o[k] = NAN;
+            continue;
+        }
+        const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t_);
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+        for (k = 0; k + 8 <= N; k += 8) {
+            const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(l + k), vt), vm));
+            _mm256_storeu_ps(o + k, e);
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        if (k < N) {  // the tail through the same vector code, padded with -inf (exp 0)
+            float in[8], e[8];
+            for (int i = 0; i < 8; i++) in[i] = k + i < N ? l[k + i] : -INFINITY;
+            const __m256 v = exp_neg8(_mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(in), vt), vm));
+            _mm256_storeu_ps(e, v);
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+            for (int i = 0; k + i < N; i++) o[k + i] = e[i];
+        }
+        double d[4];
+        _mm256_storeu_pd(d, _mm256_add_pd(s0, s1));
+        const float sum = (float)((d[0] + d[1]) + (d[2] + d[3]));
+        const __m256 r = _mm256_set1_ps(1.0f / sum);
+        for (k = 0; k + 8 <= N; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(o + k), r));
+        for (; k < N; k++) o[k] *= 1.0f / sum;
+    }
+}
+
 // out[b, s, h] = softmax(q . K[:kv_len] * scale, masked) @ V, grouped-query (head h reads kv head h / (Hq/Hkv)).
 // mask [B, S, kv_len] (nonzero = attend), or NULL: a query attends to the slots up to its own (slots [B, S]).
 // The caches hold K and V as bf16 (rope_write rounds them); q is rounded to bf16 as a unit starts, and the softmax
