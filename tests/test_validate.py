@@ -144,6 +144,8 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     assert on_disk["advice"]["recommended_method"] in methods
     for m, d in on_disk["distribution"].items():
         assert d["samples"] == 16 and 0 <= d["same_seed_identical"] <= 1, m
+    # the draft model's samples came from speculative rounds, one request at a time, not from plain steps under load
+    assert on_disk["distribution"]["draft_target"]["draft_tokens"] > 0
     for png in ("speed.png", "batch_curve.png", "acceptance.png"):
         assert (s.report_dir / png).stat().st_size > 1000
     assert "Advice" in (s.report_dir / "validate.md").read_text()
@@ -340,3 +342,35 @@ def test_the_curve_note_says_the_load_policy_still_chooses_the_drafts_where_the_
     fixed = curve_setting(2, "fixed")
     assert "`speculation.disable_at_batch: 2`" in fixed and "drafts the method's k" in fixed
     assert "load policy" not in fixed
+
+
+def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
+    """Several at once, the server's load policy decodes plainly (the flagship drafts nothing at 8 rows) and every
+    method answers with baseline's own samples: the test would pass without testing the speculative rule. So the
+    requests go one at a time (the most in flight is 1), each seed once per method, and the report counts the draft
+    tokens the answers were verified against."""
+    import threading
+    import time
+
+    from pipeline import validate
+
+    lock, state, calls = threading.Lock(), {"now": 0, "most": 0}, []
+
+    def request(url, text, max_tokens, method, temperature=0.0, seed=None, stream=True, **kw):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        time.sleep(0.002)
+        with lock:
+            state["now"] -= 1
+            calls.append((method, seed, max_tokens, temperature))
+        return {"text": "ab" if seed % 2 else "ba", "total_draft_tokens": 0 if method == "baseline" else 5}
+
+    monkeypatch.setattr(validate, "_request", request)
+    tok = lambda text, add_special_tokens=False: {"input_ids": [ord(c) for c in text]}  # noqa: E731
+    out = validate.distribution_test("url", "prompt", ["baseline", "draft_target", "hybrid"], 6, tok, lambda m: None)
+    assert state["most"] == 1
+    assert [c[:2] for c in calls] == [(m, s) for m in ("baseline", "draft_target", "hybrid") for s in range(1000, 1006)]
+    assert all(c[2] == validate.DIST_TOKENS and c[3] == 1.0 for c in calls)
+    assert out["draft_target"]["draft_tokens"] == out["hybrid"]["draft_tokens"] == 30
+    assert out["hybrid"]["same_seed_identical"] == 1.0 and out["hybrid"]["chi2"] == 0.0

@@ -1558,10 +1558,10 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
 // exceeds u[b] x the row's total, so index i comes with odds p_i / total for u[b] uniform in [0, 1): inverse-CDF
 // sampling from one uniform draw a row. torch.multinomial draws one exponential per entry instead (151,936 logs a
 // token for Qwen: 3.1 ms, against a 22 ms target step and a 5 ms draft step, on the 2-core Zen 4); this reads the
-// row twice, about 0.1 ms. Sums are double: 32-entry block sums, then their running total, then the running total
-// inside the block that holds the target, one order throughout (a target the block's own scan misses by rounding
-// takes that block's last positive entry). A zero entry is never chosen. Returns 0, or 1 + the first bad row (a
-// negative, NaN or infinite entry, or a total of 0): torch.multinomial refuses those rows too.
+// row once, then one 32-entry block again: 0.04 ms. Sums are double: 32-entry block sums, then their running total,
+// then the running total inside the block that holds the target, one order throughout (a target the block's own scan
+// misses by rounding takes that block's last positive entry). A zero entry is never chosen. Returns 0, or 1 + the
+// first bad row (a negative, NaN or infinite entry, or a total of 0): torch.multinomial refuses those rows too.
 #define SAMPLE_BLOCK 32
 int sample_rows(const float *probs, int B, int N, const double *u, int64_t *idx) {
     const int nb = (N + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
@@ -1628,9 +1628,9 @@ int sample_rows(const float *probs, int B, int N, const double *u, int64_t *idx)
 // the cores spinning (up to pool_spin_quiet_ns), so a region's worker waited for one: the flagship's draft warped its
 // 65,536-entry row in 1.17 ms on average inside draft_target's rounds (0.085 alone) and the target its 7 x 151,936
 // in 3.4 ms (2-core Zen 4, T = 1). exp by exp_neg8 (to float rounding above exp(-87), 0 below), the sum in double.
-// x / t is a division, as torch's logits / temperature, so overflow
-// and NaN go as they go there: a row holding NaN, or +inf after the division, or only -inf, and every row for a NaN t,
-// come out all NaN, as torch's softmax makes them (sampling then refuses them).
+// x / t is a division, as torch's logits / temperature, so overflow and NaN go as they go there: a row holding NaN,
+// or +inf after the division, or only -inf, and every row for a NaN t, come out all NaN, as torch's softmax makes
+// them (sampling then refuses them).
 void softmax_rows(const float *x, int B, int N, float t_, float *out) {
     for (int b = 0; b < B; b++) {
         const float *l = x + (int64_t)b * N;
