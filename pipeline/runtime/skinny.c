@@ -1505,6 +1505,26 @@ void rope_write(const float *qkv, const float *bias, const int64_t *pos, const i
         }
 }
 
+// The largest of l[0..N) (NaN aside: *nan says whether the row holds one), 8 lanes then the tail.
+static inline float row_max(const float *l, int N, int *nan) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= N; k += 8) {
+        const __m256 v = _mm256_loadu_ps(l + k);
+        m8 = _mm256_max_ps(m8, v);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float t[8], mx = -INFINITY;
+    *nan = _mm256_movemask_ps(nan8) != 0;
+    _mm256_storeu_ps(t, m8);
+    for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
+    for (; k < N; k++) {
+        mx = l[k] > mx ? l[k] : mx;
+        *nan |= l[k] != l[k];
+    }
+    return mx;
+}
+
 // Per row of logits [B, N]: idx = the first index of the largest value (torch.argmax's choice) and prob = its softmax
 // probability, 1 / sum exp(l - max), by exp_neg8, in one call: a draft step's argmax and confidence (torch's argmax,
 // softmax and amax over 65536 logits) had taken 0.3 ms of a 7.7 ms step; this takes 35 us hot, most of it the exp
@@ -1514,21 +1534,10 @@ void rope_write(const float *qkv, const float *bias, const int64_t *pos, const i
 void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
     for (int b = 0; b < B; b++) {
         const float *l = logits + (int64_t)b * N;
-        __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-        int k = 0;
-        for (; k + 8 <= N; k += 8) {
-            const __m256 v = _mm256_loadu_ps(l + k);
-            m8 = _mm256_max_ps(m8, v);
-            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        float t[8], mx = -INFINITY;
-        int nan = _mm256_movemask_ps(nan8) != 0;
-        _mm256_storeu_ps(t, m8);
-        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
-        for (; k < N; k++) {
-            mx = l[k] > mx ? l[k] : mx;
-            nan |= l[k] != l[k];
-        }
+        int nan;
+        const float mx = row_max(l, N, &nan);
+        float t[8];
+        int k;
         int64_t at = 0;
         if (nan) {
             while (at < N - 1 && l[at] == l[at]) at++;
@@ -1635,22 +1644,8 @@ void softmax_rows(const float *x, int B, int N, float t_, float *out) {
     for (int b = 0; b < B; b++) {
         const float *l = x + (int64_t)b * N;
         float *o = out + (int64_t)b * N;
-        __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-        int k = 0;
-        for (; k + 8 <= N; k += 8) {
-            const __m256 v = _mm256_loadu_ps(l + k);
-            m8 = _mm256_max_ps(m8, v);
-            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        float t[8], mx = -INFINITY;
-        int nan = _mm256_movemask_ps(nan8) != 0;
-        _mm256_storeu_ps(t, m8);
-        for (int i = 0; i < 8; i++) mx = t[i] > mx ? t[i] : mx;
-        for (; k < N; k++) {
-            mx = l[k] > mx ? l[k] : mx;
-            nan |= l[k] != l[k];
-        }
-        mx = mx / t_;  // the largest of x / t (t > 0: division keeps the order, rounding included)
+        int nan, k;
+        const float mx = row_max(l, N, &nan) / t_;  // the largest of x / t (t > 0: division keeps the order)
         if (nan || !(mx > -INFINITY && mx < INFINITY)) {
             for (k = 0; k < N; k++) o[k] = NAN;
             continue;
