@@ -699,21 +699,21 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if flat.dim() != 2 or u.shape != (flat.shape[0],):
         raise ValueError(f"sample_rows: probs {list(probs.shape)} and u {list(u.shape)}; want [B, N] and [B]")
     uu = u.to(torch.float64).contiguous()
+    idx = None
     if _load() is not None and flat.device.type == "cpu":
         idx = torch.empty(flat.shape[0], dtype=torch.long)
         rc = _lib.sample_rows(flat.data_ptr(), flat.shape[0], flat.shape[1], uu.data_ptr(), idx.data_ptr())
         if rc < 0:
             raise MemoryError("sample_rows: no memory for a row's block sums")
-        if rc > 0:
-            raise ValueError(f"sample_rows: row {rc - 1} has a negative, NaN or infinite weight or none positive; "
-                             "sampling needs a distribution (check the logits for NaN/inf)")
+        bad = rc - 1
+    else:
+        ok = ((flat >= 0) & (flat < float("inf"))).all(-1) & (flat.double().sum(-1) > 0)
+        bad = -1 if bool(ok.all()) else int((~ok).nonzero()[0])
+    if bad >= 0:
+        raise ValueError(f"sample_rows: row {bad} has a negative, NaN or infinite weight or none positive; "
+                         "sampling needs a distribution (check the logits for NaN/inf)")
+    if idx is not None:
         return idx
-    ok = (flat >= 0) & (flat < float("inf"))
-    total = flat.double().sum(-1)
-    bad = ~ok.all(-1) | ~(total > 0)
-    if bool(bad.any()):
-        raise ValueError(f"sample_rows: row {int(bad.nonzero()[0])} has a negative, NaN or infinite weight or none "
-                         "positive; sampling needs a distribution (check the logits for NaN/inf)")
     run = flat.double().cumsum(-1)
     idx = torch.searchsorted(run, (uu * run[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     # rounding past the end, or onto a zero entry: the last positive entry at or before it

@@ -107,14 +107,15 @@ def leviathan_accept(p: Tensor, q: Tensor | DraftProbs, drafts: Tensor, g: torch
     """
     k = drafts.shape[0]
     idx = torch.arange(k)
-    pd = p[idx, drafts]
-    qd = q.at[:k] if isinstance(q, DraftProbs) else q[idx, drafts]
+    if not isinstance(q, DraftProbs):
+        q = DraftProbs(q[idx, drafts], q, None, q.shape[-1])
+    pd, qd = p[idx, drafts], q.at[:k]
     u = torch.rand(k, generator=g)
     ok = (u * qd <= pd).to(torch.int64)
     n = int(ok.cumprod(0).sum())
     if n == k:
         return n, int(sample(p[k], g))
-    return n, int(sample(residual_fn(p[n], q.row(n) if isinstance(q, DraftProbs) else q[n]), g))
+    return n, int(sample(residual_fn(p[n], q.row(n)), g))
 
 
 def match_accept(p: Tensor, drafts: list[int], g: torch.Generator) -> tuple[int, int]:
