@@ -497,3 +497,22 @@ def test_speculation_method_names_the_default_and_is_checked():
         specmod.parse({"name": "x", "speculation": {"suffix_store_bytes": -1}})
     assert specmod.parse({"name": "x", "speculation": {"suffix_store_bytes": "64MiB"}}).speculation.suffix_store_bytes \
         == 64 << 20
+
+
+def test_an_answer_opening_as_the_prompt_quotes_the_prediction_drafts_it_from_its_first_round():
+    """The prompt pastes the file after a fence (F1 F2 F3, "```python\\n") and the prediction is the file: an answer
+    that opens with the fence has the rest of it and the file drafted in its first round, as the prediction; one that
+    opens with the file itself is aligned as before; one that opens with neither drafts no prediction."""
+    body, fence = list(range(10, 90)), [50, 51, 52]
+    prompt = [2, 3, 60, 61] + fence + body + [50, 4]
+    for first, expect in ((50, fence[1:] + body), (body[0], body[1:]), (70, None)):
+        d = SuffixDrafter([Request(prompt, 64, prediction=body)], 16, "cpu", None, VERIFY_COST)
+        draft = d.row_draft(0, prompt + [first])
+        if expect is None:
+            assert d.rows[0].last is None or d.rows[0].last[0] != "prediction"
+        else:
+            assert d.rows[0].last[0] == "prediction"
+            assert draft == expect[:len(draft)] and len(draft) == best_draft(PREDICTION_PRIOR, 16, VERIFY_COST)[0]
+    d = SuffixDrafter([Request([2, 3] + body, 64, prediction=body)], 16, "cpu", None, VERIFY_COST)
+    assert d.rows[0].lead == [2, 3]  # nothing before the copy but the prompt's start
+    assert SuffixDrafter([Request(prompt, 64, prediction=[7, 8, 9])], 16, "cpu", None, VERIFY_COST).rows[0].lead == []
