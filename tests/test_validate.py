@@ -146,6 +146,11 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
         assert d["samples"] == 16 and 0 <= d["same_seed_identical"] <= 1, m
     # the draft model's samples came from speculative rounds, one request at a time, not from plain steps under load
     assert on_disk["distribution"]["draft_target"]["draft_tokens"] > 0
+    # the default method (draft_target here) at T = 0.7 too, against baseline at 0.7, through the server
+    low = on_disk["distribution"]["draft_target at T=0.7"]
+    assert low["temperature"] == 0.7 and low["draft_tokens"] > 0 and low["consistent"]
+    assert on_disk["distribution"]["draft_target"]["temperature"] == 1.0
+    assert "- draft_target at T=0.7: chi2" in md
     for png in ("speed.png", "batch_curve.png", "acceptance.png"):
         assert (s.report_dir / png).stat().st_size > 1000
     assert "Advice" in (s.report_dir / "validate.md").read_text()
@@ -374,3 +379,8 @@ def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
     assert all(c[2] == validate.DIST_TOKENS and c[3] == 1.0 for c in calls)
     assert out["draft_target"]["draft_tokens"] == out["hybrid"]["draft_tokens"] == 30
     assert out["hybrid"]["same_seed_identical"] == 1.0 and out["hybrid"]["chi2"] == 0.0
+    calls.clear()  # the default method's second temperature: baseline and it, sampled at that temperature
+    low = validate.distribution_test("url", "prompt", ["baseline", "hybrid"], 6, tok, lambda m: None,
+                                     validate.DIST_LOW_T)
+    assert [c[0] for c in calls] == ["baseline"] * 6 + ["hybrid"] * 6
+    assert all(c[3] == validate.DIST_LOW_T for c in calls) and low["hybrid"]["temperature"] == validate.DIST_LOW_T
