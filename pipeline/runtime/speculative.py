@@ -338,8 +338,9 @@ class _ModelDrafter:  # a Drafter
         drafts = drafts[:, :max(limit)]
         full = {}
         for b, q in qs.items() if self.keep_q else ():
-            rows = torch.stack([r for r, _ in q[:limit[b]]])
-            at = rows[torch.arange(rows.shape[0]), torch.tensor([t for _, t in q[:limit[b]]])]
+            rs, ts = zip(*q[:limit[b]])
+            rows = torch.stack(rs)
+            at = rows[torch.arange(rows.shape[0]), torch.tensor(ts)]
             full[b] = DraftProbs(at, rows, self.ids, self.vocab)
         return drafts, full, limit
 

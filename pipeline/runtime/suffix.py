@@ -434,10 +434,11 @@ class SuffixDrafter:  # a Drafter
 
     @staticmethod
     def _open(row: _Row, first: int) -> None:
-        """At the answer's first token: where the prediction does not start with it but the prompt's lead-in to its
-        copy of the prediction holds it, the rest of that lead-in goes before the prediction (aligned at once)."""
+        """At the answer's first token (the lead-in is read once, before anything is aligned): where the prediction
+        does not start with it but the prompt's lead-in to its copy of the prediction holds it, the rest of that
+        lead-in goes before the prediction (aligned at once)."""
         lead, row.lead = row.lead, []
-        if row.seen == 0 and row.pp == 0 and first != row.pred[0] and first in lead:
+        if first != row.pred[0] and first in lead:
             i = len(lead) - 1 - lead[::-1].index(first)
             row.pred = lead[i:] + row.pred
             row.pred_index = _Index()
