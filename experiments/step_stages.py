@@ -5,7 +5,8 @@ down) is compiled beside the real one and swapped in; each round is a bandwidth 
 around it. With `--against DIR` a second checkout's kernels (same timers) take alternate turns, for a paired A/B:
 its stage and step times over this checkout's, round by round.
 
-    PYTHONPATH=. .venv/bin/python experiments/step_stages.py build/qwen_coder.yaml [--rounds 16] [--against DIR]
+    PYTHONPATH=. .venv/bin/python experiments/step_stages.py build/qwen_coder.yaml [--rounds 16] [--against DIR] \
+        [--model draft]
 
 The rounds are grouped by the probes: "usual" below 45 GB/s, "fast" from 45 (this VM's memory has both modes,
 docs/gguf_weights.md). The timers read CLOCK_MONOTONIC around each stage (about 0.1 us each, 168 a step).
@@ -112,10 +113,14 @@ def main() -> None:
     ap.add_argument("spec")
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--against", help="a second checkout whose kernels take alternate turns")
+    ap.add_argument("--model", choices=("target", "draft"), default="target", help="whose step (default: target)")
     a = ap.parse_args()
     s = specmod.load(a.spec)
     setup_threads(s)
-    m = load_bundle(s.engine_dir, s.device, methods=("baseline",)).target
+    b = load_bundle(s.engine_dir, s.device, methods=("draft_target",) if a.model == "draft" else ("baseline",))
+    m = b.target if a.model == "target" else b.draft
+    if m is None:
+        raise SystemExit(f"{s.engine_dir} has no draft engine: build it (make engine) or use --model target")
     tmp = Path(tempfile.mkdtemp(prefix="step_stages-"))
     libs = {"this": timed_library(Path(kernels.__file__).parent, tmp / "this")}
     if a.against:
@@ -136,7 +141,7 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float, float, list[float]]]] = {n: [] for n in libs}
     tok = 0  # every step writes slot 128 again: the same context length in every round
     with torch.inference_mode():
-        m(torch.randint(0, m.cfg.vocab_size, (1, ctx)), torch.arange(ctx)[None], cache)
+        m(torch.randint(0, 1000, (1, ctx)), torch.arange(ctx)[None], cache)
         for r in range(a.rounds):
             for name, lib in (list(libs.items()) if r % 2 == 0 else list(libs.items())[::-1]):
                 kernels._lib = lib  # every kernel call below goes through this library
