@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from pipeline import spec as specmod
-from pipeline.bench import hugepage_tensor
+from pipeline.bench import measure_bandwidth_gbs
 from pipeline.common import setup_threads
 from pipeline.runtime import kernels
 from pipeline.runtime.decode import load_bundle
+from pipeline.runtime.quant import weight_bytes
 
 STAGES = ("qkv", "rope", "attention", "o", "gate/up", "down")
 # decoder_layer's body as skinny.c has it (compared without regard to whitespace; the script stops with a message when
@@ -102,9 +103,7 @@ def timed_library(runtime: Path, out: Path) -> ctypes.CDLL:
 
 def stage_bytes(m) -> list[int]:
     """Weight bytes each stage reads (0 for RoPE and attention, whose K/V at 128 slots is small)."""
-    def nbytes(mod) -> int:
-        return sum(t.numel() * t.element_size() for t in [*mod.buffers(), *mod.parameters()])
-    per = {n: sum(nbytes(getattr(b, n)) for b in m.layers) for n in ("wqkv", "wo", "w13", "w2")}
+    per = {n: sum(weight_bytes(getattr(b, n)) for b in m.layers) for n in ("wqkv", "wo", "w13", "w2")}
     return [per["wqkv"], 0, 0, per["wo"], per["w13"], per["w2"]]
 
 
@@ -126,15 +125,9 @@ def main() -> None:
     if a.against:
         libs["against"] = timed_library(Path(a.against) / "pipeline" / "runtime", tmp / "against")
     buf = (ctypes.c_double * 8)()
-    probe_buf = hugepage_tensor(256 << 20).view(torch.float32).fill_(1.0)
 
-    def probe() -> float:
-        ts = []
-        for _ in range(2):
-            t = time.perf_counter()
-            kernels.stream_read(probe_buf)
-            ts.append(time.perf_counter() - t)
-        return probe_buf.numel() * 4 / min(ts) / 1e9
+    def probe() -> float:  # bench's bandwidth probe, smaller: a round's two readings take about 0.1 s
+        return measure_bandwidth_gbs(256, reps=3)
 
     ctx = 128
     cache = m.new_cache(1, ctx + 2)
@@ -159,7 +152,7 @@ def main() -> None:
                 rows[name].append(((p0 + probe()) / 2, *best))
     shutil.rmtree(tmp)
     sb = stage_bytes(m)
-    head_b = sum(t.numel() * t.element_size() for t in [*m.lm_head.buffers(), *m.lm_head.parameters()])
+    head_b = weight_bytes(m.lm_head)
     for name, rs in rows.items():
         for mode, sel in (("usual (< 45 GB/s)", lambda p: p < 45), ("fast (>= 45 GB/s)", lambda p: p >= 45)):
             rr = [r for r in rs if sel(r[0])]
