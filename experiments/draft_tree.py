@@ -8,9 +8,9 @@ Three parts, in one process on the built engines:
    forward (teacher-forced) and keeps, at every answer position, its top-4 ids and probabilities over its reduced
    head (the confidence `kernels.argmax_prob` gives the drafting loop) beside the target's token.
 2. `--profile N`: N of those prompts decoded by baseline and by draft_target (k and the confidence rule of the spec,
-   no load policy) with timers around the drafter's `propose`, both models' forwards and heads, and a bandwidth
-   probe before; it prints ms a round for each and the one-token step, so the costs below can be read in the
-   memory's current mode.
+   no load policy) with timers around the drafter's `propose`, both models' forwards and heads (prompts' prefills
+   left out), and a bandwidth probe before; it prints ms a round for each and the one-token step, so the costs
+   below can be read in the memory's current mode.
 3. Stop rules simulated on part 1's positions (a round drafts along the draft's top-1 until it doubts a token or
    reaches k; it commits the agreeing run + 1): the chain as built, other k and thresholds, the draft's top-2 (and
    top-3) placed as siblings of the doubted token (no draft step more: the same logits; one target row more each),
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+PREFILL_FROM = 16  # a forward of more tokens than a round verifies (k + 1) or the draft catches up on is a prefill
 USUAL = "1.0,1.04,1.08,1.10,1.14,1.34,1.46,1.68,1.97,2.10,2.38,2.47"  # bench.md's curve, run Z8, probes 35 GB/s
 
 
@@ -68,8 +69,9 @@ def profile(b, prompts: list[list[int]], new: int) -> None:
         def g(*a, **kw):
             t0 = time.perf_counter()
             r = f(*a, **kw)
-            T[key] = T.get(key, 0.0) + time.perf_counter() - t0
-            N[key] = N.get(key, 0) + 1
+            if not (name == "forward" and a[0].shape[-1] > PREFILL_FROM):  # a prompt's prefill is no round's part
+                T[key] = T.get(key, 0.0) + time.perf_counter() - t0
+                N[key] = N.get(key, 0) + 1
             return r
         setattr(obj, name, g)
 
@@ -93,10 +95,11 @@ def profile(b, prompts: list[list[int]], new: int) -> None:
     for pr in prompts:
         r = decode(b, "draft_target", [Request(prompt=pr, max_new_tokens=new, end_ids=b.end_ids, cache_prompt=False)],
                    policy=None)[0]
-        toks, rounds = toks + len(r.tokens), rounds + r.steps
+        toks, rounds = toks + len(r.tokens), rounds + r.steps - 1  # steps counts the prefill's forward too
     wall = time.perf_counter() - t0
     print(f"probe {bw:.1f} GB/s; baseline {n / base_s:.1f} tokens/s, one-token step {1e3 * step:.2f} ms; draft_target "
-          f"{toks / wall:.1f} tokens/s, {toks / rounds:.2f} tokens a round, {1e3 * wall / rounds:.1f} ms a round")
+          f"{toks / wall:.1f} tokens/s, {toks / rounds:.2f} tokens a round, {1e3 * wall / rounds:.1f} ms a round "
+          "(prefills in the wall time, not in the parts)")
     for key in T:
         print(f"  {key}: {1e3 * T[key] / rounds:.2f} ms a round ({N[key] / rounds:.2f} calls, "
               f"{1e3 * T[key] / N[key]:.2f} ms each, {T[key] / rounds / step:.2f} steps)")
