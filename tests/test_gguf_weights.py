@@ -273,7 +273,9 @@ def amx_tiles(request, path):
         pytest.skip(f"AMX tiles: {kernels.amx_unavailable()}")
     faults = kernels.amx_faults()
     prev = kernels.set_amx(request.param)
+    prev_rows = kernels.amx_min_rows(1)  # the AMX code at every row count, not only where it is the faster
     yield request.param
+    kernels.amx_min_rows(prev_rows)
     kernels.set_amx(prev)
     assert kernels.amx_faults() == faults  # no tile operation the hardware would have refused
 
@@ -343,6 +345,39 @@ def test_bench_times_verification_on_the_amx_and_the_avx512_tiles_side_by_side(a
         kernels.set_amx(amx_tiles)
 
 
+@pytest.mark.skipif(not AMX, reason="the AMX code is part of the AVX-512 build, which this CPU cannot run")
+def test_the_amx_tiles_take_only_chunks_of_at_least_their_min_rows(path, monkeypatch):
+    """At a few token rows the tiles cost more than the AVX-512 tiles (they decode every weight whatever the rows), so
+    a chunk below kernels.amx_min_rows stays on the AVX-512 tiles: with the tile model's first sum off by one, only
+    the chunks the tiles take come out changed. The spec of PIPELINE_AMX_MIN_ROWS is checked where it is read."""
+    rng = np.random.default_rng(29)
+    K = 512
+    lin = layer([(gw.Q4_K, random_blocks(gw.Q4_K, 32, K, rng))], K)
+    x = _x(12, K, seed=6)
+    path("avx512")
+    lib = kernels._lib
+    ref = {S: kernels.linear(x[:S], lin) for S in (1, 7, 8, 12)}
+    flip = ctypes.c_int.in_dll(lib, "gg_amx_model_flip")
+    prev, prev_rows = kernels.set_amx("emulated"), kernels.amx_min_rows(8)
+    flip.value = 1
+    try:
+        assert kernels.amx_min_rows() == 8
+        for S, on_tiles in ((1, False), (7, False), (8, True), (12, True)):
+            assert torch.equal(kernels.linear(x[:S], lin), ref[S]) is not on_tiles, S
+        kernels.amx_min_rows(1)
+        assert not torch.equal(kernels.linear(x[:1], lin), ref[1])
+        with pytest.raises(ValueError, match="rows is 0; it must be 1 to 1024"):
+            kernels.amx_min_rows(0)
+    finally:
+        flip.value = 0
+        kernels.amx_min_rows(prev_rows)
+        kernels.set_amx(prev)
+    monkeypatch.setenv("PIPELINE_AMX_MIN_ROWS", "eight")
+    if kernels.amx_unavailable() is None:
+        with pytest.raises(ValueError, match="PIPELINE_AMX_MIN_ROWS is 'eight'; it must be a whole number"):
+            kernels._amx_default("avx512", lib)
+
+
 def _model_dp(a: np.ndarray, b: np.ndarray, b_rows: int | None = None) -> tuple[np.ndarray, int]:
     """One TDPBSSD on the tile model: A [M, Kb] int8, B [Kb / 4, 4 N] int8 (VNNI layout) into a zeroed C [M, N]; the
     faults it counted."""
@@ -405,6 +440,7 @@ def _fake_library(tmp_path, body: str):
     src.write_text("static int mode;\n"
                    "int gguf_amx_probe(void) { return 1; }\n"
                    "int gguf_amx(int want) { if (want >= 0) mode = want; return mode; }\n"
+                   "int gguf_amx_min_rows(int rows) { (void)rows; return 8; }\n"
                    f"int gguf_amx_selftest(int want) {{ (void)want; {body} }}\n")
     so = tmp_path / "skinny-fake.so"
     subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)

@@ -450,6 +450,11 @@ static inline int gg_group(int S, int g, int maxg, int *s0) {
 int gg_amx_mode;
 _Atomic long long gg_amx_faults;
 int gg_amx_model_flip;  // tests: the model adds this to its first sum, so gguf_amx_selftest's failure path is exercised
+// The fewest token rows a chunk needs for the tiles to take it: below, the AVX-512 tiles run it (same bits). The tiles
+// decode every weight into B rows whatever the rows, which the AVX-512 tile's vpdpbusd skip at a few rows: on a Xeon with
+// AMX (2026-12-06, one core, in cache) a 1-row Q4_K product took 2.4x as long on the tiles, 8 rows the same, 16 rows
+// 0.75x. gguf_amx_min_rows sets it (the self-test and the tests set 1: the AMX code at every row count).
+int gg_amx_min_rows = 8;
 #define GG_AMXG 16  // token rows per tile pass (a tile's 16 rows)
 
 typedef struct {
@@ -733,10 +738,16 @@ int gguf_amx(int want) {
     if (want == 1) gg_amx_mode = gguf_amx_probe() == 1;
     return gg_amx_mode;
 }
+// Set the fewest token rows the tiles take (1..1024; anything else only reads). Returns the value now in force.
+int gguf_amx_min_rows(int rows) {
+    if (rows >= 1 && rows <= 1024) gg_amx_min_rows = rows;
+    return gg_amx_min_rows;
+}
 #else
 static void gg_amx_release(void) {}
 int gguf_amx_probe(void) { return 0; }
 int gguf_amx(int want) { (void)want; return 0; }
+int gguf_amx_min_rows(int rows) { (void)rows; return 0; }
 #endif
 
 // X->qi of the AVX2 tiles: each group's rows, 4 columns of each in turn.
@@ -758,7 +769,7 @@ static void gg_panels(const gx_t *X, const gg_part_t *pt, float *y, int S, int K
         return;
     }
 #if defined(__AVX512F__)
-    if (gg_amx_mode) {
+    if (gg_amx_mode && S >= gg_amx_min_rows) {
         gg_amx_panels(X, pt, y, S, K, N, p0, p1);
         return;
     }
@@ -959,7 +970,8 @@ int gguf_amx_selftest(int want) {
             const float v = (float)((int)(r % 20001) - 10000) * 1e-4f;
             x[s * K + k] = s == 3 ? 0.f : s == 5 ? v * 1e-32f : s == 7 ? (k == 300 ? 1e30f : v) : ldexpf(v, s % 9 - 4);
         }
-    const int saved = gg_amx_mode;
+    const int saved = gg_amx_mode, saved_min = gg_amx_min_rows;
+    gg_amx_min_rows = 1;  // the AMX code at every row count, whatever takes the tiles in use
     for (int threads = 1; threads <= 2 && !rc; threads++)
         for (int S = 1; S <= SMAX && !rc; S++) {
             gg_amx_mode = 0;
@@ -971,7 +983,7 @@ int gguf_amx_selftest(int want) {
             for (int n = 0; n < S * N; n++)
                 if (memcmp(ref + n, y + n, 4) != 0) { rc = 1000 * S + 100 * (threads - 1) + (n % N) % 100; break; }
         }
-    gg_amx_mode = saved;
+    gg_amx_mode = saved, gg_amx_min_rows = saved_min;
 done:
     free(x), free(ref), free(y);
 out:

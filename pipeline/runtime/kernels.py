@@ -173,6 +173,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.gguf_amx.argtypes = [Int]
     lib.gguf_amx.restype = Int
     lib.gguf_amx_probe.restype = Int
+    lib.gguf_amx_min_rows.argtypes = [Int]
+    lib.gguf_amx_min_rows.restype = Int
     lib.gguf_amx_selftest.argtypes = [Int]
     lib.gguf_amx_selftest.restype = Int
     if hasattr(lib, "gguf_amx_model_dp"):  # the AVX-512 build's tile model, for the tests
@@ -316,7 +318,13 @@ def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
     why, probe = _amx_why(lib), lib.gguf_amx_probe()
     if why is None:
         lib.gguf_amx(1)
-        log.info("the GGUF weights run on AMX tiles (TDPBSSD)")
+        rows = os.environ.get("PIPELINE_AMX_MIN_ROWS", "").strip()
+        if rows:
+            if not rows.isdigit() or not 1 <= int(rows) <= 1024:
+                raise ValueError(f"PIPELINE_AMX_MIN_ROWS is {rows!r}; it must be a whole number of token rows, "
+                                 "1 to 1024 (unset: 8)")
+            lib.gguf_amx_min_rows(int(rows))
+        log.info("the GGUF weights run on AMX tiles (TDPBSSD) from %d token rows", lib.gguf_amx_min_rows(0))
     elif probe == 1:  # the CPU and OS allow AMX, but the tiles failed their self-test
         log.warning("AMX unused: %s; the GGUF weights run on the AVX-512 tiles (PIPELINE_AMX=0 skips the test)", why)
     elif probe != 0:  # a CPU without AMX is the common case, not worth a line
@@ -356,6 +364,22 @@ def set_amx(mode: str) -> str:
     if why:
         raise ValueError(f"kernels.set_amx('hardware'): {why}")
     _lib.gguf_amx(modes[mode])
+    return prev
+
+
+def amx_min_rows(rows: int | None = None) -> int:
+    """The fewest token rows a GGUF matmul needs for the AMX tiles to take it (fewer run on the AVX-512 tiles, same
+    bits: the tiles decode every weight whatever the rows, which costs more than vpdpbusd at a few rows). `rows` sets it
+    (1 runs the AMX code at every row count, as the tests do); returns the value before. 0 where the build has no
+    tiles."""
+    lib = _load()
+    if lib is None or _path != "avx512":
+        return 0
+    if rows is not None and not 1 <= rows <= 1024:
+        raise ValueError(f"kernels.amx_min_rows: rows is {rows}; it must be 1 to 1024")
+    prev = lib.gguf_amx_min_rows(0)
+    if rows is not None:
+        lib.gguf_amx_min_rows(rows)
     return prev
 
 
