@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.sidebyside import LLAMA_MODES, System, decode_rate, identity, llama_systems, median, ratio
@@ -90,19 +91,26 @@ def store_exposure(ours: list[System]) -> dict[str, list[str]]:
 
 
 def run_edit(spec, url: str, model: str, methods: list[str | None], default: str | None, log=print,
-             llama: list[System] | None = None) -> dict:
-    """The section, measured; llama-server's three modes are started here unless given."""
+             llama: list[System] | None = None, spent: Callable[[], bool] | None = None) -> dict:
+    """The section, measured; llama-server's three modes are started here unless given. `spent`: true once
+    validate's budget_s is spent, after which no case past the first starts (the report's notes say how many ran)."""
     v = spec.validate
     cases, notes = fit_cases(load_cases(spec.path(v.edit_set), v.max_edit_cases), spec.limits.max_input_len)
     if llama is None:
         longest = max((_tokens(c) for c in cases), default=0)
         with llama_systems(spec, LLAMA_MODES, 2 * longest + 2048, "edit", log) as theirs:
-            return run_edit(spec, url, model, methods, default, log, theirs)
+            return run_edit(spec, url, model, methods, default, log, theirs, spent)
     ours = our_systems(url, model, methods, default)
     pred_orig, pred_other = ours[-2], ours[-1]
     systems = [*ours, *llama]
     rows: dict[str, list] = {s.label: [] for s in systems}
     for i, case in enumerate(cases):
+        if i and spent is not None and spent():
+            notes.append(f"{i} of {len(cases)} cases ran: validate.budget_s was spent (`python -m pipeline validate "
+                         "SPEC --only side-by-side` runs them all)")
+            log(f"  validate.budget_s spent: {i} of {len(cases)} edit cases")
+            cases = cases[:i]
+            break
         other = cases[(i + 1) % len(cases)]["original"] if len(cases) > 1 else "def unrelated():\n    pass\n"
         n = min(_tokens(case) + EXTRA_TOKENS, spec.limits.max_seq_len - spec.limits.max_input_len,
                 v.edit_new_tokens or 1 << 30)

@@ -276,6 +276,11 @@ class ValidateSpec:
     # Seconds of the exactness pass after which no new prompt starts (0: no limit; validate.MIN_BUDGET_PROMPTS
     # run first): the same spec then fits its time on a machine with half the speed; the report says how many ran.
     prompt_budget_s: float = 0.0
+    # Seconds of the whole validate after which its optional parts are left out (0: no limit): the default method's
+    # second distribution temperature, then the side-by-side context and edit sections (the first cold size and edit
+    # case past it stay where their section started in time). On a machine slower than the spec was trimmed for, the
+    # main job keeps its 30 minutes; `validate --only side-by-side` runs the rest. The report names what was left out.
+    budget_s: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # ours and llama-server -np N
     # New tokens per request of the concurrency curve (0: max_new_tokens, the answers the other sections time). A
     # shorter request is mostly its prompt's prefill, which no method speeds up: the flagship's 32-token requests
@@ -741,6 +746,7 @@ def _validate_validate(val: ValidateSpec) -> None:
     _check(val.max_new_tokens >= 1, "validate.max_new_tokens", val.max_new_tokens, "must be 1 or more")
     _check(val.max_prompts >= 0, "validate.max_prompts", val.max_prompts, "must be 0 (all) or more")
     _check(val.prompt_budget_s >= 0, "validate.prompt_budget_s", val.prompt_budget_s, "must be 0 (no limit) or more")
+    _check(val.budget_s >= 0, "validate.budget_s", val.budget_s, "must be 0 (no limit) or more")
     _check(all(n >= 16 for n in val.context_sizes), "validate.context_sizes", val.context_sizes,
            "must be prompt sizes of 16 tokens or more ([] skips the context section)")
     _check(val.context_turns >= 0, "validate.context_turns", val.context_turns, "must be 0 (no agent trace) or more")

@@ -113,6 +113,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
     phases: dict[str, float] = {}
     lap = _lap_clock(phases)
+    spent = budget_clock(v.budget_s)
     for m in methods:
         _request(url, chat_text(tok, warm), 8, m)
     report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
@@ -159,13 +160,16 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     lap("batch_curve_and_temperatures")
     # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
     report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok, log)
-    if default in methods and default != "baseline":  # the default method at a second temperature too (issue 49)
+    if default in methods and default != "baseline" and spent():
+        report["trimmed"].append(f"the default method's distribution test at T={DIST_LOW_T} left out: "
+                                 f"validate.budget_s ({v.budget_s:g} s) spent")
+    elif default in methods and default != "baseline":  # the default method at a second temperature too (issue 49)
         low = distribution_test(url, chat_text(tok, warm), ["baseline", default], v.distribution_samples, tok, log,
                                 DIST_LOW_T)
         report["distribution"][f"{default} at T={DIST_LOW_T}"] = low[default]
     lap("distribution")
     # 5. Side by side with llama-server through the OpenAI endpoint: long contexts (issue 48), edits (issue 49).
-    side_by_side(spec, tok, report, log, lap)
+    side_by_side(spec, tok, report, log, lap, spent)
     report["advice"] = advice(report, methods)
     report["environment"] = environment(spec)
     report["phase_seconds"] = phases
@@ -175,9 +179,10 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     return report
 
 
-def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
+def side_by_side(spec: Spec, tok, report: dict, log, lap, spent=lambda: False) -> None:
     """report's `context` and `edit` (reports/<name>/context.json, edit.json): through our OpenAI endpoint (started
-    here unless it runs, and stopped again) against llama-server. A section that fails is a note naming why."""
+    here unless it runs, and stopped again) against llama-server. A section that fails is a note naming why; one that
+    would start after validate.budget_s is spent (`spent()`) is left out and named in the report's `trimmed`."""
     from pipeline import context_run, edit_run  # lazy: as the other sections' imports
 
     v = spec.validate
@@ -186,6 +191,9 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
     if not spec.openai.enabled:
         report["context"] = report["edit"] = {"error": "openai.enabled is false: these sections need the endpoint"}
         return
+    if spent():
+        _left_out(report, v.budget_s, *[k for k, on in (("context", v.context_sizes), ("edit", v.edit_set)) if on])
+        return
     url, started = openai_api.base_url(spec), False
     try:
         if openai_api.health(url) != 200:
@@ -193,8 +201,12 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
             started = True
         methods, default = served(url, spec.name)
         for key, run in (("context", lambda: context_run.run_context(spec, System("ours", url, spec.name), tok, log)),
-                         ("edit", lambda: edit_run.run_edit(spec, url, spec.name, methods, default, log))):
+                         ("edit", lambda: edit_run.run_edit(spec, url, spec.name, methods, default, log,
+                                                            spent=spent))):
             if not (v.context_sizes if key == "context" else v.edit_set):
+                continue
+            if spent():
+                _left_out(report, v.budget_s, key)
                 continue
             try:
                 out = run()
@@ -211,6 +223,21 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap) -> None:
     finally:
         if started:
             openai_api.stop(spec)
+
+
+def budget_clock(budget_s: float):
+    """spent(): whether `budget_s` seconds (validate.budget_s; 0: never) have passed since this call."""
+    t0 = time.perf_counter()
+    return lambda: budget_s > 0 and time.perf_counter() - t0 >= budget_s
+
+
+def _left_out(report: dict, budget_s: float, *keys: str) -> None:
+    """Sections not started because validate.budget_s was spent: a note in each, named in `trimmed`."""
+    for key in keys:
+        report[key] = {"error": f"left out, validate.budget_s ({budget_s:g} s) was spent before it started; "
+                                "`python -m pipeline validate SPEC --only side-by-side` measures it alone"}
+    report.setdefault("trimmed", []).append(f"the {' and '.join(keys)} section{'s' if len(keys) > 1 else ''} left "
+                                            f"out: validate.budget_s ({budget_s:g} s) spent")
 
 
 def run_side_by_side(spec: Spec, log=print) -> dict:

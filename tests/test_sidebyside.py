@@ -267,3 +267,37 @@ def test_side_by_side_end_to_end_through_our_endpoint_with_llama_server_recorded
     assert "## Long and repeated contexts" in md and "## Edits" in md and "120 warm" in md
     block = "\n".join(readme.side_by_side(ctx, ed))
     assert "context.json" in block and "edit.json" in block and "identical to baseline" in block
+
+
+@pytest.mark.server
+def test_a_spent_validate_budget_stops_edit_cases_after_the_first_and_leaves_unstarted_sections_out(
+        served_tiny, tmp_path, monkeypatch):
+    """validate.budget_s on a machine slower than the spec was trimmed for: a section that would start after it is
+    spent is left out and named in `trimmed`; the edit section, once started, runs no case past the first after it."""
+    from pipeline import validate
+    from pipeline.runtime.engine_io import load_tokenizer
+
+    s = served_tiny
+    cases = edit_run.load_cases(Path("build/edit_set.json").resolve())[:3]
+    monkeypatch.setattr(s.validate, "edit_set", str(tmp_path / "edit.json"))
+    monkeypatch.setattr(s.validate, "max_edit_cases", 0)
+    monkeypatch.setattr(s.validate, "context_sizes", [])  # the edit section alone: the context one is the same check
+    monkeypatch.setattr(s.validate, "budget_s", 60.0)
+    Path(s.validate.edit_set).write_text(json.dumps({"cases": [{**c, "original": c["original"][:120], "tokens": 40}
+                                                                for c in cases]}))
+    tok = load_tokenizer(s.engine_dir / "target")
+    lines: list[str] = []
+    report: dict = {"trimmed": []}
+    validate.side_by_side(s, tok, report, lines.append, lambda name: None,
+                          lambda: any(ln.startswith("  edit 1/3") for ln in lines))  # spent once case 1 is done
+    assert [c["id"] for c in report["edit"]["cases"]] == [cases[0]["id"]]
+    assert all(len(r) == 1 for r in json.loads((s.report_dir / "edit.json").read_text())["runs"].values())
+    assert "1 of 3 cases ran: validate.budget_s was spent" in " ".join(report["edit"]["notes"])
+    assert "  validate.budget_s spent: 1 of 3 edit cases" in lines
+
+    spent: dict = {"trimmed": []}
+    validate.side_by_side(s, tok, spent, lines.append, lambda name: None, lambda: True)
+    assert spent["edit"]["error"].startswith("left out, validate.budget_s (60 s) was spent before it started")
+    assert "context" not in spent  # a section the spec turns off is not named as left out
+    assert spent["trimmed"] == ["the edit section left out: validate.budget_s (60 s) spent"]
+    assert "Not measured: left out, validate.budget_s (60 s)" in "\n".join(validate.side_by_side_markdown(spent))

@@ -275,6 +275,22 @@ def test_prompt_budget_stops_new_prompts_once_spent_after_the_minimum():
 def test_a_negative_prompt_budget_is_refused_with_its_key(tmp_path):
     with pytest.raises(ValueError, match="validate.prompt_budget_s"):
         specmod.parse({"name": "t", "validate": {"prompt_budget_s": -1}}, root=tmp_path)
+    with pytest.raises(ValueError, match="validate.budget_s"):
+        specmod.parse({"name": "t", "validate": {"budget_s": -5}}, root=tmp_path)
+
+
+def test_the_validate_budget_is_spent_only_once_its_seconds_have_passed():
+    """validate.budget_s: 0 never runs out; otherwise the clock starts when validate does."""
+    import time
+
+    from pipeline.validate import budget_clock
+
+    assert not budget_clock(0.0)()
+    slow = budget_clock(3600.0)
+    assert not slow()
+    fast = budget_clock(0.01)
+    time.sleep(0.02)
+    assert fast()
 
 
 def test_transformers_peers_run_a_quarter_of_the_prompts_and_at_most_32_tokens_each():

@@ -451,10 +451,11 @@ int gg_amx_mode;
 _Atomic long long gg_amx_faults;
 int gg_amx_model_flip;  // tests: the model adds this to its first sum, so gguf_amx_selftest's failure path is exercised
 // The fewest token rows a chunk needs for the tiles to take it: below, the AVX-512 tiles run it (same bits). The tiles
-// decode every weight into B rows whatever the rows, which the AVX-512 tile's vpdpbusd skip at a few rows: on a Xeon with
-// AMX (2026-12-06, one core, in cache) a 1-row Q4_K product took 2.4x as long on the tiles, 8 rows the same, 16 rows
-// 0.75x. gguf_amx_min_rows sets it (the self-test and the tests set 1: the AMX code at every row count).
-int gg_amx_min_rows = 8;
+// decode every weight into B rows whatever the rows, which the AVX-512 tile's vpdpbusd skip at a few rows. On a 2-core
+// Xeon with AMX (2026-12-06), the flagship target's whole forward on the tiles took 1.35x as long as on the AVX-512
+// tiles at 1 row, 1.13x at 8, 1.00x at 10, 0.98x at 11 and 0.90x at 16 (docs/gguf_weights.md, "AMX tiles").
+// gguf_amx_min_rows sets it (the self-test and the tests set 1: the AMX code at every row count).
+int gg_amx_min_rows = 11;
 #define GG_AMXG 16  // token rows per tile pass (a tile's 16 rows)
 
 typedef struct {

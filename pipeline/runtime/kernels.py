@@ -322,7 +322,7 @@ def _amx_default(isa: str, lib: ctypes.CDLL) -> None:
         if rows:
             if not rows.isdigit() or not 1 <= int(rows) <= 1024:
                 raise ValueError(f"PIPELINE_AMX_MIN_ROWS is {rows!r}; it must be a whole number of token rows, "
-                                 "1 to 1024 (unset: 8)")
+                                 "1 to 1024 (unset: 11)")
             lib.gguf_amx_min_rows(int(rows))
         log.info("the GGUF weights run on AMX tiles (TDPBSSD) from %d token rows", lib.gguf_amx_min_rows(0))
     elif probe == 1:  # the CPU and OS allow AMX, but the tiles failed their self-test
