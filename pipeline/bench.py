@@ -366,6 +366,7 @@ def verify_cost_amx(model, max_s: int = 8, reps: int = 9, mode: str | None = Non
     tok, pos = torch.arange(1, max_s + 1)[None] % model.cfg.vocab_size, torch.arange(max_s)[None]
     hidden = {}
     prev = kernels.set_amx(mode)
+    min_rows = kernels.amx_min_rows(1)  # the tiles at every S: the comparison that sets where they take over
     try:
         for m in (mode, "off"):
             kernels.set_amx(m)
@@ -375,8 +376,10 @@ def verify_cost_amx(model, max_s: int = 8, reps: int = 9, mode: str | None = Non
                 kernels.set_amx(m)
                 verify_costs(model, max_s, reps=1, rounds=rounds[tiles[m]])
     finally:
+        kernels.amx_min_rows(min_rows)
         kernels.set_amx(prev)
     return {"mode": mode, "rounds": reps, "same_bits": bool(torch.equal(hidden["amx"], hidden["avx512"])),
+            "min_rows": min_rows,
             "amx": _curve(rounds["amx"]), "avx512": _curve(rounds["avx512"]),
             "amx_over_avx512": [median([a[s] / b[s] for a, b in zip(rounds["amx"], rounds["avx512"])])
                                 for s in range(max_s)]}
@@ -387,9 +390,12 @@ def verify_cost_amx_lines(v: dict | None) -> list[str]:
     if not v:
         return []
     a, b, r = v["amx"][-1], v["avx512"][-1], v["amx_over_avx512"][-1]
-    return [f"AMX tiles against the AVX-512 tiles ({v['rounds']} alternating rounds, {v['mode']}; same bits: "
-            f"{'yes' if v['same_bits'] else 'NO'}): {a['tokens']} tokens {a['ms']:.1f} against {b['ms']:.1f} ms "
-            f"({r:.2f}x the time), {a['relative']:.2f} against {b['relative']:.2f} one-token steps.", ""]
+    rows = (f" The tiles take chunks of {v['min_rows']} token rows or more (kernels.amx_min_rows); the AMX / AVX-512 "
+            "time by S: " + ", ".join(f"{s}: {x:.2f}" for s, x in enumerate(v["amx_over_avx512"], start=1)) + "."
+            if v.get("min_rows") else "")
+    return [f"AMX tiles against the AVX-512 tiles at every S ({v['rounds']} alternating rounds, {v['mode']}; same "
+            f"bits: {'yes' if v['same_bits'] else 'NO'}): {a['tokens']} tokens {a['ms']:.1f} against {b['ms']:.1f} ms "
+            f"({r:.2f}x the time), {a['relative']:.2f} against {b['relative']:.2f} one-token steps.{rows}", ""]
 
 
 def verify_floor(cfg, curve: list[dict], seconds: float, tokens: int = 8) -> dict:

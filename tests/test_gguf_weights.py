@@ -330,7 +330,9 @@ def test_bench_times_verification_on_the_amx_and_the_avx512_tiles_side_by_side(a
     cfg = _tiny_cfg()
     st = quant.cast_state(_tiny_state(cfg, np.random.default_rng(2)), torch.bfloat16)
     model = build_model(cfg, st, torch.bfloat16, "cpu")
+    kernels.amx_min_rows(11)  # the tiles timed at every S whatever the threshold, which is put back
     v = bench.verify_cost_amx(model, max_s=4, reps=2)
+    assert kernels.amx_min_rows(1) == 11 and v["min_rows"] == 11
     assert kernels.amx() == amx_tiles and v["mode"] == amx_tiles and v["same_bits"] is True and v["rounds"] == 2
     for tiles in ("amx", "avx512"):
         assert [c["tokens"] for c in v[tiles]] == [1, 2, 3, 4] and v[tiles][0]["relative"] == 1.0
@@ -338,6 +340,7 @@ def test_bench_times_verification_on_the_amx_and_the_avx512_tiles_side_by_side(a
     assert len(v["amx_over_avx512"]) == 4 and all(r > 0 for r in v["amx_over_avx512"])
     line = " ".join(bench.verify_cost_amx_lines(v))
     assert f"same bits: yes): 4 tokens {v['amx'][-1]['ms']:.1f} against {v['avx512'][-1]['ms']:.1f} ms" in line
+    assert "chunks of 11 token rows or more" in line and f"1: {v['amx_over_avx512'][0]:.2f}, 2: " in line
     kernels.set_amx("off")
     try:
         assert bench.verify_cost_amx(model) is None and bench.verify_cost_amx_lines(None) == []
