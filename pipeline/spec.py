@@ -277,9 +277,10 @@ class ValidateSpec:
     # run first): the same spec then fits its time on a machine with half the speed; the report says how many ran.
     prompt_budget_s: float = 0.0
     # Seconds of the whole validate after which its optional parts are left out (0: no limit): the default method's
-    # second distribution temperature, then the side-by-side context and edit sections (the first cold size and edit
-    # case past it stay where their section started in time). On a machine slower than the spec was trimmed for, the
-    # main job keeps its 30 minutes; `validate --only side-by-side` runs the rest. The report names what was left out.
+    # second distribution temperature, then the side-by-side context and edit sections, each checked before it starts
+    # (a started context section runs whole; a started edit section runs no case past the first once it is spent). On
+    # a machine slower than the spec was trimmed for, the main job keeps its 30 minutes; `validate --only
+    # side-by-side` runs the rest. The report names what was left out.
     budget_s: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # ours and llama-server -np N
     # New tokens per request of the concurrency curve (0: max_new_tokens, the answers the other sections time). A
