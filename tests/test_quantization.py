@@ -58,21 +58,74 @@ def test_int8_round_trip_is_within_half_a_step_per_row():
     assert np.abs(np.abs(q.numpy()).max(axis=1) - 127).max() == 0
 
 
+def _group_err(w: np.ndarray, deq: np.ndarray, gs: int, imp: np.ndarray | None = None) -> np.ndarray:
+    e = (deq.astype(np.float64) - w.astype(np.float64)) ** 2
+    if imp is not None:
+        e = e * imp[None, :]
+    return e.reshape(len(w), -1, gs).sum(axis=2)
+
+
 @pytest.mark.parametrize("k", [256, 384 + 96])  # whole 128-column superblocks; and three 32-column blocks after
 @pytest.mark.parametrize("gs", [32, 64, 128])
-def test_int4_round_trip_is_within_half_a_step_per_group_and_packs_two_nibbles(gs, k):
+def test_int4_packs_two_nibbles_and_rounds_each_weight_to_the_nearest_level_of_its_groups_scale(gs, k):
     if k % gs:
         pytest.skip("group size does not divide K")
     w = torch.randn(19, k, generator=torch.Generator().manual_seed(gs))
     packed, s = quant.quantize_int4(w, gs)
     assert packed.dtype == torch.uint8 and packed.shape == (19, k // 2) and s.shape == (19, k // gs)
     assert s.dtype == torch.bfloat16  # int4 scales are stored as bf16, int8 ones as fp32
-    nq, ns = _np_int4(w.numpy(), gs)
-    assert np.array_equal(np_unpack_int4(packed.numpy()), nq)
+    q = np_unpack_int4(packed.numpy())
+    step = np.repeat(s.float().numpy(), gs, axis=1)
+    assert np.array_equal(q, np.clip(np.round(w.numpy() / step), -8, 7))  # nearest level of the chosen scale
     deq = quant.dequantize(packed, s).numpy()
-    step = np.repeat(ns, gs, axis=1)
-    assert (np.abs(deq - w.numpy()) <= step / 2 * (1 + 1e-5)).all()
-    assert np.allclose(deq, nq * step, rtol=1e-7, atol=0)
+    assert np.allclose(deq, q * step, rtol=1e-7, atol=0)
+    assert (q == -8).any() and (s.float() < 0).any()  # the 16th level, taken through a negative scale
+
+
+@pytest.mark.parametrize("dist", ["normal", "heavy", "outlier"])
+def test_int4_scale_search_is_never_worse_than_nearest_rounding_group_by_group(dist):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 256, generator=g)
+    if dist == "heavy":
+        w = w ** 3
+    elif dist == "outlier":
+        w[:, ::37] *= 20
+    for gs in (32, 128):
+        nq, ns = _np_int4(w.numpy(), gs)
+        nearest = _group_err(w.numpy(), nq * np.repeat(ns, gs, axis=1), gs)
+        packed, s = quant.quantize_int4(w, gs)
+        searched = _group_err(w.numpy(), quant.dequantize(packed, s).numpy(), gs)
+        assert (searched <= nearest * (1 + 1e-6)).all()
+        assert searched.sum() < 0.9 * nearest.sum()  # the search finds real gains, not just ties
+
+
+def test_int4_importance_weighs_the_error_toward_the_columns_with_large_inputs():
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(3))
+    imp = torch.ones(128)
+    imp[::8] = 100.0  # a few columns whose inputs are large
+    plain = quant.dequantize(*quant.quantize_int4(w, 64)).numpy()
+    weighed = quant.dequantize(*quant.quantize_int4(w, 64, imp)).numpy()
+    e_plain, e_weighed = (_group_err(w.numpy(), d, 64, imp.numpy()) for d in (plain, weighed))
+    assert (e_weighed <= e_plain * (1 + 1e-6)).all() and e_weighed.sum() < e_plain.sum()
+    with pytest.raises(ValueError, match=r"importance: got shape \(64,\), expected \(128,\)"):
+        quant.quantize_int4(w, 64, torch.ones(64))
+
+
+def test_linear_input_power_is_the_mean_square_of_each_layers_inputs():
+    from pipeline.runtime.model import linear_input_power
+
+    cfg = _cfg()
+    model = build_model(cfg, _state(cfg, 0), torch.float32, "cpu")
+    seqs = [[1, 5, 9, 2], [7, 7, 3]]
+    power = linear_input_power(model, seqs)
+    assert set(power) == {f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in ("wqkv", "wo", "w13", "w2")} | {
+        "lm_head"}
+    # layer 0's QKV input is the normed embedding; the head's is the model's final hidden state
+    with torch.inference_mode():
+        x0 = torch.cat([model.layers[0].attn_norm(model.embed(torch.tensor(q))) for q in seqs])
+        hid = torch.cat([model(torch.tensor([q]), torch.arange(len(q))[None], model.new_cache(1, 64))[0] for q in seqs])
+    torch.testing.assert_close(power["layers.0.wqkv"], x0.square().mean(0), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(power["lm_head"], hid.square().mean(0), rtol=1e-4, atol=1e-6)
 
 
 def test_int4_refuses_a_group_size_that_does_not_divide_the_width():
@@ -529,6 +582,8 @@ def test_quantized_trained_draft_engine_records_and_decodes_exactly(tiny_root, a
     assert b.draft.layers[0].w13.act8 == b.draft.lm_head.act8 == (algo == "int4_a8")
     assert b.draft.lm_head.blocks_a8 == (algo == "int4_a8" and kernels.available())
     assert not getattr(b.target.layers[0].w13, "act8", False)
+    # int4 rounding weighed by the draft's inputs on its training sequences (quant.quantize_int4)
+    assert (cfg["draft"]["training"].get("int4_calibration_tokens", 0) > 0) == (algo != "int8")
     b.spec = replace(b.spec, num_draft_tokens=3)
     reqs = [Request(b.tokenizer.encode(t), 16, end_ids=b.end_ids) for t in ("Why is the sky blue?", "Name a fruit.")]
     assert [r.tokens for r in decode(b, "draft_target", reqs)] == [r.tokens for r in decode(b, "baseline", reqs)]
@@ -584,4 +639,4 @@ def test_int8_engines_from_before_the_layout_version_still_load_and_keep_their_h
     del cfg["runtime"]["quant_format"]
     (d / "config.json").write_text(json.dumps(cfg))
     assert isinstance(load_engine(d).model.lm_head, quant.QLinear)
-    assert quant.layout_tag("int8") == () and quant.layout_tag("int4") == (quant.FORMAT,)
+    assert quant.layout_tag("int8") == () and quant.layout_tag("int4") == (quant.FORMAT, quant.ROUNDING)

@@ -157,6 +157,41 @@ class KVCache:
             buf[:, r, :, dst] = picked
 
 
+_observer = None  # linear_input_power's: called with (input, weight) before each linear of the torch path
+
+
+def _linear(x: Tensor, w) -> Tensor:
+    if _observer is not None:
+        _observer(x, w)
+    return linear(x, w)
+
+
+@torch.inference_mode()
+def linear_input_power(model: Transformer, seqs: list[list[int]]) -> dict[str, Tensor]:
+    """The mean square of each input column of every linear layer (head included), keyed by the layer's name
+    ("layers.3.w13", "lm_head"), over every position of `seqs` run through the model's torch path: how much each
+    column's rounding error moves the layer's outputs, which quant.quantize_int4 weighs its scale search by."""
+    global _observer
+    names = {id(wt(mod)): name for name, mod in model.named_modules() if isinstance(mod, (nn.Linear, QLinear))}
+    sums: dict[str, Tensor] = {}
+    count = 0
+
+    def observe(x: Tensor, w) -> None:
+        name = names.get(id(w))
+        if name is not None:
+            sq = x.detach().reshape(-1, x.shape[-1]).double().square().sum(0)
+            sums[name] = sq if name not in sums else sums[name] + sq
+    _observer = observe
+    try:
+        for seq in seqs:
+            cache = model.new_cache(1, (len(seq) + 63) // 64 * 64)
+            model.logits(model(torch.tensor([seq]), torch.arange(len(seq))[None], cache))
+            count += len(seq)
+    finally:
+        _observer = None
+    return {name: (v / max(count, 1)).float() for name, v in sums.items()}
+
+
 def _tensor(mod: nn.Module, name: str) -> Tensor | None:
     """A module's parameter or buffer `name` (None when it has neither), without nn.Module.__getattr__."""
     d = mod.__dict__
@@ -238,7 +273,7 @@ class Block(nn.Module):
         B, S, _ = x.shape
         D = cfg.head_dim
         Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(self.attn_norm(x), wt(self.wqkv))
+        qkv = _linear(self.attn_norm(x), wt(self.wqkv))
         if self.wqkv.bias is not None:
             qkv = qkv + self.wqkv.bias.to(qkv.dtype)
         qkv = qkv.view(B, S, Hq + 2 * Hkv, D)
@@ -251,9 +286,9 @@ class Block(nn.Module):
             o = _bf16_attention(q, keys, values, mask)
         else:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + linear(o.transpose(1, 2).reshape(B, S, Hq * D), wt(self.wo))
-        gate, up = linear(self.ffn_norm(x), wt(self.w13)).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, wt(self.w2))
+        x = x + _linear(o.transpose(1, 2).reshape(B, S, Hq * D), wt(self.wo))
+        gate, up = _linear(self.ffn_norm(x), wt(self.w13)).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, wt(self.w2))
 
 
 def _bf16_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
@@ -339,7 +374,7 @@ class Transformer(nn.Module):
         elif kv_len is None:
             kv_len = int(slots.max()) + 1
         cos, sin = self._rope(top, tokens.device)
-        if kernels.fast_path(tokens) and self.norm.weight.dtype == torch.float32:
+        if _observer is None and kernels.fast_path(tokens) and self.norm.weight.dtype == torch.float32:
             # As few torch ops as possible: after a step's weights have streamed by, each costs tens of us.
             x = self.embed(tokens).float().contiguous()
             pos64, slots64 = pos.contiguous().long(), slots.contiguous().long()
@@ -362,7 +397,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return linear(hidden, wt(self.lm_head)).float()
+        return _linear(hidden, wt(self.lm_head)).float()
 
 
 def hf_to_runtime(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
