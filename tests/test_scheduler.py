@@ -482,6 +482,42 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_stream_and_can_be_cancell
         sched.use_prompt_cache(None)
 
 
+def test_medusa_typical_is_placed_as_medusa_under_the_load_policy(bundle):
+    """`medusa_typical` (Medusa's lossy rule, validate's comparison) is no runtime method of its own: with
+    `draft_length: load` the scheduler asked the runtime for it by that name, raised, and every such request went
+    unanswered while the worker retried (the small spec's validate, 2026-12-06). It is placed as Medusa, which takes
+    no load policy."""
+    import copy
+    import dataclasses
+
+    b = copy.copy(bundle)
+    b.use(dataclasses.replace(bundle.spec, draft_length="load"))
+    sched = Scheduler(b, 4)
+    assert not sched.off("medusa_typical", 1, 0) and not sched.off("medusa", 3, 0)
+
+
+def test_a_request_the_scheduler_cannot_place_fails_alone_and_the_others_are_answered(bundle, parser, monkeypatch):
+    """Whatever goes wrong placing one waiting request (here an error injected into `Scheduler.off` for one method)
+    answers that request with an error naming its method; the worker keeps serving and the other requests get the
+    answers they get alone."""
+    solo = _solo(bundle, parser, PROMPTS[0], 8)
+    real_off = Scheduler.off
+
+    def off(self, method, rows, disable_at_batch, resuming=False):
+        if method == "prompt_lookup":
+            raise RuntimeError("injected")
+        return real_off(self, method, rows, disable_at_batch, resuming)
+
+    monkeypatch.setattr(Scheduler, "off", off)
+    sched, bad, good = Scheduler(bundle, 4), Fake(), Fake()
+    sched.submit(_parse(parser, PROMPTS[1], 8, method="prompt_lookup"), bad)
+    sched.submit(_parse(parser, PROMPTS[0], 8), good)
+    _drain(sched, [bad, good], limit=200)
+    assert bad.final is None and "could not schedule method 'prompt_lookup'" in bad.err and "injected" in bad.err
+    assert good.err is None and good.final == [solo]
+    assert not sched.waiting and not sched.pool.busy
+
+
 def test_requests_go_plain_from_the_rows_where_the_load_policy_would_draft_nothing(bundle, parser):
     """With `draft_length: load`, a speculative batch at a load where the policy drafts nothing would only step
     plainly, without the continuous batch's admitting and retiring at every step: the scheduler gives such requests

@@ -184,8 +184,9 @@ class Scheduler:
         off again at the next arrival (validate's curve at 4 clients: hybrid 0.86x baseline)."""
         if self.bundle.spec.off_at(method, rows, disable_at_batch):
             return True
+        runtime_method = _runtime_options(method, False, None)[0]  # medusa_typical runs Medusa's rounds
         if (method == "baseline" or self.bundle.spec.draft_length != "load"
-                or not getattr(method_named(method), "adaptive", False)):
+                or not getattr(method_named(runtime_method), "adaptive", False)):
             return False
         if method not in self._plain_from:
             try:
@@ -405,8 +406,14 @@ def _speculative_waiting(sched: Scheduler) -> list[Job]:
     """The waiting jobs that speculate at the current load (the others decode plainly: `job.plain`)."""
     load = sched.pool.load + sum(len(j.reqs) for j in sched.waiting)
     spec = []
-    for j in sched.waiting:
-        j.plain = j.method != "baseline" and sched.off(j.method, load, j.p.disable_at_batch)
+    for j in list(sched.waiting):
+        try:
+            j.plain = j.method != "baseline" and sched.off(j.method, load, j.p.disable_at_batch)
+        except Exception as e:  # noqa: BLE001 - a request the scheduler cannot place fails alone; the others go on
+            sched.waiting.remove(j)
+            sched.log("error", f"scheduling a {j.method} request: {type(e).__name__}: {e}")
+            sched.replies.fail(j, f"the server could not schedule method {j.method!r} ({type(e).__name__}: {e})")
+            continue
         if j.method != "baseline" and not j.plain:
             spec.append(j)
     return spec
