@@ -178,25 +178,13 @@ def main() -> int:
         return m
 
     def fake_bits(w, bits, gs, imp):
-        """w rounded to `bits`-bit integers (levels -2^(b-1) .. 2^(b-1) - 1) with scales searched as
-        quant._search_scales does, dequantized back to fp32: an estimate for a format no kernel reads yet."""
+        """w rounded to `bits`-bit integers (levels -2^(b-1) .. 2^(b-1) - 1) with scales searched by
+        quant._search_scales, dequantized back to fp32: an estimate for a format no kernel reads yet."""
         N, K = w.shape
         lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
         wg = w.float().view(N, K // gs, gs)
         ig = None if imp is None else imp.float().view(1, K // gs, gs)
-        m = wg.gather(2, wg.abs().argmax(2, keepdim=True))[..., 0]
-        best = err = None
-        for f in quant.SCALE_STEPS.tolist():
-            for base in (m / lo, m / hi):
-                sc = (base * f).bfloat16().float()
-                sc = torch.where(sc == 0, torch.ones_like(sc), sc)
-                e = (wg - torch.round(wg / sc[..., None]).clamp_(lo, hi) * sc[..., None]).square_()
-                e = (e * ig).sum(2) if ig is not None else e.sum(2)
-                if best is None:
-                    best, err = sc, e
-                else:
-                    t = e < err
-                    best, err = torch.where(t, sc, best), torch.where(t, e, err)
+        best = quant._search_scales(wg, ig, lo, hi)
         return (torch.round(wg / best[..., None]).clamp_(lo, hi) * best[..., None]).view(N, K)
 
     def mixed_model(bits_mlp: int, bits_rest: int):

@@ -141,19 +141,19 @@ SCALE_STEPS = (1.0, 0.975, 0.95, 0.925, 0.9, 0.875, 0.85, 0.825, 0.8, 0.775, 0.7
 SEARCH_ELEMENTS = 1 << 23  # weights a scale search holds at once (a few temporaries of 32 MB)
 
 
-def _search_scales(wg: Tensor, imp: Tensor | None) -> Tensor:
-    """Per group of wg [N, G, gs], the bf16-representable scale s (q = round(w / s) in [-8, 7]) of least
-    sum imp * (w - q s)^2. Candidates: the group's signed largest weight m times each of SCALE_STEPS, over 7 (m takes
-    level 7) or over -8 (m takes level -8: the 16th level, a finer step); a step below 1 clips the few largest weights
-    to resolve the rest finer. The first candidate (m / 7) is nearest rounding; ties keep the earlier candidate. An
-    all-zero group gets scale 1 (every q 0)."""
+def _search_scales(wg: Tensor, imp: Tensor | None, lo: int = -8, hi: int = 7) -> Tensor:
+    """Per group of wg [N, G, gs], the bf16-representable scale s (q = round(w / s) in [lo, hi]: int4's [-8, 7]) of
+    least sum imp * (w - q s)^2. Candidates: the group's signed largest weight m times each of SCALE_STEPS, over hi (m
+    takes level hi) or over lo (m takes level lo, the extra negative level: a finer step); a step below 1 clips the few
+    largest weights to resolve the rest finer. The first candidate (m / hi) is nearest rounding; ties keep the earlier
+    candidate. An all-zero group gets scale 1 (every q 0)."""
     m = wg.gather(2, wg.abs().argmax(dim=2, keepdim=True))[..., 0]
     best = err_best = None
     for f in SCALE_STEPS:
-        for base in (m / 7.0, m / -8.0):
+        for base in (m / hi, m / lo):
             s = (base * f).bfloat16().float()
             s = torch.where(s == 0, torch.ones_like(s), s)  # a zero group (or a scale below bf16's range)
-            e = (wg - torch.round(wg / s[..., None]).clamp_(-8, 7) * s[..., None]).square_()
+            e = (wg - torch.round(wg / s[..., None]).clamp_(lo, hi) * s[..., None]).square_()
             e = (e * imp).sum(2) if imp is not None else e.sum(2)
             if best is None:
                 best, err_best = s, e
