@@ -110,6 +110,21 @@ def test_hf_directory_draft_with_the_same_tokenizer_builds(tiny_root, tiny_token
     assert (s.engine_dir / "draft_hf" / "model.safetensors").is_file()
 
 
+def test_a_pretrained_int4_draft_is_rounded_weighed_by_its_inputs_on_the_tuning_prompts(tiny_root, tiny_tokenizer):
+    """An int4 / W4A8 pretrained draft: its build runs the tuning prompts and what the draft writes for them through
+    the draft (model.linear_input_power), weighs int4's scale search by them (quant.quantize_int4) and records how many
+    tokens it saw; the engine decodes exactly."""
+    make_model_dir(tiny_root / "models" / "q4draft", layers=1, seed=7, tokenizer=tiny_tokenizer)
+    s, out = _build(tiny_root, "dq4", {"source": "models/q4draft", "quantization": "int4_a8", "group_size": 32,
+                                       "vocab": 96})
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft"]["training"]["int4_calibration_tokens"] > 0 and cfg["draft"]["vocab"] == 96
+    b = load_bundle(s.engine_dir)
+    assert b.draft.layers[0].w13.act8 and b.draft.lm_head.act8
+    reqs = [Request(tiny_tokenizer("How do vaccines work?")["input_ids"], 16)]
+    assert decode(b, "draft_target", reqs)[0].tokens == decode(b, "baseline", reqs)[0].tokens
+
+
 def test_hf_directory_draft_with_another_tokenizer_is_refused(tiny_root):
     from tests.conftest import train_tokenizer
 
