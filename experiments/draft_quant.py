@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def calib_inputs(model, seqs: list[list[int]], full: bool) -> dict[int, torch.Tensor]:
+def full_inputs(model, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     """X^T X of every linear layer's input (keyed by its weight's data_ptr), over all positions of `seqs`, in the
-    torch path of the fp32 model; without `full`, only its diagonal (the columns' sums of squares) as a matrix."""
+    torch path of the fp32 model: GPTQ's matrix. Its diagonal alone is model.linear_input_power (the build's)."""
     from pipeline.runtime import model as mm
 
     H: dict[int, torch.Tensor] = {}
@@ -39,9 +39,8 @@ def calib_inputs(model, seqs: list[list[int]], full: bool) -> dict[int, torch.Te
 
     def spy(x, w):
         x2 = x.reshape(-1, x.shape[-1]).double()
-        xx = x2.T @ x2 if full else torch.diag(x2.square().sum(0))
         h = H.get(w.data_ptr())
-        H[w.data_ptr()] = xx if h is None else h + xx
+        H[w.data_ptr()] = x2.T @ x2 if h is None else h + x2.T @ x2
         return orig(x, w)
 
     mm.linear = spy
@@ -105,7 +104,7 @@ def main() -> int:
     from pipeline.runtime import quant
     from pipeline.runtime.decode import apply_spec, decode, load_bundle
     from pipeline.runtime.generate import Request, generate
-    from pipeline.runtime.model import build_model
+    from pipeline.runtime.model import build_model, linear_input_power
     from pipeline.runtime.quant import QLinear
     from pipeline.runtime.speculative import attach_draft_head
     from pipeline.sources import read_prompts, spec_prompts
@@ -135,7 +134,8 @@ def main() -> int:
     gs = s.draft.group_size
 
     calib = []
-    Hs: dict[str, torch.Tensor] = {}
+    Hs: dict[str, torch.Tensor] = {}  # GPTQ's X^T X by layer
+    power: dict[str, torch.Tensor] = {}  # the inputs' mean square by layer, as the draft build weighs its rounding
     if any(v in ("weighted", "gptq") or v.startswith("mix") for v in args.variants.split(",")):
         tune = read_prompts(s.path(s.draft.train.prompts))[:args.calib]
         tids = [tok.encode(chat_text(tok, p)) for p in tune]
@@ -146,18 +146,15 @@ def main() -> int:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         fm = build_model(src.cfg, {k: v for k, v in fstate.items()}, torch.float32, "cpu")
         attach_draft_head(fm, head_f.clone(), ids)
-        by_ptr = calib_inputs(fm, calib, full="gptq" in args.variants.split(","))
-        names = {}
-        for k, v in fm.named_parameters():
-            names[v.data_ptr()] = k
-        for k, v in fm.named_buffers():
-            names.setdefault(v.data_ptr(), k)
-        for name, mod in fm.named_modules():
-            w = getattr(mod, "weight", None)
-            if w is not None and w.data_ptr() in by_ptr:
-                Hs[name] = by_ptr[w.data_ptr()]
-        print(f"Hessians of {len(Hs)} layers ({time.perf_counter() - t0:.0f} s)", flush=True)
-        del fm, by_ptr
+        power = linear_input_power(fm, calib)
+        if "gptq" in args.variants.split(","):
+            by_ptr = full_inputs(fm, calib)
+            for name, mod in fm.named_modules():
+                w = getattr(mod, "weight", None)
+                if w is not None and w.data_ptr() in by_ptr:
+                    Hs[name] = by_ptr[w.data_ptr()]
+        print(f"calibrated {len(power)} layers ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del fm
 
     def int4_model(how: str):
         st = {}
@@ -165,12 +162,12 @@ def main() -> int:
         for k, v in fstate.items():
             if quant.LINEAR.match(k) and not k.startswith("lm_head"):
                 name = k[: -len(".weight")]
-                st[name + ".qweight"], st[name + ".scales"] = quant_variant(v, how, gs, Hs.get(name))
+                st[name + ".qweight"], st[name + ".scales"] = quant_variant(v, how, gs, name)
             elif k != "lm_head.weight":
                 st[k] = v
         if not src.cfg.tie_embeddings:
             st["lm_head.weight"] = fstate["embed.weight"]  # a placeholder: the reduced head replaces it below
-        hq, hs = quant_variant(head_f, how, gs, Hs.get("lm_head"))
+        hq, hs = quant_variant(head_f, how, gs, "lm_head")
         print(f"  {how}: quantized in {time.perf_counter() - t0:.0f} s", flush=True)
         st = quant.cast_state(st, torch.bfloat16)
         m = build_model(src.cfg, st, torch.bfloat16, "cpu", act8=True)
@@ -192,19 +189,16 @@ def main() -> int:
         for k, v in fstate.items():
             if quant.LINEAR.match(k) and not k.startswith("lm_head"):
                 name = k[: -len(".weight")]
-                H = Hs.get(name)
-                imp = None if H is None else torch.diagonal(H).float()
-                st[k] = fake_bits(v, bits_mlp if (".w13." in k or ".w2." in k) else bits_rest, gs, imp)
+                st[k] = fake_bits(v, bits_mlp if (".w13." in k or ".w2." in k) else bits_rest, gs, power.get(name))
             elif k != "lm_head.weight":
                 st[k] = v
         if not src.cfg.tie_embeddings:
             st["lm_head.weight"] = fstate["lm_head.weight"]
         m = build_model(src.cfg, st, torch.float32, "cpu")
-        H = Hs.get("lm_head")
-        attach_draft_head(m, fake_bits(head_f, bits_rest, gs, None if H is None else torch.diagonal(H).float()), ids)
+        attach_draft_head(m, fake_bits(head_f, bits_rest, gs, power.get("lm_head")), ids)
         return m
 
-    def quant_variant(w, how, gs, H):
+    def quant_variant(w, how, gs, name):
         if how == "nearest":  # the rounding before 2026-12-06: scale = largest |w| / 7, q in [-7, 7]
             wg = w.float().view(w.shape[0], -1, gs)
             sc = (wg.abs().amax(2) / 7).bfloat16().float()
@@ -214,9 +208,9 @@ def main() -> int:
         if how == "searched":  # quant.quantize_int4 without calibration
             return quant.quantize_int4(w, gs)
         if how == "weighted":  # quant.quantize_int4 weighed by the inputs' mean square (as the draft build does)
-            return quant.quantize_int4(w, gs, None if H is None else torch.diagonal(H).float())
+            return quant.quantize_int4(w, gs, power.get(name))
         if how == "gptq":
-            return gptq_int4(w, gs, H)
+            return gptq_int4(w, gs, Hs[name])
         raise ValueError(how)
 
     def agreement(m) -> tuple[float, list[dict]]:

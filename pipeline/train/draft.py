@@ -61,8 +61,9 @@ TEACHER_TOPK = 32
 TUNE_PROMPTS = 8  # a pretrained draft's k is chosen on this many training prompts
 VOCAB_TOKENS = 64  # tokens the pretrained draft writes per training prompt to rank its reduced vocabulary
 # An int4 draft's rounding is weighed by its activations (quant.quantize_int4) on this many tuning sequences, each a
-# prompt and CALIB_TOKENS the draft wrote for it: on the 0.5B draft, 16 x 128 tokens gave top-1 agreement 0.903 on
-# the evaluation prompts, 16 x 64 0.898 (nearest rounding 0.891; experiments/draft_quant.py, 2026-12-06).
+# prompt and CALIB_TOKENS the draft wrote for it: on the 0.5B draft, 16 x 128 tokens gave top-1 agreement 0.898-0.903
+# on the evaluation prompts over three calibrations, 16 x 64 0.898 (nearest rounding 0.891; experiments/draft_quant.py,
+# 2026-12-06).
 CALIB_SEQS, CALIB_TOKENS = 16, 128
 INT4 = ("int4", "int4_a8")
 
