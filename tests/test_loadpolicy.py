@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline import spec as specmod
-from pipeline.runtime.decode import Bundle, decode
+from pipeline.runtime.decode import Bundle, decode, plain_rows
 from pipeline.runtime.generate import Request, generate
 from pipeline.runtime.loadpolicy import (
     MIN_GAIN,
@@ -18,6 +18,8 @@ from pipeline.runtime.loadpolicy import (
     plain_from,
     policy_from,
     row_rates,
+    tree_gain,
+    tree_plain_from,
 )
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 from pipeline.runtime.speculative import draft_target, prompt_lookup
@@ -227,3 +229,49 @@ def test_the_ceiling_ignores_min_gain_rows_where_the_policy_keeps_to_plain_steps
     w, x = ceiling(pol, 2)
     assert w == 1 and x == pytest.approx((1 + 0.9) / 1.5)
     assert ceiling(None, 2) is None
+
+
+# The small spec's Medusa tree as its build timed it (2-core Zen 4, 2026-12-06): 2 candidates, 3 tokens a verify.
+SMALL_TREE = {"expected_accept_len": 1.283, "verify_cost_ms": [4.24, 4.41, 4.48, 4.9, 5.9, 7.06, 7.83], "heads_ms": 0.3}
+
+
+def test_a_medusa_trees_expected_gain_is_its_builds_at_one_row_and_the_curve_read_as_rows_beyond():
+    assert tree_gain(SMALL_TREE, 3, 1) == pytest.approx(1.283 * 4.24 / (4.48 + 0.3))  # the build's 1.137x
+    assert tree_gain(SMALL_TREE, 3, 2) == pytest.approx(1.283 * 4.41 / (7.06 + 0.3))  # 2 rows of 3: one row of 6
+    assert tree_gain(SMALL_TREE, 3, 4) == pytest.approx(1.283 * 4.9 / (7.83 * 12 / 7 + 0.3))  # past the curve
+    assert tree_plain_from(SMALL_TREE, 3, 8) == 1  # 1.14x is under MIN_GAIN: plain from one row
+    better = {**SMALL_TREE, "expected_accept_len": 2.0}  # 1.77x at one row, 1.20x at two (under MIN_GAIN_ROWS)
+    assert tree_gain(better, 3, 1) >= MIN_GAIN and tree_gain(better, 3, 2) < MIN_GAIN_ROWS
+    assert tree_plain_from(better, 3, 8) == 2 and tree_plain_from(better, 3, 1) is None
+    # a spec's own choices: the build timed nothing, so nothing is judged
+    assert tree_gain({}, 3, 1) is None and tree_plain_from(None, 3, 8) is None
+
+
+def _medusa_bundle(tmp_path, tree: dict | None, draft_length: str = "load") -> Bundle:
+    from pipeline.runtime.medusa import make_engine
+    from tests.test_medusa import random_heads
+
+    b = _bundle(tmp_path, None, draft_length)
+    b.medusa = make_engine(random_heads(b.target), [[0], [1]], config={"medusa": {"tree": tree} if tree else {}})
+    return b
+
+
+def test_medusa_steps_plainly_where_its_build_expects_its_tree_not_to_pay(tmp_path):
+    """The small spec's Medusa read 0.84x baseline served and 0.55x at 8-32 clients (its heads' first guess right
+    one time in five): with `draft_length: load` a batch at rows where the tree the build timed is not expected to
+    pay by the policy's margins decodes plainly (its results say `speculation_off`), with the same answer."""
+    reqs = [Request(p, 10) for p in prompts(2, 48, seed=4)]
+    base = generate(tiny(seed=0), reqs)
+    low = _medusa_bundle(tmp_path, SMALL_TREE)
+    high = _medusa_bundle(tmp_path, {**SMALL_TREE, "expected_accept_len": 2.0})
+    assert plain_rows(low, "medusa", 8) == 1 and plain_rows(high, "medusa", 8) == 2
+    (one,) = decode(low, "medusa", reqs[:1])
+    assert one.speculation_off and one.tokens == base[0].tokens and one.draft_proposed == 0
+    (tree,) = decode(high, "medusa", reqs[:1])
+    assert not tree.speculation_off and tree.tokens == base[0].tokens and tree.draft_proposed > 0
+    both = decode(high, "medusa", reqs)
+    assert all(r.speculation_off for r in both) and [r.tokens for r in both] == [r.tokens for r in base]
+    fixed = decode(_medusa_bundle(tmp_path, SMALL_TREE, "fixed"), "medusa", reqs[:1])[0]
+    assert not fixed.speculation_off and fixed.draft_proposed > 0
+    unmeasured = _medusa_bundle(tmp_path, None)  # a spec's own choices: nothing to judge by, the tree runs
+    assert plain_rows(unmeasured, "medusa", 8) is None and not decode(unmeasured, "medusa", reqs[:1])[0].speculation_off

@@ -485,15 +485,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_stream_and_can_be_cancell
 def test_medusa_typical_is_placed_as_medusa_under_the_load_policy(bundle):
     """`medusa_typical` (Medusa's lossy rule, validate's comparison) is no runtime method of its own: with
     `draft_length: load` the scheduler asked the runtime for it by that name, raised, and every such request went
-    unanswered while the worker retried (the small spec's validate, 2026-12-06). It is placed as Medusa, which takes
-    no load policy."""
+    unanswered while the worker retried (the small spec's validate, 2026-12-06). It is placed as Medusa: plain from
+    the rows where the tree its build timed is not expected to pay, speculating below them."""
     import copy
     import dataclasses
 
+    from pipeline.runtime.medusa import make_engine
+    from tests.test_medusa import random_heads
+
     b = copy.copy(bundle)
     b.use(dataclasses.replace(bundle.spec, draft_length="load"))
+    tree = {"expected_accept_len": 2.0, "verify_cost_ms": [4.24, 4.41, 4.48, 4.9, 5.9, 7.06, 7.83], "heads_ms": 0.3}
+    b.medusa = make_engine(random_heads(b.target), [[0], [1]], config={"medusa": {"tree": tree}})
     sched = Scheduler(b, 4)
-    assert not sched.off("medusa_typical", 1, 0) and not sched.off("medusa", 3, 0)
+    assert not sched.off("medusa_typical", 1, 0) and not sched.off("medusa", 1, 0)
+    assert sched.off("medusa_typical", 2, 0) and sched.off("medusa", 3, 0)  # 1.2x at 2 rows: under MIN_GAIN_ROWS
 
 
 def test_a_request_the_scheduler_cannot_place_fails_alone_and_the_others_are_answered(bundle, parser, monkeypatch):

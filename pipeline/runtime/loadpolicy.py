@@ -190,6 +190,37 @@ def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) 
     return DraftPolicy(costs, k_max, prior)
 
 
+def tree_gain(tree: dict | None, nodes: int, rows: int) -> float | None:
+    """Medusa's expected tokens/s over plain steps at `rows` rows: each row `expected_accept_len` tokens (the build's,
+    from the heads' held-out accuracy) for one verify of `nodes` tokens a row (the root included) plus a run of the
+    heads, against one token a row for a one-token step. The costs are the one-row curve the build timed
+    (`verify_cost_ms`, 1.. tokens, and `heads_ms` in the medusa engine's `tree` block) read as a model of rows, as
+    `Costs.from_stored` reads pick-k's: B rows of n tokens cost one row of B x n. None: the build stored no such
+    measurements (a spec's own `choices`)."""
+    t = tree or {}
+    cv, e = t.get("verify_cost_ms"), t.get("expected_accept_len")
+    if not cv or e is None or nodes < 1 or rows < 1:
+        return None
+
+    def cost(n: int) -> float:
+        return float(cv[n - 1]) if n <= len(cv) else float(cv[-1]) * n / len(cv)
+
+    return float(e) * cost(rows) / (cost(rows * nodes) + float(t.get("heads_ms", 0.0)))
+
+
+def tree_plain_from(tree: dict | None, nodes: int, max_rows: int) -> int | None:
+    """The fewest rows (up to `max_rows`) at which Medusa's tree is not expected to pay by the load policy's margins
+    (`MIN_GAIN` at one row, `MIN_GAIN_ROWS` from two): from there its requests step plainly. None: it pays at every
+    row count up to `max_rows`, or the build stored no measurements to judge by."""
+    for b in range(1, max_rows + 1):
+        g = tree_gain(tree, nodes, b)
+        if g is None:
+            return None
+        if g < (MIN_GAIN if b < 2 else MIN_GAIN_ROWS):
+            return b
+    return None
+
+
 MODEL_DRAFTERS = ("draft_target", "hybrid")  # methods whose rounds run a draft model (the others draft for free)
 
 

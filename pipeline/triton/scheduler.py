@@ -42,9 +42,8 @@ from collections.abc import Callable
 
 from pipeline.common import chat_ids
 from pipeline.runtime.batcher import ContinuousBatch, RowFailure
-from pipeline.runtime.decode import RESUMABLE, decode, method_named
+from pipeline.runtime.decode import RESUMABLE, decode, plain_rows
 from pipeline.runtime.generate import Handoff, Request, Sequence, finish
-from pipeline.runtime.loadpolicy import plain_from, policy_for
 from pipeline.triton.gate import NoGate
 from pipeline.triton.parse import Parsed
 from pipeline.triton.replies import CANCEL_CHECK_S, Job, Replies, Responder, Row
@@ -175,7 +174,8 @@ class Scheduler:
     def off(self, method: str, rows: int, disable_at_batch: int | None, resuming: bool = False) -> bool:
         """Should `rows` requests of `method` decode plainly? At the spec's or the request's `disable_at_batch`; and,
         for a method whose rounds take the load policy (`draft_length: load`), from the rows at which the policy
-        drafts nothing (`loadpolicy.plain_from`: its stored costs and prior acceptance), whatever disable_at_batch
+        drafts nothing (`decode.plain_rows`: a chain drafter's stored costs and prior acceptance, Medusa's tree as its
+        build timed it), whatever disable_at_batch
         says: there a speculative batch would only step plainly, and the continuous batch admits and retires rows
         at every step where a speculative batch does not (`experiments/closed_loop.py`, 4 clients of the flagship's
         default method: 1.04-1.05x baseline against 0.97-1.00x without this). `resuming` (rows taken back from
@@ -184,16 +184,11 @@ class Scheduler:
         off again at the next arrival (validate's curve at 4 clients: hybrid 0.86x baseline)."""
         if self.bundle.spec.off_at(method, rows, disable_at_batch):
             return True
-        runtime_method = _runtime_options(method, False, None)[0]  # medusa_typical runs Medusa's rounds
-        if (method == "baseline" or self.bundle.spec.draft_length != "load"
-                or not getattr(method_named(runtime_method), "adaptive", False)):
+        if method == "baseline" or self.bundle.spec.draft_length != "load":
             return False
         if method not in self._plain_from:
-            try:
-                pol = policy_for(self.bundle, method, self.bundle.spec.k_for(method))
-            except ValueError:  # no k for this method here
-                pol = None
-            self._plain_from[method] = plain_from(pol, self.max_batch_size)
+            runtime_method = _runtime_options(method, False, None)[0]  # medusa_typical runs Medusa's rounds
+            self._plain_from[method] = plain_rows(self.bundle, runtime_method, self.max_batch_size)
         at = self._plain_from[method]
         return at is not None and (rows > at // 2 if resuming else rows >= at)
 
