@@ -153,6 +153,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
             curve_targets.ceilings(spec.engine_dir / "draft" / "config.json", default, v.concurrency))
     report["disable_at_batch"] = spec.speculation.disable_at_batch
     report["draft_length"] = spec.speculation.draft_length
+    report["plain_from"] = plain_from_rows(bundle, methods, spec.limits.max_batch_size)
     if "draft_target" in report["methods"]:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
     # 3c. Temperatures: exact methods vs Medusa typical (lossy).
@@ -787,6 +788,30 @@ def curve_latency(by: dict, c: int, methods: list[str], what: str) -> str:
                      if (e := by.get((c, m))) and f"{what}_ms_p50" in e)
 
 
+def plain_from_rows(bundle, methods: list[str], max_rows: int) -> dict[str, int]:
+    """Under `draft_length: load`: each speculative method's fewest rows from which it decodes plainly
+    (`decode.plain_rows`), for the methods that do within `max_rows`. What explains an acceptance of 0 in the table: a
+    method whose drafts are not expected to pay here steps plainly."""
+    from pipeline.runtime.decode import plain_rows
+
+    out = {}
+    for m in methods:
+        at = plain_rows(bundle, m, max_rows)
+        if at is not None:
+            out[m] = at
+    return out
+
+
+def plain_from_line(plain_from: dict[str, int]) -> list[str]:
+    """validate.md's line naming the methods the load policy keeps plain, from how many rows."""
+    if not plain_from:
+        return []
+    return ["", "With `speculation.draft_length: load`, a method steps plainly from the rows where its drafts are not "
+            "expected to pay on this machine (the stored costs and acceptance: pick-k's for a chain drafter, the "
+            "tree's build for Medusa): " + ", ".join(f"{m} from {n} row{'s' if n > 1 else ''}"
+                                                      for m, n in plain_from.items()) + "."]
+
+
 def curve_setting(disable_at_batch: int, draft_length: str | None) -> str:
     """How the curve's requests speculate, for validate.md: each sends `disable_at_batch: 0`, so the spec's switch
     stays out of it; with `draft_length: load` the load policy still chooses each round's drafts, as served."""
@@ -825,6 +850,7 @@ def markdown(r: dict) -> str:
     if n:
         lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
                   "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
+    lines += plain_from_line(r.get("plain_from") or {})
     if r.get("first_prompt"):
         lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "
                   + "; ".join(f"{m} {e['first_tokens_per_s']:.1f} then {e['again_tokens_per_s']:.1f} tokens/s "

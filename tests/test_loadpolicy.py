@@ -275,3 +275,26 @@ def test_medusa_steps_plainly_where_its_build_expects_its_tree_not_to_pay(tmp_pa
     assert not fixed.speculation_off and fixed.draft_proposed > 0
     unmeasured = _medusa_bundle(tmp_path, None)  # a spec's own choices: nothing to judge by, the tree runs
     assert plain_rows(unmeasured, "medusa", 8) is None and not decode(unmeasured, "medusa", reqs[:1])[0].speculation_off
+
+
+def test_a_lone_hybrid_row_drafts_from_the_suffix_alone_where_the_draft_model_cannot_pay(tmp_path, monkeypatch):
+    """The small spec's hybrid under `draft_length: load`: its draft model cannot pay even at one row, and the
+    scheduler had sent its requests to plain steps whole, so a predicted edit ran at 0.4-0.5x the suffix's speed.
+    A lone row takes no policy in hybrid (the suffix's odds rule it), so it stays speculative (`plain_rows` counts
+    from 2 rows), drafts its prediction, and never runs the draft model."""
+    from pipeline.runtime import speculative
+
+    stored = {"table": [{"accept_pos": 0.9}] * 4, "costs_s": {"c_draft": 0.1, "c_verify": [0.01] * 5}}
+    b = _bundle(tmp_path, stored)
+    assert plain_rows(b, "hybrid", 8) == 2 and plain_rows(b, "suffix", 8) == 3  # suffix: free drafts, generic prior
+    assert plain_rows(b, "draft_target", 8) == 1  # its lone row takes the policy: plain from one row
+    runs = []
+    real = speculative._ModelDrafter._catch_up
+    monkeypatch.setattr(speculative._ModelDrafter, "_catch_up", lambda self, *a: runs.append(1) or real(self, *a))
+    p = prompts(1, 48, seed=5)[0]
+    (base,) = generate(b.target, [Request(p, 16)])
+    one = Request(p, 16, prediction=list(base.tokens[:8]))  # the answer's first half predicted, then nothing
+    (r,) = decode(b, "hybrid", [one])
+    assert r.tokens == base.tokens and r.draft_accepted >= 6 and not runs  # the prediction's drafts, no model
+    (fixed,) = decode(_bundle(tmp_path, stored, "fixed"), "hybrid", [Request(p, 16)])
+    assert fixed.tokens == base.tokens and runs  # with k every round the model drafts where nothing matches

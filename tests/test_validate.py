@@ -400,3 +400,20 @@ def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
                                      validate.DIST_LOW_T)
     assert [c[0] for c in calls] == ["baseline"] * 6 + ["hybrid"] * 6
     assert all(c[3] == validate.DIST_LOW_T for c in calls) and low["hybrid"]["temperature"] == validate.DIST_LOW_T
+
+
+def test_validate_names_the_methods_the_load_policy_keeps_plain_and_from_how_many_rows(tmp_path):
+    """An acceptance of 0 in validate's table has a reason under `draft_length: load`: the method's drafts are not
+    expected to pay on this machine. The report names each such method and the rows from which it steps plainly."""
+    from pipeline.validate import plain_from_line, plain_from_rows
+    from tests.test_loadpolicy import SMALL_TREE, _medusa_bundle
+
+    low = _medusa_bundle(tmp_path, SMALL_TREE)  # its tree expects 1.14x at one row: plain from 1
+    assert plain_from_rows(low, ["baseline", "medusa", "prompt_lookup"], 8) == {"medusa": 1}
+    better = _medusa_bundle(tmp_path, {**SMALL_TREE, "expected_accept_len": 2.0})
+    assert plain_from_rows(better, ["medusa"], 8) == {"medusa": 2} and plain_from_rows(better, ["medusa"], 1) == {}
+    fixed = _medusa_bundle(tmp_path, SMALL_TREE, "fixed")
+    assert plain_from_rows(fixed, ["medusa"], 8) == {}
+    line = " ".join(plain_from_line({"medusa": 1, "draft_target": 2}))
+    assert "medusa from 1 row," in line and "draft_target from 2 rows." in line
+    assert plain_from_line({}) == []

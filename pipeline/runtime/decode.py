@@ -138,13 +138,14 @@ def plain_rows(b: Bundle, method: str, max_rows: int) -> int | None:
         if b.medusa is None:
             return None
         return tree_plain_from(b.medusa.config.get("medusa", {}).get("tree"), b.medusa.tree.size, max_rows)
-    if not getattr(method_named(method), "adaptive", False):
+    m = method_named(method)
+    if not getattr(m, "adaptive", False):
         return None
     try:
         pol = policy_for(b, method, b.spec.k_for(method))
     except ValueError:  # no k for this method here
         return None
-    return plain_from(pol, max_rows)
+    return plain_from(pol, max_rows, getattr(m, "policy_from_rows", 1))
 
 
 def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = None,

@@ -148,15 +148,16 @@ class DraftPolicy:
         return ks
 
 
-def plain_from(policy: DraftPolicy | None, max_rows: int) -> int | None:
+def plain_from(policy: DraftPolicy | None, max_rows: int, start: int = 1) -> int | None:
     """The fewest rows (up to `max_rows`) at which the policy, from its prior alone, drafts nothing: from there a
     speculative batch would only take plain steps, so the scheduler gives such requests to the continuous batch,
     which admits and retires rows at every step (a speculative batch does not). None: it drafts at every row count
-    up to `max_rows`."""
+    up to `max_rows`. `start`: the fewest rows at which the method's rounds take the policy at all (2 for suffix and
+    hybrid, whose lone row drafts by its own rule)."""
     if policy is None:
         return None
     rates = row_rates(policy.prior, [], [], policy.k_max)
-    for b in range(1, max_rows + 1):
+    for b in range(start, max_rows + 1):
         ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs)
         if max(ks, default=0) == 0:
             return b

@@ -197,8 +197,9 @@ class _ModelDrafter:  # a Drafter
 
     def __init__(self, draft: Transformer, reqs: list[Request], k: int, vocab: int,
                  lookup: _LookupDrafter | None = None, confidence: float = 0.0, keep_q: bool = True,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, model_off: bool = False):
         self.model, self.k, self.vocab, self.lookup, self.confidence = draft, k, vocab, lookup, confidence
+        self.model_off = model_off  # drafts from the lookup alone: a row it finds nothing for steps plainly
         self.k_max = k  # the most it drafts; `k` is this round's width when a DraftPolicy sets one (`narrow`)
         self.prompt_cache = prompt_cache  # the draft's K/V is cached next to the target's (kind "draft")
         self.use = [r.cache_prompt for r in reqs]
@@ -301,7 +302,7 @@ class _ModelDrafter:  # a Drafter
                     if weak is not None:
                         found[b] = weak(b, ctx[b])
                 return _padded(found, dev), {}, [len(f) for f in found]
-        if all(found):
+        if all(found) or self.model_off:
             return _padded(found, dev), {}, [len(f) for f in found]
         h = self._catch_up(ctx, pos)
         w = max([k] + [len(f) for f in found])

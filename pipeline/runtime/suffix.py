@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from pipeline.runtime.generate import Handoff, Request
+from pipeline.runtime.loadpolicy import plain_from
 from pipeline.runtime.speculative import _ModelDrafter, speculate
 
 ANCHOR = 2  # tokens one index key holds: matches start from this many tokens
@@ -563,6 +564,7 @@ class Suffix:
 
     name, resumable = "suffix", True
     adaptive = True  # decode passes the load policy (used from two rows up)
+    policy_from_rows = 2  # a lone row drafts what its odds and the verify curve say (`_loop_opts`)
 
     def available(self, b) -> bool:
         return b.max_draft_len > 0
@@ -580,6 +582,7 @@ class Hybrid:
 
     name, resumable = "hybrid", True
     adaptive = True
+    policy_from_rows = 2  # a lone row: the suffix's drafts by their odds, the model's unless the policy rules it out
 
     def available(self, b) -> bool:
         return b.draft is not None and b.max_draft_len > 0
@@ -596,9 +599,13 @@ class Hybrid:
         beat = float(((b.draft_config or {}).get("speculation") or {}).get("expected_speedup") or 0.0)
         lookup = SuffixDrafter(reqs, sp.max_draft_len, b.target.embed.weight.device, suffix_store(b), b.verify_cost,
                                sp.suffix_min_match, beat)
+        # A lone row takes no load policy (`_loop_opts`), but where the policy's prior says the draft model cannot
+        # pay even there, its rounds draft from the suffix alone and step plainly elsewhere: the small spec's hybrid
+        # had been sent to plain steps whole (the scheduler's `off`), its edits at 0.4-0.5x the suffix's speed.
+        model_off = len(reqs) == 1 and plain_from(opts.get("policy"), 1) == 1
         drafter = _ModelDrafter(b.draft, reqs, k, b.target.cfg.vocab_size, lookup, opts.get("draft_confidence",
                                 sp.draft_confidence), opts.get("use_draft_logits", sp.use_draft_logits),
-                                opts.get("prompt_cache"))
+                                opts.get("prompt_cache"), model_off)
         return speculate(b.target, reqs, k, on_emit, drafter, **_loop_opts(opts, len(reqs)))
 
 
