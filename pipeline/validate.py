@@ -693,24 +693,61 @@ def chi2_sf(x: float, k: int) -> float:
     return min(1.0, math.exp(-z + a * math.log(z) - math.lgamma(a)) * h)
 
 
+def edit_gains(report: dict) -> dict[str, float]:
+    """Each of our methods' decode tokens/s over baseline's on the edit section's whole-file edits (empty when it did
+    not run): what a method gains on an editor's repeated text, which the chat prompts above do not show."""
+    systems = ((report.get("edit") or {}).get("summary") or {}).get("systems") or {}
+    base = (systems.get("baseline") or {}).get("decode_tokens_per_s")
+    if not base:
+        return {}
+    return {m: e["decode_tokens_per_s"] / base for m, e in systems.items()
+            if m != "baseline" and m in report["methods"] and e.get("decode_tokens_per_s")}
+
+
 def advice(report: dict, methods: list[str]) -> dict:
+    """The method to serve and when to switch speculation off. A crossover at one client is the curve's short
+    requests reading the method no faster than baseline, never a reason to set `disable_at_batch: 1` (that switches
+    speculation off for every request, edits included); under the load policy (`draft_length: load`) the method
+    already steps plainly from its own rows, so nothing is to be set either."""
     exact = [m for m in methods if m != "baseline"
              and all(d.get("classification") == "numeric near-tie" for d in report["methods"][m]["divergences"])]
     best = max(exact, key=lambda m: report["methods"][m]["tokens_per_s"], default="baseline")
     if best != "baseline" and report["methods"][best]["speedup"] <= 1.0:
         best = "baseline"
     off = report["crossover"].get(best) if best != "baseline" else None
+    load = report.get("draft_length") == "load"
+    plain = (report.get("plain_from") or {}).get(best)
+    advise_off = off if off and off > 1 and not load else None
+    if best == "baseline":
+        why = "no speculative method beat baseline"
+    elif advise_off:
+        why = (f"{best} is the fastest greedy-exact method at concurrency 1; at {off} concurrent requests baseline is "
+               f"as fast or faster: set `speculation.disable_at_batch: {off}` in the spec and, with {off} or more "
+               "requests in flight, the server decodes them plainly in its continuous batch (the baseline code "
+               "itself, so switching off costs nothing)")
+    elif off and load:
+        why = (f"{best} is the fastest greedy-exact method at concurrency 1; the curve read it no faster than "
+               f"baseline from {off} concurrent request{'s' if off > 1 else ''}, and under the load policy "
+               "(`speculation.draft_length: load`) it "
+               + (f"steps plainly from {plain} row{'s' if plain > 1 else ''} by itself" if plain else
+                  "chooses each round's drafts by itself") + ": nothing to set")
+    elif off:
+        why = (f"{best} is the fastest greedy-exact method at concurrency 1, and the curve's short requests read it no "
+               "faster than baseline even at one client (within its noise): no switch-off point to set")
+    else:
+        why = (f"{best} is the fastest greedy-exact method at concurrency 1; it stayed faster at every measured "
+               "concurrency")
+    gains = edit_gains(report)
+    if gains:
+        top = max(gains, key=gains.get)
+        why += (f"; on the whole-file edits {top} decoded {gains[top]:.2f}x baseline"
+                + (f" ({best} {gains[best]:.2f}x)" if best in gains and best != top else ""))
     return {"recommended_method": best,
             "speedup_at_concurrency_1": report["methods"][best]["speedup"],
-            "switch_off_speculation_at_concurrency": off,
-            "set": f"speculation.disable_at_batch: {off}" if off else None,
-            "why": (f"{best} is the fastest greedy-exact method at concurrency 1"
-                    + (f"; at {off} concurrent requests baseline is as fast or faster: set "
-                       f"`speculation.disable_at_batch: {off}` in the spec and, with {off} or more requests in flight, "
-                       "the server decodes them plainly in its continuous batch (the baseline code itself, so "
-                       "switching off costs nothing)"
-                       if off else "; it stayed faster at every measured concurrency") if best != "baseline"
-                    else "no speculative method beat baseline")}
+            "switch_off_speculation_at_concurrency": advise_off,
+            "set": f"speculation.disable_at_batch: {advise_off}" if advise_off else None,
+            "edit_gains": gains,
+            "why": why}
 
 
 def write_report(spec: Spec, report: dict) -> None:

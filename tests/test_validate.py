@@ -417,3 +417,32 @@ def test_validate_names_the_methods_the_load_policy_keeps_plain_and_from_how_man
     line = " ".join(plain_from_line({"medusa": 1, "draft_target": 2}))
     assert "medusa from 1 row," in line and "draft_target from 2 rows." in line
     assert plain_from_line({}) == []
+
+
+def _advice_report(crossover: dict, draft_length: str, plain_from: dict | None = None, edit: dict | None = None):
+    m = {"baseline": (100.0, 1.0), "hybrid": (101.0, 1.01), "draft_target": (98.0, 0.98)}
+    return {"methods": {k: {"tokens_per_s": t, "speedup": x, "divergences": []} for k, (t, x) in m.items()},
+            "crossover": crossover, "draft_length": draft_length, "plain_from": plain_from or {},
+            **({"edit": {"summary": {"systems": edit}}} if edit else {})}
+
+
+def test_advice_never_switches_speculation_off_at_one_client_nor_under_the_load_policy():
+    """The small spec's validate advised `speculation.disable_at_batch: 1` (speculation off for every request) from
+    a one-client curve burst that read hybrid 0.94x baseline, while hybrid decoded its whole-file edits at 3.1x
+    baseline in the same run and the load policy already stepped it plainly from 2 rows."""
+    from pipeline.validate import advice
+
+    methods = ["baseline", "hybrid", "draft_target"]
+    edit = {"baseline": {"decode_tokens_per_s": 111.7}, "hybrid": {"decode_tokens_per_s": 344.6},
+            "draft_target": {"decode_tokens_per_s": 113.6}}
+    a = advice(_advice_report({"hybrid": 1}, "load", {"hybrid": 2}, edit), methods)
+    assert a["recommended_method"] == "hybrid" and a["set"] is None
+    assert a["switch_off_speculation_at_concurrency"] is None
+    assert "steps plainly from 2 rows by itself" in a["why"] and "edits hybrid decoded 3.09x baseline" in a["why"]
+    assert a["edit_gains"]["hybrid"] == pytest.approx(344.6 / 111.7)
+    fixed_one = advice(_advice_report({"hybrid": 1}, "fixed"), methods)
+    assert fixed_one["set"] is None and "no switch-off point" in fixed_one["why"]
+    fixed_two = advice(_advice_report({"hybrid": 2}, "fixed"), methods)  # the old advice where it holds
+    assert fixed_two["set"] == "speculation.disable_at_batch: 2" and "edits" not in fixed_two["why"]
+    never = advice(_advice_report({}, "fixed"), methods)
+    assert never["set"] is None and "stayed faster at every measured concurrency" in never["why"]
