@@ -829,7 +829,7 @@ def plain_from_rows(bundle, methods: list[str], max_rows: int) -> dict[str, int]
     """Under `draft_length: load`: each speculative method's fewest rows from which it decodes plainly
     (`decode.plain_rows`), for the methods that do within `max_rows`. What explains an acceptance of 0 in the table: a
     method whose drafts are not expected to pay here steps plainly."""
-    from pipeline.runtime.decode import plain_rows
+    from pipeline.runtime.decode import plain_rows  # lazy: loads torch (~1.5 s); validate's report needs none
 
     out = {}
     for m in methods:
