@@ -6,7 +6,9 @@
 On the built engines: the target's greedy answers to the evaluation prompts (decoded once, cached in /tmp), then for
 each variant of the draft (its source weights as loaded, fp32; the built engine; int4 rounded to nearest as before
 2026-12-06; quant.quantize_int4's searched scales, plain or weighed by the inputs' mean square; GPTQ; `mixB_C`: B-bit
-MLP and C-bit other layers in fp32, an estimate for formats no kernel reads) the draft runs prompt + answer
+MLP and C-bit other layers in fp32, an estimate for formats no kernel reads; `skipN`: the built draft without its N
+least influential layers by ShortGPT's block influence, 1 - cos(a layer's input, its output), on the calibration
+positions: fewer bytes a step, no retraining) the draft runs prompt + answer
 teacher-forced over its reduced head, and
 the script prints its top-1 agreement with the target and draft_tree.py's simulated tokens a one-token step. Every
 int4 variant is the same format (int4, bf16 scale per 128 columns, W4A8 kernel): only the rounding differs. The
@@ -136,7 +138,7 @@ def main() -> int:
     calib = []
     Hs: dict[str, torch.Tensor] = {}  # GPTQ's X^T X by layer
     power: dict[str, torch.Tensor] = {}  # the inputs' mean square by layer, as the draft build weighs its rounding
-    if any(v in ("weighted", "gptq") or v.startswith("mix") for v in args.variants.split(",")):
+    if any(v in ("weighted", "gptq") or v.startswith(("mix", "skip")) for v in args.variants.split(",")):
         tune = read_prompts(s.path(s.draft.train.prompts))[:args.calib]
         tids = [tok.encode(chat_text(tok, p)) for p in tune]
         t0 = time.perf_counter()
@@ -183,6 +185,38 @@ def main() -> int:
         ig = None if imp is None else imp.float().view(1, K // gs, gs)
         best = quant._search_scales(wg, ig, lo, hi)
         return (torch.round(wg / best[..., None]).clamp_(lo, hi) * best[..., None]).view(N, K)
+
+    def skipped_model(n: int):
+        """The built draft without its n least influential layers (block influence on the calibration positions,
+        through the torch path where each layer's input and output can be seen)."""
+        import copy
+
+        layers = list(built.layers)
+        cos = [[] for _ in layers]
+
+        def seen(i):
+            def hook(mod, inp, out):
+                x, y = inp[0].float().reshape(-1, inp[0].shape[-1]), out.float().reshape(-1, out.shape[-1])
+                cos[i].append(float(torch.nn.functional.cosine_similarity(x, y, -1).mean()))
+            return hook
+
+        hooks = [layer.register_forward_hook(seen(i)) for i, layer in enumerate(layers)]
+        try:
+            with torch.enable_grad():  # the torch path (kernels.fast_path is off under grad)
+                for t in calib:
+                    built(torch.tensor([t]), torch.arange(len(t))[None], built.new_cache(1, (len(t) + 64) // 64 * 64))
+        finally:
+            for h in hooks:
+                h.remove()
+        influence = [1 - statistics.mean(c) for c in cos]
+        drop = set(sorted(range(len(layers)), key=lambda i: influence[i])[:n])
+        print(f"skip{n}: layers {sorted(drop)} (block influence {[round(influence[i], 3) for i in sorted(drop)]}; "
+              f"the least of all {min(influence):.3f}, the most {max(influence):.3f})", flush=True)
+        m = copy.copy(built)
+        m._modules = dict(built._modules)  # its own module table: the built draft keeps all its layers
+        m.__dict__.pop("_plans", None)  # the fused step's layer plans, rebuilt for the layers kept
+        m.layers = torch.nn.ModuleList([layer for i, layer in enumerate(layers) if i not in drop])
+        return m
 
     def mixed_model(bits_mlp: int, bits_rest: int):
         st = {}
@@ -238,6 +272,8 @@ def main() -> int:
             m = built
         elif v.startswith("mix"):
             m = mixed_model(int(v[3]), int(v[5]))
+        elif v.startswith("skip"):
+            m = skipped_model(int(v[4:]))
         elif v == "fp32":
             st = {kk: vv for kk, vv in fstate.items() if kk != "lm_head.weight"}
             if not src.cfg.tie_embeddings:
