@@ -137,6 +137,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     lap("transformers")
     # llama.cpp's own server on the target's GGUF (plain and with the draft's GGUF), on every prompt ours ran.
     report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm, plain=llama))
+    report["over_llama_plain_by_prompt"] = over_peer_by_prompt(report)
     lap("llama_cpp_server")
     # 3b. Concurrency curve.
     report["curve_tokens"] = curve_new = curve_tokens(v)
@@ -839,6 +840,33 @@ def plain_from_rows(bundle, methods: list[str], max_rows: int) -> dict[str, int]
     return out
 
 
+def over_peer_by_prompt(report: dict) -> dict[str, dict[str, float]]:
+    """Each method's tokens/s over llama-server plain's, prompt by prompt (the peer's requests interleaved with ours,
+    so each pair saw the same minutes of this machine's moving memory speed): median, least and most. Empty where the
+    peer did not run or was not interleaved."""
+    plain = ((report.get("peers") or {}).get("llama_cpp_server") or {}).get("plain") or {}
+    peer = plain.get("per_prompt_tokens_per_s") or []
+    if not plain.get("interleaved") or not peer:
+        return {}
+    out = {}
+    for m, e in report["methods"].items():
+        ours = e.get("per_prompt_tokens_per_s") or []
+        r = [a / b for a, b in zip(ours, peer) if a and b]
+        if r:
+            out[m] = {"median": statistics.median(r), "min": min(r), "max": max(r), "prompts": len(r)}
+    return out
+
+
+def over_peer_line(ratios: dict[str, dict[str, float]]) -> list[str]:
+    """validate.md's line with `over_peer_by_prompt`."""
+    if not ratios:
+        return []
+    n = max(r["prompts"] for r in ratios.values())
+    return ["", f"Over llama-server plain prompt by prompt ({n} prompts, its requests interleaved with ours): "
+            + ", ".join(f"{m} median {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" for m, r in ratios.items())
+            + "."]
+
+
 def plain_from_line(plain_from: dict[str, int]) -> list[str]:
     """validate.md's line naming the methods the load policy keeps plain, from how many rows."""
     if not plain_from:
@@ -887,6 +915,7 @@ def markdown(r: dict) -> str:
     if n:
         lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
                   "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
+    lines += over_peer_line(over_peer_by_prompt(r))
     lines += plain_from_line(r.get("plain_from") or {})
     if r.get("first_prompt"):
         lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "

@@ -446,3 +446,20 @@ def test_advice_never_switches_speculation_off_at_one_client_nor_under_the_load_
     assert fixed_two["set"] == "speculation.disable_at_batch: 2" and "edits" not in fixed_two["why"]
     never = advice(_advice_report({}, "fixed"), methods)
     assert never["set"] is None and "stayed faster at every measured concurrency" in never["why"]
+
+
+def test_validate_gives_each_methods_speed_over_llama_server_prompt_by_prompt_only_where_they_interleaved():
+    """Issue 53 names draft_target over llama-server plain; the memory's speed moves within minutes here, so the
+    figure is each prompt's pair (the peer's request between ours) and their median, not two totals."""
+    from pipeline.validate import over_peer_by_prompt, over_peer_line
+
+    r = {"methods": {"baseline": {"per_prompt_tokens_per_s": [30.0, 40.0, 30.0]},
+                     "draft_target": {"per_prompt_tokens_per_s": [60.0, 64.0, 45.0]}},
+         "peers": {"llama_cpp_server": {"plain": {"interleaved": True, "per_prompt_tokens_per_s": [25.0, 32.0, 30.0]}}}}
+    got = over_peer_by_prompt(r)
+    assert got["draft_target"] == {"median": 2.0, "min": 1.5, "max": 2.4, "prompts": 3}
+    assert got["baseline"]["median"] == pytest.approx(1.2) and got["baseline"]["max"] == pytest.approx(1.25)
+    assert "draft_target median 2.00x (1.50-2.40)" in over_peer_line(got)[1] and "3 prompts" in over_peer_line(got)[1]
+    r["peers"]["llama_cpp_server"]["plain"]["interleaved"] = False  # totals from other minutes: no pairs to give
+    assert over_peer_by_prompt(r) == {} and over_peer_line({}) == []
+    assert over_peer_by_prompt({"methods": {}, "peers": {}}) == {}
