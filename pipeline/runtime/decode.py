@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.runtime.engine_io import load_engine
 from pipeline.runtime.generate import Emit, Request, Result, generate
-from pipeline.runtime.loadpolicy import plain_from, policy_for, tree_plain_from
+from pipeline.runtime.loadpolicy import plain_from, policy_for
 from pipeline.runtime.medusa import MEDUSA, load_medusa_engine
 from pipeline.runtime.model import Transformer
 from pipeline.runtime.prompt_cache import PromptCache
@@ -129,16 +129,14 @@ def method_named(name: str) -> Method:
 
 def plain_rows(b: Bundle, method: str, max_rows: int) -> int | None:
     """With `draft_length: load`, the fewest rows (up to `max_rows`) from which `method` decodes plainly: a chain
-    drafter's from its load policy's stored costs and prior acceptance (`loadpolicy.plain_from`), Medusa's from the
-    tree its build chose and timed (`loadpolicy.tree_plain_from`). None: it speculates at every row count up to
+    drafter's from its load policy's stored costs and prior acceptance (`loadpolicy.plain_from`), a method judged
+    by the batch (`batch_plain_from`: Medusa's tree) from its own rule. None: it speculates at every row count up to
     `max_rows`, or the policy does not apply (`draft_length: fixed`, baseline, a method without it)."""
     if method == "baseline" or b.spec.draft_length != "load":
         return None
-    if method == "medusa":
-        if b.medusa is None:
-            return None
-        return tree_plain_from(b.medusa.config.get("medusa", {}).get("tree"), b.medusa.tree.size, max_rows)
     m = method_named(method)
+    if hasattr(m, "batch_plain_from"):
+        return m.batch_plain_from(b, max_rows)
     if not getattr(m, "adaptive", False):
         return None
     try:
@@ -165,7 +163,7 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         opts.setdefault("prompt_cache", b.prompt_cache)
     m = method_named(method)
     off = b.spec.off_at(method, len(reqs), disable_at_batch)
-    if method == "medusa" and not off:  # a tree its build expects not to pay steps plainly (`draft_length: load`)
+    if not off and hasattr(m, "batch_plain_from"):  # judged by the batch (Medusa's tree; `draft_length: load`)
         at = plain_rows(b, method, len(reqs))
         off = at is not None and len(reqs) >= at
     if opts.get("resume") and (not m.resumable or off):

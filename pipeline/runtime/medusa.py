@@ -57,6 +57,7 @@ from pipeline.runtime.generate import (
     start_length,
 )
 from pipeline.runtime.kernels import linear, torch_on_caller
+from pipeline.runtime.loadpolicy import tree_plain_from
 from pipeline.runtime.model import Transformer, wt
 from pipeline.runtime.prompt_cache import prefill_cached
 from pipeline.runtime.quant import head_rows
@@ -457,6 +458,15 @@ class Medusa:
 
     def available(self, b) -> bool:
         return b.medusa is not None
+
+    def batch_plain_from(self, b, max_rows: int) -> int | None:
+        """Under `draft_length: load`, the fewest rows from which this deployment's tree is not expected to pay
+        (`loadpolicy.tree_plain_from`, on the tree its build chose and timed). A tree round has no per-row width to
+        narrow, so a batch is judged whole: `decode` runs it plainly from there, the scheduler sends it to the
+        continuous batch."""
+        if b.medusa is None:
+            return None
+        return tree_plain_from(b.medusa.config.get("medusa", {}).get("tree"), b.medusa.tree.size, max_rows)
 
     def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
         # The rounds' torch ops (the heads, the tree's inputs, the argmax over every node's logits) on the calling

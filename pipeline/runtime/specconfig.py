@@ -185,7 +185,9 @@ class Drafter(Protocol):
 
 class Method(Protocol):
     """One decoding method as `decode` runs it (`b` is the loaded pipeline.runtime.decode.Bundle; not imported
-    here, which would make a circle)."""
+    here, which would make a circle). Optional, under `draft_length: load`: `adaptive = True` (its rounds take the
+    per-round DraftPolicy, `policy_from_rows` the fewest rows at which they do) or `batch_plain_from(b, max_rows)`
+    (its batches judged whole: the fewest rows from which they decode plainly; Medusa)."""
 
     name: str
     resumable: bool  # can continue rows handed off mid-request (`resume=`)
