@@ -470,7 +470,7 @@ class Medusa:
 
     def run(self, b, reqs: list[Request], k: int, on_emit: Emit | None, **opts) -> list[Result | Handoff]:
         # The rounds' torch ops (the heads, the tree's inputs, the argmax over every node's logits) on the calling
-        # thread: as OpenMP regions they waited for the cores the kernels' pool holds, and a round took 2.2x as long
+        # thread: as OpenMP regions they waited for the cores the kernels' pool holds, and a round took 2.4x as long
         # (SmolLM2-135M, in process, 6 prompts x 128 tokens, 2026-12-06: 0.36x baseline, 0.86x on the caller).
         with torch_on_caller():
             return medusa_generate(b.target, b.medusa, reqs, on_emit, **opts)
