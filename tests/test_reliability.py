@@ -198,8 +198,9 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert r["models"] == ["ensemble", "tensorrt_llm_bls"], "the soak sends to every served model"
     assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
-    # the tiny model may finish an abandoned request before its cancel arrives; it never counts more
-    assert 0 < r["server_cancelled"] <= r["cancelled"]
+    # an abandoned request cannot end by itself (load.ABANDONED: no end token, a long budget), so the server counts
+    # every one: none finished in the moment its client went (where tritonserver 2.51 can crash: docs/serving.md)
+    assert r["server_cancelled"] == r["cancelled"] > 0
     assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r

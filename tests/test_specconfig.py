@@ -129,6 +129,26 @@ def test_a_request_k_above_the_limit_is_refused_with_the_same_rule(tiny_tokenize
     assert parser.parse(get(0)).method == "baseline"
 
 
+def test_end_id_minus_one_means_no_end_token_and_other_negatives_are_refused(tiny_tokenizer):
+    """end_id -1 (TensorRT-LLM's executor reads it so): the request decodes to max_tokens or a stop word; the load
+    tool's abandoned requests use it so that none ends by itself in the moment its client goes."""
+    lim = Limits(max_batch_size=2, max_input_len=64, max_seq_len=128, vocab=len(tiny_tokenizer), end_ids=(1, 2),
+                 methods=["baseline"], default_method="baseline", spec=SpecDecodeConfig(max_draft_len=4))
+    parser = RequestParser(tiny_tokenizer, lim)
+
+    def get(end_id):
+        d = {"text_input": np.array([[b"hello there"]], dtype=object), "max_tokens": np.array([[4]], np.int32)}
+        if end_id is not None:
+            d["end_id"] = np.array([[end_id]], np.int32)
+        return d.get
+
+    assert parser.parse(get(None)).reqs[0].end_ids == (1, 2)
+    assert parser.parse(get(5)).reqs[0].end_ids == (5,)
+    assert parser.parse(get(-1)).reqs[0].end_ids == ()
+    with pytest.raises(BadRequest, match=r"end_id: got -2; must be a token id between 0 and \d+, or -1 for none"):
+        parser.parse(get(-2))
+
+
 def test_the_methods_table_lists_each_method_once_and_availability_follows_what_was_loaded():
     assert METHOD_NAMES == ("baseline", "draft_target", "prompt_lookup", "medusa", "suffix", "hybrid")
     assert all(m.name in METHOD_NAMES and isinstance(m.resumable, bool) for m in METHODS)

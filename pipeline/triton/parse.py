@@ -308,9 +308,10 @@ class RequestParser:
             end_ids = tuple(lim.end_ids)
             if cols["end_id"][i] is not None:
                 e = int(cols["end_id"][i])
-                if not 0 <= e < lim.vocab:
-                    raise BadRequest(f"end_id: got {e}; must be a token id between 0 and {lim.vocab - 1}")
-                end_ids = (e,)
+                if not -1 <= e < lim.vocab:
+                    raise BadRequest(f"end_id: got {e}; must be a token id between 0 and {lim.vocab - 1}, or -1 for "
+                                     "none (decode to max_tokens or a stop word)")
+                end_ids = (e,) if e >= 0 else ()  # -1: no end token, as TensorRT-LLM's executor reads end_id=-1
             if self._words(bads, "bad_words", i):
                 raise BadRequest("bad_words: not supported by the torch backend; send an empty list or omit it")
             stop_ids = [self.tok(w, add_special_tokens=False)["input_ids"] for w in self._words(stops, "stop_words", i)]
