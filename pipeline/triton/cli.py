@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline import spec as specmod
 from pipeline.client import chat_text, generate
-from pipeline.triton import openai_api, server
+from pipeline.triton import keeper, openai_api, server
 from pipeline.triton.repo import client_model, write_repo
 from pipeline.triton.server import grpc_url
 from pipeline.trtllm.planning import source
@@ -46,6 +46,8 @@ def cmd_serve(args) -> int:
         except BaseException:
             server.stop(s)  # all or nothing: `make serve` never leaves half a deployment up
             raise
+    if not args.foreground and not args.no_keep and not keeper.running_pid(s):
+        keeper.start(args.spec, s)  # starts the server again if it dies (tritonserver 2.51's gRPC race)
     print(f"serving {s.name}: gRPC {srv.grpc_url}"
           + (f", OpenAI {openai_api.base_url(s)} (model {s.name!r})" if s.openai.enabled else "")
           + f"; try `python -m pipeline client {args.spec} --prompt \"Hi\" --stream`; stop with `make stop`")
@@ -65,6 +67,7 @@ def cmd_serve(args) -> int:
 
 def cmd_stop(args) -> int:
     s = specmod.load(args.spec)
+    keeper.stop(s)  # first: a stopped server is never started again
     if openai_api.stop(s):
         print(f"stopped the {s.name} OpenAI endpoint")
     if server.stop(s, log=print):
@@ -141,6 +144,8 @@ def register(verb) -> None:
     sp = verb("serve", cmd_serve, "start tritonserver on the spec's host/ports and wait until the models are ready")
     sp.add_argument("--timeout", type=float, default=None, help="seconds to wait (default triton.startup_timeout_s)")
     sp.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the server")
+    sp.add_argument("--no-keep", action="store_true", help="start no keeper (pipeline/triton/keeper.py), which starts "
+                    "a detached server again if it dies")
     sp.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     verb("stop", cmd_stop, "stop the server (and its OpenAI endpoint) started by `serve`")
     sp = verb("openai", cmd_openai, "run the OpenAI-compatible endpoint in the foreground in front of a running "

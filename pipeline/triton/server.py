@@ -304,6 +304,7 @@ def stop(spec: Spec, timeout: float = 30.0, log=lambda *a: None) -> bool:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         procs = []
+    pid_file(spec).unlink(missing_ok=True)  # first: the keeper (pipeline/triton/keeper.py) starts no stopped server
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
