@@ -103,6 +103,63 @@ def test_a_rows_running_acceptance_takes_over_from_the_prior_and_never_rises_wit
     assert row_rates([0.2, 0.9], [], [], 2) == [0.2, 0.2]
 
 
+def _flagship_like(k: int = 6) -> DraftPolicy:
+    """One row: a draft step 0.29 of a target step, a verify of n tokens 1 + 0.05 (n - 1) steps, a prior near the
+    flagship draft's (0.88 at the first position)."""
+    costs = Costs({1: 0.29}, {1: [1.0 + 0.05 * n for n in range(k + 1)]})
+    return DraftPolicy(costs, k, [0.88, 0.77, 0.67, 0.58, 0.5, 0.43])
+
+
+def _rounds(pol: DraftPolicy, acc: list[int], prop: list[int], n: int, hit: bool) -> list[int]:
+    """n rounds of one row; a round that drafts w tokens is all accepted (`hit`) or missed at the first position."""
+    widths = []
+    for _ in range(n):
+        w = pol.lengths([(False, 1000, acc, prop)])[0]
+        widths.append(w)
+        for i in range(w):
+            while len(prop) <= i:
+                prop.append(0)
+                acc.append(0)
+            prop[i] += 1
+            acc[i] += int(hit)
+    return widths
+
+
+def test_a_row_kept_plain_by_its_first_misses_drafts_again_later_and_takes_up_a_predictable_rest(monkeypatch):
+    """A row's own counts fade while it steps plainly (IDLE_DECAY): after four first-position misses it probes again
+    within twenty plain rounds, and a rest that the draft predicts is drafted long again. Without the fade it stays
+    plain for good (its counts never move)."""
+    from pipeline.runtime import loadpolicy
+
+    pol = _flagship_like()
+    acc, prop = [0], [4]  # its first four rounds missed at the first position
+    widths = _rounds(pol, acc, prop, 20, hit=True)
+    assert widths[0] == 0 and max(widths) >= 1
+    assert max(_rounds(pol, acc, prop, 20, hit=True)) >= 4, "once its drafts land again it drafts long"
+    monkeypatch.setattr(loadpolicy, "IDLE_DECAY", 1.0)
+    assert _rounds(_flagship_like(), [0], [4], 60, hit=True) == [0] * 60
+
+
+def test_a_row_whose_probes_keep_missing_steps_plainly_most_rounds():
+    """The probe's cost where the draft never predicts the row: one draft (PROBE_WIDTH) in at most one round of
+    eight, some 4% of a plain step's time at the flagship's costs."""
+    from pipeline.runtime.loadpolicy import PROBE_WIDTH
+
+    widths = _rounds(_flagship_like(), [0], [4], 200, hit=False)
+    probes = [w for w in widths if w]
+    assert 0 < len(probes) <= len(widths) / 8 and set(probes) == {PROBE_WIDTH}
+
+
+def test_a_row_that_takes_every_draft_is_expected_to_go_deeper_than_the_prior():
+    """The rates chain each position's rate given the ones before: a row accepting all its drafts of 4 is expected to
+    take a 5th more often than the prior's average row, and drafts to k (blended position by position it kept to 4)."""
+    prior = [0.88, 0.77, 0.67, 0.58, 0.5, 0.43]
+    r = row_rates(prior, [10] * 4, [10] * 4, 6)
+    assert r == sorted(r, reverse=True) and r[4] > prior[4] and r[5] > prior[5]
+    assert row_rates(prior, [], [], 6) == pytest.approx(prior)
+    assert _rounds(_flagship_like(), [], [], 10, hit=True)[-1] == 6
+
+
 def test_one_row_costs_stand_for_a_batch_as_one_row_of_all_its_tokens():
     c = Costs.from_stored({"c_draft": 1, "costs_s": {"c_draft": 0.002, "c_verify": [0.01, 0.011, 0.012, 0.02]}})
     assert c.verify(1, 2) == pytest.approx(0.011)

@@ -36,6 +36,13 @@ MIN_GAIN = 1.2
 # rows a width must expect MIN_GAIN_ROWS times a plain step's tokens/s.
 MIN_GAIN_ROWS = 1.8
 PRIOR_WEIGHT = 4  # rounds of pick-k's measured acceptance a row starts from before its own counts take over
+# Each round a row steps plainly, the counts it has so far weigh this much less against the prior (what it drafts
+# afterwards counts in full). Without it a plain row was plain for good: it proposes nothing, so its counts never
+# move again, and a row whose first few drafts missed (4 misses at the first position from the flagship's prior 0.88)
+# decoded its whole answer plainly however predictable the rest was. With it the row drafts again after a few plain
+# rounds, a probe of at most PROBE_WIDTH drafts, and after ever more plain rounds while its probes keep missing.
+IDLE_DECAY = 0.95
+PROBE_WIDTH = 1  # a row that stepped plainly last round drafts at most this many: a missed probe costs little
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
 
@@ -92,15 +99,22 @@ class Costs:
 
 
 def row_rates(prior: list[float], accepted: list[int], proposed: list[int], k: int) -> list[float]:
-    """P(the first i+1 drafts are accepted) for i < k for one row: its own counts per position blended with the
-    prior (`PRIOR_WEIGHT` rounds' worth), made non-increasing (a longer prefix is never likelier)."""
-    out, last = [], 1.0
+    """P(the first i+1 drafts are accepted) for i < k for one row: the product of its rates at each position given
+    the ones before, each its own (accepted at i over tried at i: proposed there with the first i accepted) blended
+    with the prior's (P_i / P_(i-1)) worth `PRIOR_WEIGHT` rounds. A position the row has not reached takes the prior's
+    rate there on top of the row's own so far: a row that accepts every draft is expected to go on deeper than the
+    prior's average row (blended position by position, a row taking all its drafts of 4 kept drafting 4 where k was 6:
+    its 5th position stayed at the prior's 0.5 for want of a round that drafted it)."""
+    out, last, p_before, acc_before = [], 1.0, 1.0, 0.0
     for i in range(k):
         p = prior[i] if i < len(prior) else (prior[-1] if prior else 0.0)
+        given = min(1.0, p / p_before) if p_before > 0 else 0.0
         a = accepted[i] if i < len(accepted) else 0
         n = proposed[i] if i < len(proposed) else 0
-        last = min(last, (a + PRIOR_WEIGHT * p) / (n + PRIOR_WEIGHT))
+        tried = n if i == 0 else min(n, acc_before)
+        last *= min(1.0, (a + PRIOR_WEIGHT * given) / (tried + PRIOR_WEIGHT))
         out.append(last)
+        p_before, acc_before = p, a
     return out
 
 
@@ -138,11 +152,33 @@ class DraftPolicy:
     k_max: int
     prior: list[float]
     decisions: dict[int, int] = field(default_factory=dict)
+    widths: dict[int, int] = field(default_factory=dict)  # batch row -> the draft length it was given last round
+    # per batch row: its counts (accepted, proposed per position) as last seen, and as the policy weighs them
+    seen: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    weighed: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+
+    def _weigh(self, b: int, acc: list[int], prop: list[int]) -> tuple[list[float], list[float]]:
+        """Row b's counts as the policy weighs them: at each position it was not given a draft for last round they
+        fade by IDLE_DECAY, and what it counted since adds in full (a resumed row starts from its carried counts)."""
+        n = max(len(acc), len(prop), len(self.weighed.get(b, ([], []))[0]))
+        pad = lambda v: list(v) + [0] * (n - len(v))  # noqa: E731
+        (old_acc, old_prop), (w_acc, w_prop) = self.seen.get(b, ([], [])), self.weighed.get(b, ([], []))
+        acc, prop, old_acc, old_prop, w_acc, w_prop = map(pad, (acc, prop, old_acc, old_prop, w_acc, w_prop))
+        k = self.widths.get(b)
+        fade = [1.0 if k is None or i < k else IDLE_DECAY for i in range(n)]
+        w = ([f * x + a - o for f, x, a, o in zip(fade, w_acc, acc, old_acc)],
+             [f * x + p - o for f, x, p, o in zip(fade, w_prop, prop, old_prop)])
+        self.seen[b], self.weighed[b] = (acc, prop), w
+        return w
 
     def lengths(self, rows: list[tuple[bool, int, list[int], list[int]]]) -> list[int]:
         """rows: (done, tokens it may still emit, accepted per position, proposed per position) per batch row."""
-        rates = [None if done else row_rates(self.prior, acc, prop, self.k_max) for done, _, acc, prop in rows]
-        ks, _ = choose(rates, [rem for _, rem, _, _ in rows], self.k_max, self.costs)
+        rates: list[list[float] | None] = []
+        for b, (done, _, acc, prop) in enumerate(rows):
+            rates.append(None if done else row_rates(self.prior, *self._weigh(b, acc, prop), self.k_max))
+        room = [min(rem, PROBE_WIDTH + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
+        ks, _ = choose(rates, room, self.k_max, self.costs)
+        self.widths = dict(enumerate(ks))
         w = max(ks, default=0)
         self.decisions[w] = self.decisions.get(w, 0) + 1
         return ks
