@@ -110,17 +110,20 @@ def test_the_served_parameters_read_back_to_the_same_config():
     assert SpecDecodeConfig.from_params(lambda k, d: auto.get(k, d), 8, measured_k=3).num_draft_tokens == 3
 
 
+def _inputs(name: str, value: int | None):
+    """A request's tensors as the parser's `get` reads them: a short prompt, 4 tokens, and `name` unless None."""
+    d = {"text_input": np.array([[b"hello there"]], dtype=object), "max_tokens": np.array([[4]], np.int32)}
+    if value is not None:
+        d[name] = np.array([[value]], np.int32)
+    return d.get
+
+
 def test_a_request_k_above_the_limit_is_refused_with_the_same_rule(tiny_tokenizer):
     cfg = SpecDecodeConfig(max_draft_len=4, num_draft_tokens=3)
     lim = Limits(max_batch_size=2, max_input_len=64, max_seq_len=128, vocab=len(tiny_tokenizer), end_ids=(1,),
                  methods=["baseline", "draft_target", "prompt_lookup"], default_method="draft_target", spec=cfg)
     parser = RequestParser(tiny_tokenizer, lim)
-
-    def get(k):
-        d = {"text_input": np.array([[b"hello there"]], dtype=object), "max_tokens": np.array([[4]], np.int32)}
-        if k is not None:
-            d["num_draft_tokens"] = np.array([[k]], np.int32)
-        return d.get
+    get = lambda k: _inputs("num_draft_tokens", k)  # noqa: E731
 
     with pytest.raises(BadRequest, match=r"num_draft_tokens: got 5; must be between 1 and limits.max_draft_len \(4\); "
                                          r"send one within it"):
@@ -135,12 +138,7 @@ def test_end_id_minus_one_means_no_end_token_and_other_negatives_are_refused(tin
     lim = Limits(max_batch_size=2, max_input_len=64, max_seq_len=128, vocab=len(tiny_tokenizer), end_ids=(1, 2),
                  methods=["baseline"], default_method="baseline", spec=SpecDecodeConfig(max_draft_len=4))
     parser = RequestParser(tiny_tokenizer, lim)
-
-    def get(end_id):
-        d = {"text_input": np.array([[b"hello there"]], dtype=object), "max_tokens": np.array([[4]], np.int32)}
-        if end_id is not None:
-            d["end_id"] = np.array([[end_id]], np.int32)
-        return d.get
+    get = lambda end_id: _inputs("end_id", end_id)  # noqa: E731
 
     assert parser.parse(get(None)).reqs[0].end_ids == (1, 2)
     assert parser.parse(get(5)).reqs[0].end_ids == (5,)
