@@ -46,10 +46,16 @@ def kept(tmp_path_factory):
         main(["stop", str(path)])
 
 
-def _restarted(s, old: int) -> int:
-    _until(lambda: srvmod.running_pid(s) not in (None, old) and srvmod.is_ready(s),
-           f"the keeper did not start the server again after pid {old}; keeper log:\n"
-           f"{keeper.log_file(s).read_text() if keeper.log_file(s).is_file() else '(none)'}")
+def _readies(s) -> int:
+    """How many servers the keeper has logged ready so far."""
+    return keeper.log_file(s).read_text().count("tritonserver ready in") if keeper.log_file(s).is_file() else 0
+
+
+def _restarted(s, old: int, readies: int) -> int:
+    """The keeper's new server, once it is ready and the keeper watches it (it logged one more server ready than the
+    `readies` counted before the old one was killed)."""
+    _until(lambda: srvmod.running_pid(s) not in (None, old) and srvmod.is_ready(s) and _readies(s) > readies,
+           f"the keeper did not start the server again after pid {old}")
     return srvmod.running_pid(s)
 
 
@@ -57,9 +63,9 @@ def test_a_server_that_dies_of_a_fatal_signal_is_started_again_and_answers(kept)
     s, _ = kept
     want = generate(srvmod.grpc_url(s), "ensemble", "Tell me about the moon.", 8, end_id=UNUSED_END)["text"]
     assert keeper.running_pid(s), "serve (detached) starts a keeper"
-    old = srvmod.running_pid(s)
+    old, readies = srvmod.running_pid(s), _readies(s)
     os.kill(old, signal.SIGSEGV)  # as tritonserver 2.51's gRPC race does (docs/serving.md)
-    new = _restarted(s, old)
+    new = _restarted(s, old, readies)
     assert generate(srvmod.grpc_url(s), "ensemble", "Tell me about the moon.", 8, end_id=UNUSED_END)["text"] == want
     assert "Signal (11) received." in (s.report_dir / "triton.log.prev").read_text(), "the dead server's log is kept"
     assert f"tritonserver pid {old} died after a fatal signal" in keeper.log_file(s).read_text()
@@ -70,11 +76,11 @@ def test_a_server_hung_after_a_fatal_signal_is_killed_and_started_again(kept, mo
     """The CI run's case: the crash handler never finished, the process stayed and answered nobody. Here the server
     is frozen (SIGSTOP) and its log says what tritonserver's handler prints first; the keeper waits HUNG_S (15 s)."""
     s, _ = kept
-    old = srvmod.running_pid(s)
+    old, readies = srvmod.running_pid(s), _readies(s)
     os.kill(old, signal.SIGSTOP)
     with open(srvmod.log_file(s), "a") as f:
         f.write("Signal (11) received.\n")
-    _restarted(s, old)
+    _restarted(s, old, readies)
     assert "still runs 15 s later (hung in its crash handler); killing it" in keeper.log_file(s).read_text()
     assert generate(srvmod.grpc_url(s), "ensemble", "Tell me about the moon.", 4, end_id=UNUSED_END)["text"]
 

@@ -47,7 +47,7 @@ def cmd_serve(args) -> int:
             server.stop(s)  # all or nothing: `make serve` never leaves half a deployment up
             raise
     if not args.foreground and not args.no_keep and not keeper.running_pid(s):
-        keeper.start(args.spec, s)  # starts the server again if it dies (tritonserver 2.51's gRPC race)
+        keeper.start(args.spec, s, srv.pid)  # starts the server again if it dies (tritonserver 2.51's gRPC race)
     print(f"serving {s.name}: gRPC {srv.grpc_url}"
           + (f", OpenAI {openai_api.base_url(s)} (model {s.name!r})" if s.openai.enabled else "")
           + f"; try `python -m pipeline client {args.spec} --prompt \"Hi\" --stream`; stop with `make stop`")

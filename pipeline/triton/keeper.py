@@ -10,7 +10,7 @@ file before it signals the server, so the keeper never starts a server that was 
 the keeper. `serve --foreground` starts none: there the supervisor that runs it (Kubernetes, from the liveness probe
 of the manifests) restarts the server.
 
-Run as `python -m pipeline.triton.keeper SPEC`; its log is reports/<name>/keeper.log.
+Run as `python -m pipeline.triton.keeper SPEC [PID]`; its log is reports/<name>/keeper.log.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _kill(pid: int) -> None:
             pass
 
 
-def keep(spec: Spec, log: Callable[[str], None] = print, max_restarts: int = MAX_RESTARTS,
+def keep(spec: Spec, log: Callable[[str], None] = print, pid: int | None = None, max_restarts: int = MAX_RESTARTS,
          window_s: float = WINDOW_S, hung_s: float = HUNG_S, poll_s: float = POLL_S) -> int:
-    """Watch this spec's server until it is stopped (its pid file removed): 0; or until it died `max_restarts` times
-    in `window_s`: 1, the server left down and the reason logged."""
-    pid = server.running_pid(spec)
+    """Watch this spec's server (`pid`, as `serve` started it; default the running one) until it is stopped (its pid
+    file removed): 0; or until it died `max_restarts` times in `window_s`: 1, the server left down and the reason
+    logged. Given `pid`, a server that died before the keeper got going (its import takes a moment) is started again."""
+    pid = pid or server.running_pid(spec)
     if pid is None:
         log(f"no {spec.name} server is running; nothing to keep")
         return 1
@@ -111,23 +112,25 @@ def keep(spec: Spec, log: Callable[[str], None] = print, max_restarts: int = MAX
             log("the server was stopped; the keeper ends")
             return 0
         how = "after a fatal signal" if fatal_signal_seen(server.log_file(spec)) else "unexpectedly"
-        now = time.monotonic()
-        restarts = [t for t in restarts if now - t < window_s] + [now]
-        if len(restarts) > max_restarts:
+        while True:  # a start that fails (a server that dies or hangs while it loads) counts as one more death
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < window_s] + [now]
+            if len(restarts) > max_restarts:
+                server.pid_file(spec).unlink(missing_ok=True)
+                log(f"tritonserver pid {pid} died {how}: {len(restarts)} deaths in {window_s:.0f} s, more than the "
+                    f"keeper restarts ({max_restarts}); leaving it down. Its log: {server.log_file(spec)}; start it "
+                    "again with `make serve`")
+                return 1
+            log(f"tritonserver pid {pid} died {how} (its log is kept as {server.log_file(spec)}.prev); starting it "
+                f"again ({len(restarts)} of {max_restarts} in {window_s:.0f} s)")
             server.pid_file(spec).unlink(missing_ok=True)
-            log(f"tritonserver pid {pid} died {how}: {len(restarts)} deaths in {window_s:.0f} s, more than the keeper "
-                f"restarts ({max_restarts}); leaving it down. Its log: {server.log_file(spec)}; start it again with "
-                "`make serve`")
-            return 1
-        log(f"tritonserver pid {pid} died {how} (its log is kept as {server.log_file(spec)}.prev); starting it again "
-            f"({len(restarts)} of {max_restarts} in {window_s:.0f} s)")
-        server.pid_file(spec).unlink(missing_ok=True)
-        _wait_ports(spec)
-        try:
-            srv = server.start(spec, log=log)
-        except server.ServerError as e:
-            log(f"could not start tritonserver again: {e}")
-            return 1
+            _wait_ports(spec)
+            try:
+                srv = server.start(spec, log=log)
+                break
+            except server.ServerError as e:
+                log(f"could not start tritonserver again: {e}")
+                how = "while it started"
         pid, proc, signalled_at = srv.pid, srv.proc, None
 
 
@@ -140,13 +143,13 @@ def _wait_ports(spec: Spec, timeout: float = 30.0) -> None:
         time.sleep(0.25)
 
 
-def start(spec_path: Path, spec: Spec) -> int:
-    """Start the keeper for this spec's running server, detached; its pid."""
+def start(spec_path: Path, spec: Spec, pid: int) -> int:
+    """Start the keeper for this spec's server `pid`, detached; the keeper's pid."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     with open(log_file(spec), "a") as lf:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(Path(spec_path).resolve())], stdout=lf,
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(Path(spec_path).resolve()), str(pid)], stdout=lf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(spec.report_dir),
                                 start_new_session=True)
     pid_file(spec).write_text(json.dumps({"pid": proc.pid, "started": time.time()}))
@@ -172,12 +175,13 @@ def stop(spec: Spec, timeout: float = 5.0) -> bool:
 
 def main(argv: list[str]) -> int:
     spec = specmod.load(argv[0])
+    pid = int(argv[1]) if len(argv) > 1 else None
 
     def log(msg: str) -> None:
         print(time.strftime("%Y-%m-%d %H:%M:%S ") + msg, flush=True)
 
     try:
-        return keep(spec, log)
+        return keep(spec, log, pid)
     finally:
         pid_file(spec).unlink(missing_ok=True)
 
