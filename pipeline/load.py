@@ -106,7 +106,7 @@ def server_counters(spec: specmod.Spec, *names: str) -> dict[str, float]:
 
 # An abandoned request never ends by itself (end_id -1: no end token; and `long_budget` tokens): its client is gone
 # before its final response. tritonserver 2.51 (the newest nvidia-pytriton's) can crash when a client drops its
-# connection in the moment its stream's final response is sent (docs/serving.md, "Known upstream issues"); a soak
+# connection in the moment its stream's final response is sent (docs/serving.md, "Known upstream issue"); a soak
 # provokes that on every model that answers an abandoned request in a few tokens, and measures Triton, not the models.
 ABANDONED = {"end_id": -1}
 CANCELLED = "spec_decode_requests_cancelled_total"

@@ -915,7 +915,7 @@ def markdown(r: dict) -> str:
     if n:
         lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
                   "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
-    lines += over_peer_line(over_peer_by_prompt(r))
+    lines += over_peer_line(r.get("over_llama_plain_by_prompt") or {})
     lines += plain_from_line(r.get("plain_from") or {})
     if r.get("first_prompt"):
         lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "

@@ -1,7 +1,7 @@
 """The keeper: starts again a served tritonserver that died, so one client cannot leave the deployment down.
 
 tritonserver 2.51 (the newest nvidia-pytriton's) can die of a segmentation fault when a client drops its connection
-in the moment its stream's final response is sent (docs/serving.md, "Known upstream issues"); one CI run's server
+in the moment its stream's final response is sent (docs/serving.md, "Known upstream issue"); one CI run's server
 crashed and then hung in its crash handler, and every later request waited out its timeout. `serve` (detached) starts
 this keeper next to the server: it polls the server's process, and when the process is gone, or its log says it took
 a fatal signal and it still runs `HUNG_S` later (killed then), it starts the server again with `server.start` (the
@@ -29,6 +29,7 @@ import psutil
 from pipeline import spec as specmod
 from pipeline.spec import Spec
 from pipeline.triton import server
+from pipeline.triton.repo import PACKAGE_ROOT
 
 MAX_RESTARTS = 5  # in WINDOW_S; beyond that the server stays down (something other than a rare race kills it)
 WINDOW_S = 600.0
@@ -89,12 +90,17 @@ def keep(spec: Spec, log: Callable[[str], None] = print, pid: int | None = None,
     restarts: list[float] = []
     signalled_at: float | None = None
     log(f"keeping tritonserver pid {pid} (log {server.log_file(spec)})")
+    def stopped() -> bool:
+        if server.pid_file(spec).is_file():
+            return False
+        log("the server was stopped; the keeper ends")
+        return True
+
     while True:
         time.sleep(poll_s)
         if proc is not None:
             proc.poll()  # reap a dead child, so it reads as gone
-        if not server.pid_file(spec).is_file():
-            log("the server was stopped; the keeper ends")
+        if stopped():
             return 0
         alive = server.running_pid(spec) == pid
         if alive and fatal_signal_seen(server.log_file(spec)):
@@ -108,8 +114,7 @@ def keep(spec: Spec, log: Callable[[str], None] = print, pid: int | None = None,
         if alive:
             continue
         time.sleep(poll_s)  # `stop` removes the pid file before it signals: a stop is seen by now
-        if not server.pid_file(spec).is_file():
-            log("the server was stopped; the keeper ends")
+        if stopped():
             return 0
         how = "after a fatal signal" if fatal_signal_seen(server.log_file(spec)) else "unexpectedly"
         while True:  # a start that fails (a server that dies or hangs while it loads) counts as one more death
@@ -146,8 +151,7 @@ def _wait_ports(spec: Spec, timeout: float = 30.0) -> None:
 def start(spec_path: Path, spec: Spec, pid: int) -> int:
     """Start the keeper for this spec's server `pid`, detached; the keeper's pid."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     with open(log_file(spec), "a") as lf:
         proc = subprocess.Popen([sys.executable, "-m", __name__, str(Path(spec_path).resolve()), str(pid)], stdout=lf,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(spec.report_dir),
