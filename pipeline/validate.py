@@ -130,7 +130,9 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     _method_sections(report, runs, bundle, texts, v.near_tie_margin)
     report["draft"] = _draft_section(spec, bundle, runs["baseline"])
     report["acceptance_per_position"] = acceptance_per_position(bundle, prompts[:4], new, decode, Request)
-    report["suspicious"] = suspicious(report, bundle)
+    report["draft_length"] = spec.speculation.draft_length
+    report["plain_from"] = plain_from_rows(bundle, methods, spec.limits.max_batch_size)
+    report["suspicious"] = suspicious(report)
     lap("acceptance_per_position")
     # 4. Peers in the same run: transformers generate and assisted generation, same prompts.
     report["peers"].update(_transformers_peers(spec, bundle, texts, new))
@@ -153,8 +155,6 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
             report["batch_curve"], default, report["vs_llama_server_at_concurrency"].get(default),
             curve_targets.ceilings(spec.engine_dir / "draft" / "config.json", default, v.concurrency))
     report["disable_at_batch"] = spec.speculation.disable_at_batch
-    report["draft_length"] = spec.speculation.draft_length
-    report["plain_from"] = plain_from_rows(bundle, methods, spec.limits.max_batch_size)
     if "draft_target" in report["methods"]:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
     # 3c. Temperatures: exact methods vs Medusa typical (lossy).
@@ -501,14 +501,16 @@ def acceptance_per_position(bundle, prompts: list[str], new: int, decode, Reques
     return out
 
 
-def suspicious(report: dict, bundle) -> list[str]:
-    """Flag acceptance figures pinned at 0, at one token, or at the maximum."""
+def suspicious(report: dict) -> list[str]:
+    """Flag acceptance figures pinned at 0, at one token, or at the maximum. A method the load policy keeps plain
+    from one row (`report["plain_from"]`, named in its own line) proposes nothing by design: not flagged."""
     flags = []
     for m, e in report["methods"].items():
         if m == "baseline":
             continue
         if e["total_draft_tokens"] == 0:
-            flags.append(f"{m}: no draft tokens were proposed")
+            if (report.get("plain_from") or {}).get(m) != 1:
+                flags.append(f"{m}: no draft tokens were proposed")
             continue
         if e["acceptance_rate"] == 0.0:
             flags.append(f"{m}: acceptance exactly 0 (drafter broken or mismatched tokenizer?)")

@@ -419,6 +419,27 @@ def test_validate_names_the_methods_the_load_policy_keeps_plain_and_from_how_man
     assert plain_from_line({}) == []
 
 
+def test_validate_flags_a_method_that_proposed_nothing_unless_the_load_policy_keeps_it_plain_from_one_row():
+    """The small spec's validate called draft_target and Medusa suspicious for proposing nothing, two lines below the
+    one saying the load policy keeps both plain from one row on this machine: expected, not a fault. A method that
+    proposes nothing while the policy says it drafts at one row is still flagged, as are pinned acceptances."""
+    from pipeline.validate import suspicious
+
+    def entry(drafts: int, rate: float = 0.0, length: float = 1.0) -> dict:
+        return {"total_draft_tokens": drafts, "acceptance_rate": rate, "mean_accepted_len": length}
+
+    r = {"methods": {"baseline": entry(0), "draft_target": entry(0), "medusa": entry(0), "suffix": entry(0),
+                     "hybrid": entry(40, 1.0, 2.5), "prompt_lookup": entry(10, 0.0)},
+         "plain_from": {"draft_target": 1, "medusa": 1, "suffix": 2}}
+    flags = suspicious(r)
+    assert flags == ["suffix: no draft tokens were proposed",
+                     "hybrid: acceptance exactly 1 (draft identical to target or acceptance not checked?)",
+                     "prompt_lookup: acceptance exactly 0 (drafter broken or mismatched tokenizer?)",
+                     "prompt_lookup: mean accepted length exactly 1 token"]
+    assert suspicious({**r, "plain_from": {}})[:3] == [f"{m}: no draft tokens were proposed"
+                                                       for m in ("draft_target", "medusa", "suffix")]
+
+
 def _advice_report(crossover: dict, draft_length: str, plain_from: dict | None = None, edit: dict | None = None):
     m = {"baseline": (100.0, 1.0), "hybrid": (101.0, 1.01), "draft_target": (98.0, 0.98)}
     return {"methods": {k: {"tokens_per_s": t, "speedup": x, "divergences": []} for k, (t, x) in m.items()},
