@@ -1,16 +1,20 @@
 """How much acceptance does the draft's int4 rounding cost, and does a better rounding buy it back?
 
     PYTHONPATH=. .venv/bin/python experiments/draft_quant.py build/qwen_coder.yaml [--prompts 20] [--new 128]
-        [--calib 16] [--variants fp32,built,nearest,searched,weighted,gptq,mix3_4] [--time 12 --rounds 2]
+        [--calib 16] [--variants fp32,built,nearest,searched,weighted,gptq,mix3_4,skip1,sp40-a-1@0.148]
+        [--time 12 --rounds 2]
 
 On the built engines: the target's greedy answers to the evaluation prompts (decoded once, cached in /tmp), then for
 each variant of the draft (its source weights as loaded, fp32; the built engine; int4 rounded to nearest as before
 2026-12-06; quant.quantize_int4's searched scales, plain or weighed by the inputs' mean square; GPTQ; `mixB_C`: B-bit
 MLP and C-bit other layers in fp32, an estimate for formats no kernel reads; `skipN`: the built draft without its N
 least influential layers by ShortGPT's block influence, 1 - cos(a layer's input, its output), on the calibration
-positions: fewer bytes a step, no retraining) the draft runs prompt + answer
+positions: fewer bytes a step, no retraining; `sp<P>-<parts>-<G>`: the built draft with P% of some linear layers'
+input columns zeroed on every token row, in blocks of G columns, the smallest first: activation sparsity, which a
+kernel could turn into fewer bytes read, see experiments/skip_stream.c) the draft runs prompt + answer
 teacher-forced over its reduced head, and
-the script prints its top-1 agreement with the target and draft_tree.py's simulated tokens a one-token step. Every
+the script prints its top-1 agreement with the target and draft_tree.py's simulated tokens a one-token step
+(at --draft-step, or at the step a variant names after `@`: `sp40-a-1@0.148` costs the draft 0.148 target steps). Every
 int4 variant is the same format (int4, bf16 scale per 128 columns, W4A8 kernel): only the rounding differs. The
 calibration activations come from the draft's own answers to the tuning prompts (never the evaluation prompts).
 `--time N`: draft_target decoded on N evaluation prompts, one request at a time, with each int4 variant, alternating
@@ -218,6 +222,48 @@ def main() -> int:
         m.layers = torch.nn.ModuleList([layer for i, layer in enumerate(layers) if i not in drop])
         return m
 
+    def sparse_model(v: str):
+        """`sp<P>-<parts>-<G>`: the built draft with P% of the input columns of some linear layers (parts: d = the
+        MLP's down projection, g = gate/up, m = gate/up and down, a = every layer's four) zeroed on each token row, in
+        blocks of G columns, the blocks of least L2 norm: activation sparsity (TEAL, CATS), so a kernel could skip the
+        weight bytes those columns multiply. Run through the torch path, where model.linear can be wrapped."""
+        from pipeline.runtime import model as mm
+
+        pct, parts, g = v[2:].split("-")
+        frac, g = int(pct) / 100, int(g)
+        keep = {"d": ("w2",), "g": ("w13",), "m": ("w13", "w2"), "a": ("wqkv", "wo", "w13", "w2")}[parts]
+        ids_ = {id(mm.wt(getattr(layer, n))) for layer in built.layers for n in keep}
+        orig = mm.linear
+
+        def sparse_linear(x, w):
+            if id(w) in ids_:
+                K = x.shape[-1]
+                xb = x.reshape(-1, K // g, g)
+                norm = xb.float().square().sum(-1)
+                drop = int(round(frac * (K // g)))
+                if drop:
+                    idx = norm.topk(drop, -1, largest=False).indices
+                    xb = xb.clone()
+                    xb.scatter_(1, idx[..., None].expand(-1, -1, g), 0)
+                x = xb.reshape(x.shape)
+            return orig(x, w)
+
+        class Wrapped:
+            def __init__(self, m):
+                self.m = m
+
+            def __call__(self, *a, **kw):
+                mm.linear, mm._observer = sparse_linear, (lambda x, w: None)
+                try:
+                    return self.m(*a, **kw)
+                finally:
+                    mm.linear, mm._observer = orig, None
+
+            def __getattr__(self, name):
+                return getattr(self.m, name)
+
+        return Wrapped(built)
+
     def mixed_model(bits_mlp: int, bits_rest: int):
         st = {}
         for k, v in fstate.items():
@@ -268,12 +314,16 @@ def main() -> int:
     models = {}
     print(f"\n| draft | top-1 agreement | tokens a step (k {k}, {theta}) | tokens a round |\n|---|---|---|---|")
     for v in args.variants.split(","):
+        v, _, step = v.partition("@")  # `variant@0.2`: simulated at that draft step (fewer bytes read)
+        step = float(step) if step else args.draft_step
         if v == "built":
             m = built
         elif v.startswith("mix"):
             m = mixed_model(int(v[3]), int(v[5]))
         elif v.startswith("skip"):
             m = skipped_model(int(v[4:]))
+        elif v.startswith("sp"):
+            m = sparse_model(v)
         elif v == "fp32":
             st = {kk: vv for kk, vv in fstate.items() if kk != "lm_head.weight"}
             if not src.cfg.tie_embeddings:
@@ -283,8 +333,8 @@ def main() -> int:
         else:
             m = int4_model(v)
         a, data = agreement(m)
-        rate, per = simulate(data, args.draft_step, V, k, theta)
-        print(f"| {v} | {a:.4f} | {rate:.3f} | {per:.2f} |", flush=True)
+        rate, per = simulate(data, step, V, k, theta)
+        print(f"| {v} (draft step {step}) | {a:.4f} | {rate:.3f} | {per:.2f} |", flush=True)
         if v != "fp32":
             models[v] = m
     if args.time:
