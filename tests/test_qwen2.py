@@ -33,6 +33,18 @@ def test_qwen2_config_reads_bias_theta_and_untied_head():
     assert ours.lm_head.weight.data_ptr() != ours.embed.weight.data_ptr()
 
 
+def test_qwen2_training_forward_keeps_the_qkv_biases():
+    """The distillation forward (pipeline.train.draft.forward_train) must be the model the runtime serves."""
+    from pipeline.train.draft import forward_train
+
+    hf, _, ours = _qwen()
+    ids = torch.randint(0, 101, (2, 12))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours.logits(forward_train(ours, ids))
+    assert (got - ref).abs().max() <= 1e-4
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["c-kernels", "torch"])
 def test_qwen2_prefill_and_decode_logits_match_transformers(fast, monkeypatch):
     hf, _, ours = _qwen()

@@ -105,7 +105,8 @@ def pad(seqs: list[list[int]], S: int) -> Tensor:
 
 
 def forward_train(m: Transformer, tokens: Tensor) -> Tensor:
-    """Causal full-sequence forward with autograd (the runtime forward writes a KV cache; training needs none)."""
+    """Causal full-sequence forward with autograd (the runtime forward writes a KV cache; training needs none).
+    Qwen2's q/k/v biases are added as the runtime adds them (None elsewhere)."""
     B, S = tokens.shape
     cfg = m.cfg
     cos, sin = m._rope(S, tokens.device)
@@ -113,7 +114,8 @@ def forward_train(m: Transformer, tokens: Tensor) -> Tensor:
     x = m.embed(tokens).float()
     D = cfg.head_dim
     for blk in m.layers:
-        qkv = F.linear(blk.attn_norm(x), blk.wqkv.weight.float())
+        bias = None if blk.wqkv.bias is None else blk.wqkv.bias.float()
+        qkv = F.linear(blk.attn_norm(x), blk.wqkv.weight.float(), bias)
         q, k, v = qkv.split([cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], dim=-1)
         q = apply_rope(q.view(B, S, cfg.num_heads, D), cos, sin).transpose(1, 2)
         k = apply_rope(k.view(B, S, cfg.num_kv_heads, D), cos, sin).transpose(1, 2)
