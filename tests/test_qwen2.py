@@ -181,3 +181,44 @@ def test_the_transformers_peer_of_a_qwen2_engine_holds_its_weights():
     ids = torch.randint(0, 101, (1, 9))
     with torch.no_grad():
         assert (peer(ids).logits - hf_ref(ids).logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("vocab", [0, 200], ids=["full-head", "reduced-head"])
+def test_a_draft_distilled_from_an_untied_qwen2_target_builds_and_its_hf_checkpoint_is_the_draft(qwen_root, vocab,
+                                                                                                 tiny_tokenizer):
+    """`draft.source: train` on an untied target: draft_hf keeps the draft's own head (the target's rows outside a
+    reduced head, the trained rows inside it), and draft_target stays exact."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline import spec as specmod
+    from pipeline.engine import build_target
+    from pipeline.runtime.decode import decode, load_bundle
+    from pipeline.train.draft import build_draft
+    from tests.conftest import prompts, write_spec
+
+    budget = {"steps": 20, "minutes": 1, "sequences": 8, "seq_len": 40, "batch_size": 4, "lr": 0.003}
+    p = write_spec(qwen_root, name=f"qt{vocab}", draft={"source": "train", "layers": 1, "vocab": vocab,
+                                                          "dtype": "float32", "train": budget},
+                   speculation={"num_draft_tokens": 3})
+    s = specmod.load(p)
+    build_target(s, log=lambda *a: None)
+    build_draft(s, log=lambda *a: None)
+    b = load_bundle(s.engine_dir, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(str(s.engine_dir / "draft_hf"), dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(qwen_root / "models" / "target"), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and not hf.config.tie_word_embeddings
+    ids = torch.tensor([tiny_tokenizer(prompts()[0])["input_ids"]])
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+        ours = b.draft.logits(b.draft(ids, torch.arange(ids.shape[1])[None], b.draft.new_cache(1, 64)))[0]
+    if vocab:
+        kept = b.draft.vocab_ids
+        assert (ours - ref[:, kept]).abs().max() <= TOL
+        rest = torch.ones(hf.lm_head.weight.shape[0], dtype=torch.bool)
+        rest[kept] = False
+        assert torch.equal(hf.lm_head.weight[rest], target.lm_head.weight[rest])
+    else:
+        assert (ours - ref).abs().max() <= TOL
+    reqs = [Request(tiny_tokenizer(t)["input_ids"], 20) for t in prompts()[5:9]]
+    base = decode(b, "baseline", reqs)
+    assert [r.tokens for r in decode(b, "draft_target", reqs, num_draft_tokens=3)] == [r.tokens for r in base]

@@ -229,22 +229,28 @@ def train_draft(target: Transformer, data: dict, held: Tensor, spec: Spec, log=p
             agree[name] = float((pred == ids[r][mask[r]][:, 0].long()).float().mean())
     log(f"draft: {step} steps in {train_s:.0f}s, loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f}, "
         f"greedy agreement with the target {agree}")
+    # an untied draft's full head (the target's, untrained) fills draft_hf's rows outside the reduced head
+    full_head = None if draft.cfg.tie_embeddings else draft.lm_head.weight.detach().clone()
     if vocab_ids is not None:
         attach_draft_head(draft, head.detach().clone(), vocab_ids)
-    return {"model": draft, "vocab_ids": vocab_ids,
+    return {"model": draft, "vocab_ids": vocab_ids, "full_head": full_head,
             "stats": {"steps": step, "seconds": round(train_s, 1), "loss_first": losses[0] if losses else None,
                       "loss_last": sum(losses[-20:]) / max(1, len(losses[-20:])), "greedy_agreement": agree,
                       "sequences": len(seqs)}}
 
 
-def hf_state(draft: Transformer, vocab_ids: Tensor | None) -> dict[str, Tensor]:
-    """Full-vocabulary Hugging Face weights: kept head rows trained, the rest the (tied) embedding rows."""
+def hf_state(draft: Transformer, vocab_ids: Tensor | None, full_head: Tensor | None = None) -> dict[str, Tensor]:
+    """Full-vocabulary Hugging Face weights: kept head rows trained, the rest the rows the draft started from (the
+    tied embedding's, or `full_head`: an untied target's head); an untied draft without a reduced head keeps its own
+    head, so draft_hf is the model the engine serves."""
     st = {k: v for k, v in draft.state_dict().items() if k != "lm_head.weight"}
     if vocab_ids is not None:
-        full = st["embed.weight"].clone()
+        full = (st["embed.weight"] if full_head is None else full_head).clone()
         full[vocab_ids] = draft.lm_head.weight.to(full.dtype)
         st["lm_head.weight"] = full
-    cfg = ModelConfig(**{**draft.cfg.to_dict(), "tie_embeddings": vocab_ids is None})
+    elif not draft.cfg.tie_embeddings:
+        st["lm_head.weight"] = draft.lm_head.weight
+    cfg = ModelConfig(**{**draft.cfg.to_dict(), "tie_embeddings": draft.cfg.tie_embeddings and vocab_ids is None})
     return runtime_to_hf(st, cfg)
 
 
@@ -332,7 +338,7 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
         out = train_draft(target, data, torch.tensor(data["held"]), spec, log=log)
         draft, vocab_ids, stats = out["model"], out["vocab_ids"], out["stats"]
         draft_tok, source_desc = tok, f"distilled from {tdir} ({stats['steps']} steps)"
-        hf_draft_state = hf_state(draft, vocab_ids)
+        hf_draft_state = hf_state(draft, vocab_ids, out["full_head"])
         hf_tied = vocab_ids is None and draft.cfg.tie_embeddings
         held_prompts = [chat_ids(tok, p) for p in held_texts] or [chat_ids(tok, p) for p in texts[:4]]
         calib = [list(map(int, q)) for q, h in zip(data["seqs"], data["held"]) if not h][:CALIB_SEQS]
