@@ -203,6 +203,9 @@ def test_a_draft_distilled_from_an_untied_qwen2_target_builds_and_its_hf_checkpo
     s = specmod.load(p)
     build_target(s, log=lambda *a: None)
     build_draft(s, log=lambda *a: None)
+    again: list[str] = []
+    build_draft(s, log=again.append)
+    assert any("up to date" in m for m in again)
     b = load_bundle(s.engine_dir, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(str(s.engine_dir / "draft_hf"), dtype=torch.float32).eval()
     target = AutoModelForCausalLM.from_pretrained(str(qwen_root / "models" / "target"), dtype=torch.float32)
@@ -222,3 +225,12 @@ def test_a_draft_distilled_from_an_untied_qwen2_target_builds_and_its_hf_checkpo
     reqs = [Request(tiny_tokenizer(t)["input_ids"], 20) for t in prompts()[5:9]]
     base = decode(b, "baseline", reqs)
     assert [r.tokens for r in decode(b, "draft_target", reqs, num_draft_tokens=3)] == [r.tokens for r in base]
+
+
+def test_only_drafts_distilled_from_qwen2_or_untied_targets_are_built_again_after_the_2026_12_06_fixes():
+    from pipeline.train.draft import rebuild_tag
+
+    assert rebuild_tag("train", {"model_type": "qwen2", "tie_word_embeddings": True}) == ("distilled/2",)
+    assert rebuild_tag("train", {"model_type": "llama", "tie_word_embeddings": False}) == ("distilled/2",)
+    assert rebuild_tag("train", {"model_type": "llama", "tie_word_embeddings": True}) == ()
+    assert rebuild_tag("qwen2.5-coder-0.5b-instruct", {"model_type": "qwen2", "tie_word_embeddings": True}) == ()

@@ -268,6 +268,13 @@ def load_source_draft(spec: Spec, target_tok, log=print) -> tuple[Transformer, d
     return build_model(mcfg, hf_to_runtime(state, mcfg), torch.float32, "cpu"), hf_cfg, tok, src.fingerprint()
 
 
+def rebuild_tag(source: str, target_hf: dict) -> tuple[str, ...]:
+    """What the draft's input hash adds so that drafts built before a fix that changed them are built again, and no
+    other: since 2026-12-06 distillation adds Qwen2's q/k/v biases and draft_hf keeps an untied target's head rows."""
+    qwen = target_hf.get("model_type") == "qwen2"
+    return ("distilled/2",) if source == "train" and (qwen or not target_hf.get("tie_word_embeddings", True)) else ()
+
+
 def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     """Build engines/<name>/draft (+ draft_hf) from spec.draft; a no-op when the inputs are unchanged."""
     dest, hf_dest = spec.engine_dir / "draft", spec.engine_dir / "draft_hf"
@@ -287,10 +294,12 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
             raise EngineError(f"draft.quantization: gguf reads a GGUF's own weights, and {src.description} is not a "
                               "GGUF; use int4_a8 / int4 / int8 or none for it, or give a .gguf draft.source")
         src_fp = src.fingerprint()
+    t_hf = json.loads((tdir / "hf_config.json").read_text())
+    redo = rebuild_tag(spec.draft.source, t_hf)
     rehash = lambda lim: input_hash(  # noqa: E731
         ENGINE_FORMAT, "draft/2", tcfg.get("input_hash"), vars(spec.draft.train),
         {k: v for k, v in vars(spec.draft).items() if k != "train"}, src_fp, lim, spec.speculation.num_draft_tokens,
-        *quant.layout_tag(spec.draft.quantization))
+        *quant.layout_tag(spec.draft.quantization), *redo)
     want = rehash(vars(spec.limits))
     # The draft's config keeps max_draft_len 0 (it verifies nothing) and its pick-k table reads min(max_draft_len, 8);
     # engines built before `built_limits` was recorded were hashed with the target's max_draft_len of then, which the
@@ -306,7 +315,7 @@ def build_draft(spec: Spec, force: bool = False, log=print) -> Path:
     t0 = time.perf_counter()
     eng = load_engine(tdir, "cpu")
     target, tok = eng.model, eng.tokenizer
-    hf_cfg = json.loads((tdir / "hf_config.json").read_text())
+    hf_cfg = t_hf
     end_ids = tuple(target.cfg.eos_token_id or ())
     texts = read_prompts(prompts_path) if prompts_path.is_file() else []
     train_texts, held_texts = split_prompts(texts, spec.validate.max_prompts,
