@@ -43,32 +43,34 @@ def main() -> int:
     ap.add_argument("--draft-step", type=float, default=0.226)
     args = ap.parse_args()
 
-    from draft_tree import USUAL, simulate
+    from draft_quant import target_answers, teacher_forced
+    from draft_tree import curve, simulate
 
     from pipeline import spec as specmod
     from pipeline.client import chat_text
     from pipeline.common import setup_threads
     from pipeline.runtime import quant
-    from pipeline.runtime.decode import apply_spec, decode, load_bundle
+    from pipeline.runtime.decode import apply_spec, load_bundle
     from pipeline.runtime.generate import Request, generate
     from pipeline.runtime.model import build_model, linear_input_power
     from pipeline.runtime.quant import QLinear
     from pipeline.runtime.speculative import attach_draft_head
     from pipeline.sources import read_prompts, spec_prompts
-    from pipeline.train.draft import TEACHER_TOPK, forward_train, load_source_draft, pad, self_generate
+    from pipeline.train.draft import (
+        TEACHER_TOPK,
+        forward_train,
+        load_source_draft,
+        pad,
+        self_generate,
+        soft_label_loss,
+    )
 
     s = specmod.load(args.spec)
     setup_threads(s)
     b = apply_spec(load_bundle(s.engine_dir, s.device, methods=("baseline", "draft_target")), s)
     tok = b.tokenizer
     evals = [tok.encode(chat_text(tok, p)) for p in spec_prompts(s, args.prompts)]
-    cache_f = Path(f"/tmp/draft_quant_answers_{s.name}_{len(evals)}_{args.new}.pt")  # draft_quant.py's cache
-    if cache_f.is_file():
-        answers = torch.load(cache_f)
-    else:
-        answers = [list(r.tokens) for r in decode(b, "baseline", [Request(prompt=p, max_new_tokens=args.new,
-                                                                            end_ids=b.end_ids) for p in evals])]
-        torch.save(answers, cache_f)
+    answers = target_answers(b, s, evals, args.new)
 
     tune = [tok.encode(chat_text(tok, p)) for p in read_prompts(s.path(s.draft.train.prompts))]
     general = [tok.encode(chat_text(tok, p)) for p in read_prompts(s.path("build/train_prompts.txt"))]
@@ -131,10 +133,7 @@ def main() -> int:
         m = mask[rows]
         used = int(m.any(0).nonzero().max()) + 2
         h = forward_train(src, tokens[rows, :used])[m[:, :used]]
-        tv, ti = vals[rows, :used][m[:, :used]].float(), remap[tids[rows, :used][m[:, :used]].long()]
-        tv = tv * (ti >= 0)
-        logq = torch.log_softmax(F.linear(h, head), -1).gather(1, ti.clamp_min(0))
-        loss = -(tv * logq).sum(-1).mean()
+        loss = soft_label_loss(h, head, vals[rows, :used][m[:, :used]], tids[rows, :used][m[:, :used]], remap)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -157,37 +156,22 @@ def main() -> int:
     attach_draft_head(fm, head.detach().clone(), ids)
     power = linear_input_power(fm, calib)
     del fm
-    st = {}
-    for k, v in fstate.items():
-        if quant.LINEAR.match(k) and not k.startswith("lm_head"):
-            name = k[: -len(".weight")]
-            st[name + ".qweight"], st[name + ".scales"] = quant.quantize_int4(v, s.draft.group_size, power.get(name))
-        elif k != "lm_head.weight":
-            st[k] = v
+    qz, gs = s.draft.quantization, s.draft.group_size
+    st = {kk: v for kk, v in fstate.items() if kk != "lm_head.weight"}
     if not src.cfg.tie_embeddings:
-        st["lm_head.weight"] = fstate["embed.weight"]
-    hq, hs = quant.quantize_int4(head.detach(), s.draft.group_size, power.get("lm_head"))
-    tuned = build_model(src.cfg, quant.cast_state(st, torch.bfloat16), torch.bfloat16, "cpu", act8=True)
-    attach_draft_head(tuned, QLinear(hq, hs, act8=True), ids)
+        st["lm_head.weight"] = fstate["embed.weight"]  # a placeholder, as the build writes: the reduced head rules
+    st = quant.cast_state(quant.quantize_state(st, qz, gs, tie_embeddings=False, importance=power), torch.bfloat16)
+    tuned = build_model(src.cfg, st, torch.bfloat16, "cpu", act8=qz == "int4_a8")
+    hq = quant.quantize_head(head.detach(), qz, gs, power.get("lm_head"))
+    attach_draft_head(tuned, QLinear(hq["qweight"], hq["scales"], act8=qz == "int4_a8"), ids)
 
-    vc = [float(x) for x in USUAL.split(",")]
-
-    def Vc(n: int) -> float:
-        return vc[n - 1] if n <= len(vc) else vc[-1] * n / len(vc)
-
+    V = curve()
     k, theta = b.spec.k_for("draft_target"), b.spec.draft_confidence
     print(f"\n| draft (step {args.draft_step}) | top-1 agreement | tokens a step (k {k}, {theta}) | tokens a round |"
           "\n|---|---|---|---|")
     for name, m in (("built", built), (f"tuned ({args.steps} steps x {args.batch}, lr {args.lr})", tuned)):
-        rows = []
-        with torch.inference_mode():
-            for p, a in zip(evals, answers):
-                t = p + a
-                h = m(torch.tensor([t]), torch.arange(len(t))[None], m.new_cache(1, (len(t) + 64) // 64 * 64))
-                top = torch.softmax(m.logits(h[0, len(p) - 1:len(t) - 1]).float(), -1).topk(4, -1)
-                rows.append({"target": a, "top": ids[top.indices].tolist(), "prob": top.values.tolist()})
-        a = statistics.mean(r["top"][i][0] == t for r in rows for i, t in enumerate(r["target"]))
-        rate, per = simulate(rows, args.draft_step, Vc, k, theta)
+        a, rows = teacher_forced(m, evals, answers, ids)
+        rate, per = simulate(rows, args.draft_step, V, k, theta)
         print(f"| {name} | {a:.4f} | {rate:.3f} | {per:.2f} |", flush=True)
     return 0
 

@@ -61,6 +61,38 @@ def full_inputs(model, seqs: list[list[int]]) -> dict[int, torch.Tensor]:
     return H
 
 
+def target_answers(b, s, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The target's greedy answers to `prompts` (cached in /tmp by spec, prompt count and length): the positions every
+    draft variant is teacher-forced along."""
+    from pipeline.runtime.decode import decode
+    from pipeline.runtime.generate import Request
+
+    cache_f = Path(f"/tmp/draft_quant_answers_{s.name}_{len(prompts)}_{new}.pt")
+    if cache_f.is_file():
+        return torch.load(cache_f)
+    t0 = time.perf_counter()
+    answers = [list(r.tokens) for r in decode(b, "baseline", [Request(prompt=p, max_new_tokens=new, end_ids=b.end_ids)
+                                                               for p in prompts])]
+    torch.save(answers, cache_f)
+    print(f"target answers: {sum(map(len, answers))} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+    return answers
+
+
+def teacher_forced(m, prompts: list[list[int]], answers: list[list[int]], ids: torch.Tensor) -> tuple[float, list]:
+    """A draft run along prompt + answer in one forward over its reduced head (`ids`): its top-1 agreement with the
+    target, and per answer its top-4 and their probabilities (draft_tree.simulate's input)."""
+    data = []
+    with torch.inference_mode():
+        for pr, ans in zip(prompts, answers):
+            toks = pr + ans
+            cache = m.new_cache(1, (len(toks) + 64) // 64 * 64)
+            h = m(torch.tensor([toks]), torch.arange(len(toks))[None], cache)
+            top = torch.softmax(m.logits(h[0, len(pr) - 1:len(toks) - 1]).float(), -1).topk(4, -1)
+            data.append({"target": ans, "top": ids[top.indices].tolist(), "prob": top.values.tolist()})
+    agree = [p[0] == t for d in data for p, t in zip(d["top"], d["target"])]
+    return statistics.mean(agree), data
+
+
 def gptq_int4(w: torch.Tensor, gs: int, H: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """quant.quantize_int4's format with GPTQ's rounding (Frantar et al., 2022): columns rounded in order, each one's
     error spread over the columns not yet rounded through the inverse of H = X^T X; a group's scale searched
@@ -102,7 +134,7 @@ def main() -> int:
     ap.add_argument("--draft-step", type=float, default=0.234)
     args = ap.parse_args()
 
-    from draft_tree import USUAL, simulate
+    from draft_tree import curve, simulate
 
     from pipeline import spec as specmod
     from pipeline.client import chat_text
@@ -121,15 +153,7 @@ def main() -> int:
     b = apply_spec(load_bundle(s.engine_dir, s.device, methods=("baseline", "draft_target")), s)
     tok = b.tokenizer
     prompts = [tok.encode(chat_text(tok, p)) for p in spec_prompts(s, args.prompts)]
-    cache_f = Path(f"/tmp/draft_quant_answers_{s.name}_{len(prompts)}_{args.new}.pt")
-    if cache_f.is_file():
-        answers = torch.load(cache_f)
-    else:
-        t0 = time.perf_counter()
-        answers = [list(r.tokens) for r in decode(b, "baseline", [Request(prompt=p, max_new_tokens=args.new,
-                                                                            end_ids=b.end_ids) for p in prompts])]
-        torch.save(answers, cache_f)
-        print(f"target answers: {sum(map(len, answers))} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
+    answers = target_answers(b, s, prompts, args.new)
 
     built = b.draft
     ids = built.vocab_ids
@@ -293,23 +317,7 @@ def main() -> int:
             return gptq_int4(w, gs, Hs[name])
         raise ValueError(how)
 
-    def agreement(m) -> tuple[float, list[dict]]:
-        data = []
-        with torch.inference_mode():
-            for pr, ans in zip(prompts, answers):
-                toks = pr + ans
-                cache = m.new_cache(1, (len(toks) + 64) // 64 * 64)
-                h = m(torch.tensor([toks]), torch.arange(len(toks))[None], cache)
-                top = torch.softmax(m.logits(h[0, len(pr) - 1:len(toks) - 1]).float(), -1).topk(4, -1)
-                data.append({"target": ans, "top": ids[top.indices].tolist(), "prob": top.values.tolist()})
-        agree = [p[0] == t for d in data for p, t in zip(d["top"], d["target"])]
-        return statistics.mean(agree), data
-
-    vc = [float(x) for x in USUAL.split(",")]
-
-    def V(n: int) -> float:
-        return vc[n - 1] if n <= len(vc) else vc[-1] * n / len(vc)
-
+    V = curve()
     k, theta = b.spec.k_for("draft_target"), b.spec.draft_confidence
     models = {}
     print(f"\n| draft | top-1 agreement | tokens a step (k {k}, {theta}) | tokens a round |\n|---|---|---|---|")
@@ -332,7 +340,7 @@ def main() -> int:
             attach_draft_head(m, head_f.clone(), ids)
         else:
             m = int4_model(v)
-        a, data = agreement(m)
+        a, data = teacher_forced(m, prompts, answers, ids)
         rate, per = simulate(data, step, V, k, theta)
         print(f"| {v} (draft step {step}) | {a:.4f} | {rate:.3f} | {per:.2f} |", flush=True)
         if v != "fp32" and not v.startswith("sp"):  # a sparse variant runs the torch path: its time means nothing

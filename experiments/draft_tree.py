@@ -36,6 +36,12 @@ PREFILL_FROM = 16  # a forward of more tokens than a round verifies (k + 1) or t
 USUAL = "1.0,1.04,1.08,1.10,1.14,1.34,1.46,1.68,1.97,2.10,2.38,2.47"  # bench.md's curve, run Z8, probes 35 GB/s
 
 
+def curve(text: str = USUAL):
+    """A verify curve given by rows ("1.0,1.04,...", one-token steps) as a function of rows; linear past its end."""
+    vc = [float(x) for x in text.split(",")]
+    return lambda n: vc[n - 1] if n <= len(vc) else vc[-1] * n / len(vc)
+
+
 def collect(b, prompts: list[list[int]], new: int) -> list[dict]:
     """Per answer: the target's tokens, the draft's top-4 ids (target vocabulary) and probabilities, teacher-forced."""
     from pipeline.runtime.decode import decode
@@ -184,15 +190,11 @@ def main() -> int:
     agree = [p[0] == t for d in data for p, t in zip(d["top"], d["target"])]
     print(f"{len(data)} answers, {len(agree)} positions, draft top-1 agreement {statistics.mean(agree):.4f} "
           f"({time.perf_counter() - t0:.0f} s); spec k {k}, confidence {theta}")
-    for curve in args.verify or [USUAL]:
-        vc = [float(x) for x in curve.split(",")]
-
-        def V(n: int, vc=vc) -> float:
-            return vc[n - 1] if n <= len(vc) else vc[-1] * n / len(vc)
-
+    for text in args.verify or [USUAL]:
+        V = curve(text)
         c = args.draft_step
         built, _ = simulate(data, c, V, k, theta)
-        print(f"\nverify curve {curve}, draft step {c}: the built rule (k {k}, confidence {theta}) {built:.3f} "
+        print(f"\nverify curve {text}, draft step {c}: the built rule (k {k}, confidence {theta}) {built:.3f} "
               f"tokens a step; oracle {oracle(data, c, V, 8):.3f}")
         print("| rule | tokens a step | vs built | tokens a round |\n|---|---|---|---|")
         rules = [(f"k {kk}, confidence {th}", dict(k=kk, theta=th))

@@ -145,6 +145,18 @@ def choose_vocab(vals: Tensor, ids: Tensor, mask: Tensor, n: int, V: int, specia
     return order[:n].sort().values
 
 
+def soft_label_loss(h: Tensor, head: Tensor, vals: Tensor, ids: Tensor, remap: Tensor | None = None) -> Tensor:
+    """Cross-entropy of the draft's logits (`h` through `head`) against the teacher's top-k probabilities `vals` at
+    token `ids`; `remap` takes a target id to its row of a reduced head (-1: not kept, its probability dropped)."""
+    tv, ti = vals.float(), ids.long()
+    if remap is not None:
+        ti = remap[ti]
+        tv = tv * (ti >= 0)
+        ti = ti.clamp_min(0)
+    logq = torch.log_softmax(F.linear(h, head.float()), -1).gather(1, ti)
+    return -(tv * logq).sum(-1).mean()
+
+
 def train_draft(target: Transformer, data: dict, held: Tensor, spec: Spec, log=print) -> dict:
     """Distil on the rows not `held` out (data from self_generate); returns {"model", "vocab_ids", "stats"}."""
     b = spec.draft.train
@@ -194,14 +206,7 @@ def train_draft(target: Transformer, data: dict, held: Tensor, spec: Spec, log=p
         m = mask[rows]
         used = int(m.any(0).nonzero().max()) + 2 if m.any() else 2
         h = forward_train(draft, tokens[rows, :used])[m[:, :used]]
-        tv, ti = vals[rows, :used][m[:, :used]].float(), ids[rows, :used][m[:, :used]].long()
-        logits = F.linear(h, head.float())
-        if remap is not None:
-            ti = remap[ti]
-            tv = tv * (ti >= 0)
-            ti = ti.clamp_min(0)
-        logq = torch.log_softmax(logits, -1).gather(1, ti)
-        loss = -(tv * logq).sum(-1).mean()
+        loss = soft_label_loss(h, head, vals[rows, :used][m[:, :used]], ids[rows, :used][m[:, :used]], remap)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
