@@ -123,13 +123,11 @@ def _metric(s, name: str, model: str | None = None) -> float:
                if ln.startswith(name + "{") and (model is None or f'model="{model}"' in ln))
 
 
-def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
-    """Cancelled streams leave the batch at the next step; the rows batched with them finish as they would alone."""
-    s, srv = served
-    prompts = [f"Write a long story about ship number {i}." for i in range(5)]
-    n = 240
-    want = [generate(srv.grpc_url, "ensemble", p, n, end_id=UNUSED_END)["text"] for p in prompts[:2]]
+def _three_cancelled_beside_two(s, srv, prompts: list[str], n: int, want: list[str]) -> tuple[float, float]:
+    """Two streams of `n` tokens beside three cancelled at their first piece (each asked for 2n); the two answers
+    are checked. Returns (requests the server counted cancelled, tokens it finished beyond the two answers)."""
     cancelled_before = _metric(s, "spec_decode_requests_cancelled_total")
+    ended_before = cancelled_before + _metric(s, "spec_decode_requests_total")
     tokens_before = _metric(s, "spec_decode_output_tokens_total")
     results: dict = {}
 
@@ -155,11 +153,29 @@ def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
         assert results[i]["num_output_tokens"] == n
     for i in range(2, 5):
         assert results[i][1] is False, "the cancelled stream never got its final response"
+    ended = lambda: (_metric(s, "spec_decode_requests_cancelled_total")  # noqa: E731
+                     + _metric(s, "spec_decode_requests_total") - ended_before)
     deadline = time.monotonic() + 30
-    while _metric(s, "spec_decode_requests_cancelled_total") - cancelled_before < 3 and time.monotonic() < deadline:
+    while ended() < 5 and time.monotonic() < deadline:  # each of the five requests finished or cancelled
         time.sleep(0.2)
-    assert _metric(s, "spec_decode_requests_cancelled_total") - cancelled_before == 3
-    assert _metric(s, "spec_decode_output_tokens_total") - tokens_before == 2 * n, "cancelled rows finish no output"
+    time.sleep(0.2)  # a finished request's token count is posted just after the count that ended it
+    return (_metric(s, "spec_decode_requests_cancelled_total") - cancelled_before,
+            _metric(s, "spec_decode_output_tokens_total") - tokens_before - 2 * n)
+
+
+def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
+    """Cancelled streams leave the batch at the next step; the rows batched with them finish as they would alone."""
+    s, srv = served
+    prompts = [f"Write a long story about ship number {i}." for i in range(5)]
+    n = 240
+    want = [generate(srv.grpc_url, "ensemble", p, n, end_id=UNUSED_END)["text"] for p in prompts[:2]]
+    cancelled, unseen = _three_cancelled_beside_two(s, srv, prompts, n, want)
+    if cancelled < 3 and unseen == (3 - cancelled) * 2 * n:
+        # tritonserver 2.51 loses about 1 stream cancellation in 1,400 (docs/serving.md, "Soak"): the server then
+        # decodes that row's whole budget (2n), never told. Once more: a fault of ours would come back, that not.
+        cancelled, unseen = _three_cancelled_beside_two(s, srv, prompts, n, want)
+    assert cancelled == 3, f"{cancelled} counted cancelled, {unseen} tokens finished for nobody"
+    assert unseen == 0, "cancelled rows finish no output"
     assert generate(srv.grpc_url, "ensemble", prompts[0], n, end_id=UNUSED_END)["text"] == want[0]
 
 
