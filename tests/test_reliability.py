@@ -126,9 +126,10 @@ def _metric(s, name: str, model: str | None = None) -> float:
 def _three_cancelled_beside_two(s, srv, prompts: list[str], n: int, want: list[str]) -> tuple[float, float]:
     """Two streams of `n` tokens beside three cancelled at their first piece (each asked for 2n); the two answers
     are checked. Returns (requests the server counted cancelled, tokens it finished beyond the two answers)."""
-    cancelled_before = _metric(s, "spec_decode_requests_cancelled_total")
-    ended_before = cancelled_before + _metric(s, "spec_decode_requests_total")
-    tokens_before = _metric(s, "spec_decode_output_tokens_total")
+    from pipeline.load import CANCELLED, ENDED, OUTPUT, server_counters
+
+    counts = lambda: server_counters(s, *ENDED, OUTPUT)  # noqa: E731 - one read of the served models' counters
+    before = counts()
     results: dict = {}
 
     def normal(i: int) -> None:
@@ -153,14 +154,12 @@ def _three_cancelled_beside_two(s, srv, prompts: list[str], n: int, want: list[s
         assert results[i]["num_output_tokens"] == n
     for i in range(2, 5):
         assert results[i][1] is False, "the cancelled stream never got its final response"
-    ended = lambda: (_metric(s, "spec_decode_requests_cancelled_total")  # noqa: E731
-                     + _metric(s, "spec_decode_requests_total") - ended_before)
     deadline = time.monotonic() + 30
-    while ended() < 5 and time.monotonic() < deadline:  # each of the five requests finished or cancelled
+    while sum(counts()[k] - before[k] for k in ENDED) < 5 and time.monotonic() < deadline:  # all five ended
         time.sleep(0.2)
     time.sleep(0.2)  # a finished request's token count is posted just after the count that ended it
-    return (_metric(s, "spec_decode_requests_cancelled_total") - cancelled_before,
-            _metric(s, "spec_decode_output_tokens_total") - tokens_before - 2 * n)
+    after = counts()
+    return after[CANCELLED] - before[CANCELLED], after[OUTPUT] - before[OUTPUT] - 2 * n
 
 
 def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
