@@ -196,12 +196,17 @@ def _drop(conn: http.client.HTTPConnection) -> None:
 def generate(base_url: str, model: str, prompt: str, max_tokens: int, method: str | None = None,
              stream: bool = True, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None,
              cancel: Callable[[], bool] | None = None, chat: bool = True, temperature: float = 0.0,
-             top_p: float | None = None, seed: int | None = None, key: str | None = None, **_ignored) -> dict:
+             top_p: float | None = None, seed: int | None = None, key: str | None = None,
+             end_id: int | None = None, **_ignored) -> dict:
     """`pipeline.client.generate`'s shape over the OpenAI API: `prompt` is the user message (chat: the server
     applies the template) or the raw text (`chat=False`). Greedy unless `temperature` says otherwise (the gRPC
-    path's default; OpenAI's own is 1). Options only the gRPC contract has (`unary`, `disconnect`, ...) are
-    accepted and ignored: over HTTP a cancelled stream and a dropped client are the same closed connection."""
+    path's default; OpenAI's own is 1). `end_id` -1 (no end token) is sent as `ignore_eos: true`, vLLM's and
+    llama.cpp's name; other end ids have no OpenAI field and are ignored. Options only the gRPC contract has
+    (`unary`, `disconnect`, ...) are accepted and ignored: over HTTP a cancelled stream and a dropped client are the
+    same closed connection."""
     kw = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    if end_id == -1:
+        kw["extra"] = {"ignore_eos": True}
     r = complete(base_url, model, max_tokens=max_tokens, stream=stream, temperature=temperature, top_p=top_p,
                  seed=seed, method=method or None, key=key, timeout=timeout, on_piece=on_piece, cancel=cancel, **kw)
     r["method"] = method

@@ -395,6 +395,11 @@ class Front:
             raise bad(f"cache_prompt: got {json.dumps(cp)[:80]}; send true or false", "cache_prompt", "invalid_type")
         if cp is False:
             opts["cache_prompt"] = False
+        ie = body.get("ignore_eos")  # vLLM's and llama.cpp's: decode to max_tokens, past the model's end tokens
+        if ie is not None and not isinstance(ie, bool):
+            raise bad(f"ignore_eos: got {json.dumps(ie)[:80]}; send true or false", "ignore_eos", "invalid_type")
+        if ie:
+            opts["end_id"] = -1  # no end token (the gRPC contract's end_id -1)
         pred = prediction_text(body.get("prediction"))  # Predicted Outputs: the first draft source (suffix.py)
         if pred:
             self._not_too_long(len(pred), "prediction")
