@@ -184,14 +184,9 @@ def infer_unary(url: str, model: str, inputs: list, timeout: float = 300.0, requ
             raise RequestError(e.message()) from None
 
 
-def stop_inputs() -> list:
-    """The inputs of a `stop` request (tensorrtllm_backend's): `stop` alone; the request id names what to stop."""
-    return [_tensor("stop", [[True]], bool)]
-
-
 def stop(url: str, model: str, request_id: str, unary: bool = False) -> None:
     """Stop the running request `request_id` on `model` (tensorrtllm_backend's `stop` input)."""
-    ins = stop_inputs()
+    ins = [_tensor("stop", [[True]], bool)]
     if unary:
         infer_unary(url, model, ins, request_id=request_id)
     else:

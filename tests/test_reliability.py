@@ -590,40 +590,6 @@ def test_a_stop_request_by_id_cancels_a_request_on_the_ensemble(served):
     assert "stop: true needs the request_id" in msg
 
 
-def test_a_stream_the_fronts_channel_cancels_is_also_stopped_by_its_id(served):
-    """The OpenAI front's channel names a request it cancelled in a `stop` as well: tritonserver 2.51 now and then
-    never tells the model that a cancelled stream's client went (docs/serving.md, "Soak"). The model remembers a stop
-    by id, so a request sent afterwards under the same id is refused as stopped, and one under another id runs."""
-    import asyncio
-
-    from pipeline.triton.grpc_channel import TritonChannel
-
-    s, srv = served
-    before, _ = _cancel_counters(s, "ensemble")
-
-    async def scenario() -> dict:
-        ch = TritonChannel(srv.grpc_url)
-        pieces: list[str] = []
-        try:
-            return await ch.generate("ensemble", STREAMY, 480, stream=True, request_id="front-7", end_id=UNUSED_END,
-                                     on_piece=pieces.append, cancel=lambda: bool(pieces))
-        finally:
-            await ch.close()  # waits for the stop it sends in the background
-
-    got = asyncio.run(scenario())
-    assert not got["complete"] and got["text"]
-    with pytest.raises(RequestError, match="cancelled"):
-        generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 12, stream=True, request_id="front-7",
-                 end_id=UNUSED_END)
-    other = generate(srv.grpc_url, "ensemble", "Tell me about the moon.", 12, stream=True, request_id="front-8",
-                     end_id=UNUSED_END)
-    assert other["complete"] and other["num_output_tokens"] == 12
-    deadline = time.monotonic() + 10  # the first request's cancel is counted as the model drops it
-    while _cancel_counters(s, "ensemble")[0] - before < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _cancel_counters(s, "ensemble")[0] - before == 2
-
-
 def _trtllm_style_stream(url: str, model: str, prompt: str, output_len: int, **sampling) -> tuple[list[str], list]:
     """A client the way tensorrtllm_backend's inflight_batcher_llm gRPC examples are written: every input as a
     [1, 1] numpy array through InferInput, the stream started with a callback that queues results, the request

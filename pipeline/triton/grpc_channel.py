@@ -10,10 +10,7 @@ so the answer is the one `pipeline.client.generate` gives. tritonclient's own ai
 refuses the `triton_enable_empty_final_response` parameter the decoupled models end a request with.
 
 Cancelling the coroutine (the HTTP client left), a `cancel()` that says so, or the request's timeout cancel the gRPC
-call: Triton sees the cancellation and the model stops decoding the request at its next step. A request with an id
-is also named in a `stop` request, sent in the background: tritonserver 2.51 now and then never tells the model that
-a cancelled stream's client went (about 1 cancel in 1,450; docs/serving.md, "Soak"), and the model then decodes the
-request's whole budget for nobody. The stop reaches the model whatever became of the cancel.
+call: Triton sees the cancellation and the model stops decoding the request at its next step.
 """
 
 from __future__ import annotations
@@ -22,12 +19,11 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from pipeline.client import Reading, RequestError, RequestTimeout, infer_request, is_final, make_inputs, stop_inputs
+from pipeline.client import Reading, RequestError, RequestTimeout, infer_request, is_final, make_inputs
 from pipeline.triton import door
 
 CANCEL_TICK_S = 0.2  # how often a waiting stream asks `cancel()` (it is also asked after each response)
 CLOSE_S = 5.0  # after the final response, the wait for Triton to end the stream before cancelling it
-STOP_WAIT_S = 5.0  # close() waits this long for the stops of cancelled requests still being sent
 MAX_MESSAGE = 2**31 - 1  # tritonclient's channel limits (Triton's own)
 RECONNECT_MS = 1000
 
@@ -48,12 +44,9 @@ class TritonChannel:
                                                                ("grpc.min_reconnect_backoff_ms", RECONNECT_MS),
                                                                ("grpc.max_reconnect_backoff_ms", RECONNECT_MS)])
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
-        self.stops: set[asyncio.Task] = set()  # the stops of cancelled requests being sent (`_stop`)
 
     async def close(self) -> None:
-        """Close the channel once the stops being sent are (at most STOP_WAIT_S); calls still running are cancelled."""
-        if self.stops:
-            await asyncio.wait(set(self.stops), timeout=STOP_WAIT_S)
+        """Close the channel; calls still running are cancelled."""
         await self.channel.close()
 
     @staticmethod
@@ -150,26 +143,7 @@ class TritonChannel:
                 await self._end(call)
             else:
                 call.cancel()  # Triton sees the cancellation: the model stops decoding the request at its next step
-                if request.id:
-                    self._stop(model, request.id)
         return responses, complete
-
-    def _stop(self, model: str, request_id: str) -> None:
-        """Name a request this channel cancelled in a `stop` as well, in the background (the module's docstring says
-        why); the coroutine that cancelled it may itself be cancelled, so it does not wait."""
-        task = asyncio.get_running_loop().create_task(self._send_stop(model, request_id), name=f"stop-{request_id}")
-        self.stops.add(task)
-        task.add_done_callback(self.stops.discard)
-
-    async def _send_stop(self, model: str, request_id: str) -> None:
-        import grpc  # lazy: the front alone (CLI imports this)
-
-        call = self.stub.ModelStreamInfer(metadata=self._metadata())
-        try:
-            await call.write(infer_request(model, stop_inputs(), request_id))
-            await self._end(call)
-        except grpc.aio.AioRpcError:  # Triton gone (or the channel closing): it decodes nothing more for anyone
-            call.cancel()
 
     @staticmethod
     async def _end(call) -> None:
