@@ -3,7 +3,7 @@ the same settings sends the same requests; the served load runs themselves are i
 
 from __future__ import annotations
 
-from pipeline.load import _Mix, lost_cancels
+from pipeline.load import _Mix, finished_before_cancel
 
 
 def test_the_soak_mix_cycles_methods_then_temperatures_and_spaces_cancels_drops_and_unary_requests():
@@ -27,10 +27,10 @@ def test_without_temperatures_every_nth_request_samples_and_a_unary_server_gets_
     assert all(r.unary and not r.cancel and not r.drop for r in reqs), "nothing to cancel without a stream"
 
 
-def test_a_cancel_tritonserver_lost_is_told_from_a_request_that_ended_as_its_client_went():
-    """Lost: the server decoded the whole budget (448 tokens) that no client saw; ended early: a few tokens."""
-    assert lost_cancels(missed=2, unseen_tokens=2 * 448, long_budget=448) == 2
-    assert lost_cancels(missed=2, unseen_tokens=448 + 5, long_budget=448) == 1, "one lost, one ended early"
-    assert lost_cancels(missed=1, unseen_tokens=5, long_budget=448) == 0
-    assert lost_cancels(missed=1, unseen_tokens=3 * 448, long_budget=448) == 1, "never more than were missed"
-    assert lost_cancels(missed=0, unseen_tokens=-12, long_budget=448) == 0
+def test_a_request_finished_before_its_cancel_came_is_told_from_one_that_ended_as_its_client_went():
+    """Finished first: the server decoded the whole budget (448 tokens) that no client saw; ended early: a few."""
+    assert finished_before_cancel(missed=2, unseen_tokens=2 * 448, long_budget=448) == 2
+    assert finished_before_cancel(missed=2, unseen_tokens=448 + 5, long_budget=448) == 1, "one whole, one early"
+    assert finished_before_cancel(missed=1, unseen_tokens=5, long_budget=448) == 0
+    assert finished_before_cancel(missed=1, unseen_tokens=3 * 448, long_budget=448) == 1, "never more than missed"
+    assert finished_before_cancel(missed=0, unseen_tokens=-12, long_budget=448) == 0

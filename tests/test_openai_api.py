@@ -529,7 +529,7 @@ def test_load_through_the_endpoint_counts_no_error_and_no_wrong_greedy_answer(se
     # abandoned requests ask for ignore_eos (load.ABANDONED's end_id -1), so none ends at an end token: the server
     # counts every one as cancelled, save one that decoded its whole budget before its client's cancel came
     # (docs/serving.md, "Soak")
-    assert r["server_cancelled"] + r["cancels_lost"] == r["cancelled"]
+    assert r["server_cancelled"] + r["finished_before_cancel"] == r["cancelled"]
     assert json.loads((s.report_dir / "load_openai.json").read_text())["requests"] == r["requests"]
     rc = main(["load", str(Path(s.root) / "build" / "oai.yaml"), "--api", "openai", "--concurrency", "2",
                "--duration", "2", "--max-tokens", "4", "--prompts", "2"])

@@ -170,8 +170,9 @@ def test_cancelled_streams_stop_and_do_not_disturb_the_others(served):
     want = [generate(srv.grpc_url, "ensemble", p, n, end_id=UNUSED_END)["text"] for p in prompts[:2]]
     cancelled, unseen = _three_cancelled_beside_two(s, srv, prompts, n, want)
     if cancelled < 3 and unseen == (3 - cancelled) * 2 * n:
-        # tritonserver 2.51 loses about 1 stream cancellation in 1,400 (docs/serving.md, "Soak"): the server then
-        # decodes that row's whole budget (2n), never told. Once more: a fault of ours would come back, that not.
+        # a row that decoded its whole budget (2n) before its client's cancel reached the server: a client on this
+        # loaded 2-core machine can see its first piece late (docs/serving.md, "Soak"). Once more: a fault of ours
+        # (a cancel the model ignores) would come back, a late client rarely twice.
         cancelled, unseen = _three_cancelled_beside_two(s, srv, prompts, n, want)
     assert cancelled == 3, f"{cancelled} counted cancelled, {unseen} tokens finished for nobody"
     assert unseen == 0, "cancelled rows finish no output"
@@ -215,10 +216,11 @@ def test_soak_mixes_methods_temperatures_unary_cancels_and_disconnects(served):
     assert r["cancelled_by_client"] > 0 and r["disconnected"] > 0
     # an abandoned request cannot end by itself (load.ABANDONED: no end token, a long budget), so the server counts
     # every one: none finished in the moment its client went (where tritonserver 2.51 can crash: docs/serving.md).
-    # Save the ones tritonserver 2.51 never reported gone (about 1 cancel in 1,400 here), which the server decoded
-    # to their whole budget: the report tells them apart by the tokens no client saw (cancels_lost).
-    assert r["server_cancelled"] + r["cancels_lost"] == r["cancelled"] > 0
-    assert r["cancels_lost"] <= max(2, r["cancelled"] // 50), "the server no longer sees its clients cancel"
+    # Save the few the tiny model decoded to their whole budget before their client's cancel came (a client on this
+    # loaded machine can see its first piece 25-80 ms late): the report tells them apart by the tokens no client
+    # saw (finished_before_cancel).
+    assert r["server_cancelled"] + r["finished_before_cancel"] == r["cancelled"] > 0
+    assert r["finished_before_cancel"] <= max(2, r["cancelled"] // 50), "the server no longer sees its clients cancel"
     assert r["rss_mb"]["after"] < r["rss_mb"]["before"] * 1.2 + 50
     for key in ("requests", "errors", "incomplete", "greedy_mismatches", "cancelled", "tokens_per_s"):
         assert key in r
