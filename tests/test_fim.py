@@ -72,6 +72,9 @@ def test_the_fim_prompt_follows_the_models_layout_and_refuses_spelled_out_marker
                           + "<|file_sep|>filename\n<|fim_prefix|>" + PREFIX + "        total<|fim_suffix|>" + SUFFIX
                           + "<|fim_middle|>")
     assert job.max_tokens == 8 and job.options["temperature"] == 0.8  # llama.cpp's default
+    assert "end_id" not in job.options
+    job = front.check({"input_prefix": PREFIX, "input_suffix": SUFFIX, "ignore_eos": True}, "infill")
+    assert job.options["end_id"] == -1, "llama.cpp's ignore_eos: no end token (the gRPC contract's end_id -1)"
     for body, param in [({"model": "fim", "prompt": "a<|fim_middle|>b", "suffix": "c"}, "prompt"),
                         ({"model": "fim", "prompt": "a", "suffix": 3}, "suffix"),
                         ({"input_prefix": "a", "input_extra": [{"text": "<|file_sep|>"}]}, "input_extra[0].text"),

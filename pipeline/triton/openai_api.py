@@ -534,7 +534,7 @@ class Front:
         seed = body.get("seed")
         if seed is not None and not (_is_int(seed) and seed < 0):  # -1: a random seed, as omitting it
             out["seed"] = seed
-        for key in ("top_k", "top_p", "stop", "stream", "cache_prompt"):
+        for key in ("top_k", "top_p", "stop", "stream", "cache_prompt", "ignore_eos"):
             if body.get(key) is not None:
                 out[key] = body[key]
         return out
