@@ -538,8 +538,9 @@ def cmd_load(args) -> int:
                   "quick to finish; docs/serving.md, \"Soak\"), so they count as served")
         if out["server_cancelled"] + whole < out["cancelled"]:
             early = out["cancelled"] - out["server_cancelled"] - whole
-            print(f"note: {early:.0f} of the {out['cancelled']} abandoned requests finished early, before the server "
-                  "saw their client go (the server ignores end_id -1?), so they count as served")
+            print(f"note: {early:.0f} of the {out['cancelled']} abandoned requests ended before their budget and "
+                  "before the server saw their client go, so they count as served: the server did not honour "
+                  "end_id -1 (ignore_eos over HTTP)")
         return 1 if out["errors"] + out["incomplete"] + out["greedy_mismatches"] else 0
     out = run_load(s, args.concurrency or 8, args.duration or 10.0, args.max_tokens, methods or ("baseline",),
                    model=args.model, num_prompts=args.prompts, request_timeout=args.request_timeout)
