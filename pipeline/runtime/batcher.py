@@ -253,7 +253,7 @@ class ContinuousBatch:
             h, reused = prefill_cached(self.model, self.cache.rows(n, n + len(reqs)),
                                        [r.prompt + list(p) for r, p in zip(reqs, prefixes)], self.prompt_cache,
                                        "target", [r.cache_prompt for r in reqs])
-            logits = self.model.logits(h)
+            logits = self.model.logits(h, all(r.params.greedy for r in reqs))
         except BaseException:
             del self.rows[n:]
             raise
@@ -300,7 +300,7 @@ class ContinuousBatch:
         self.rows.append(p.row)
         if p.parked:
             return []  # it feeds its pending token at the next step, as before it stepped out
-        return self._take(self.model.logits(p.hidden), [n], on_emit)
+        return self._take(self.model.logits(p.hidden, p.row.seq.req.params.greedy), [n], on_emit)
 
     @torch.inference_mode()
     def adopt(self, handoffs: list[Handoff], tags: list) -> None:
@@ -353,7 +353,8 @@ class ContinuousBatch:
         h = self.model(toks, pos, self.cache.rows(0, n))
         for r in self.rows:
             r.cur += 1
-        return self._take(self.model.logits(h[:, 0]), list(range(n)), on_emit)
+        greedy = all(r.seq.req.params.greedy for r in self.rows)  # argmax only: the head's screen may serve it
+        return self._take(self.model.logits(h[:, 0], greedy), list(range(n)), on_emit)
 
     @torch.inference_mode()
     def remove(self, drop: Callable[[Any], bool]) -> list[tuple[Any, Result]]:

@@ -224,7 +224,8 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
     hidden, reused = prefill_cached(model, cache, [r.prompt for r in reqs], prompt_cache, "target", use)
     for s, n in zip(seqs, reused):
         s.cached = n
-    logits = model.logits(hidden)
+    greedy = on_step is None and all(r.params.greedy for r in reqs)  # argmax only: the head's screen may serve it
+    logits = model.logits(hidden, greedy)
     cur = [len(r.prompt) for r in reqs]
     while True:
         nxt = []
@@ -245,7 +246,7 @@ def generate(model: Transformer, reqs: list[Request], on_emit: Emit | None = Non
         cache = grow(cache, max(cur) + 1)  # K/V taken as the rows advance
         pos = torch.tensor([[min(c, cache.length - 1)] for c in cur], device=dev)
         hidden = model(torch.tensor(nxt, device=dev)[:, None], pos, cache)[:, 0]
-        logits = model.logits(hidden)
+        logits = model.logits(hidden, greedy)
         for b in active:
             cur[b] += 1
     keep_rows(prompt_cache, "target", [r.prompt + s.tokens for r, s in zip(reqs, seqs)], cache, use, cur)

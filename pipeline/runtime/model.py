@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.runtime import kernels
+from pipeline.runtime import head_screen, kernels
 from pipeline.runtime.gguf_weights import GGUFLinear
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.quant import QLinear, tile_model, to_hugepages, untile_model
@@ -396,8 +396,26 @@ class Transformer(nn.Module):
             x = layer(x, cos.to(x.dtype), sin.to(x.dtype), cache.k[i], cache.v[i], rows, slots, mask, kv_len)
         return self.norm(x)
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, greedy: bool = False) -> Tensor:
+        """fp32 logits of hidden states [..., H]. `greedy`: the caller takes only each row's argmax, so a head with a
+        screen (attach_head_screen) computes exactly only the rows that could be it, -inf elsewhere."""
+        screen = self.__dict__.get("_head_screen")
+        if (greedy and screen is not None and screen[0] is self.lm_head and _observer is None
+                and screen[1] == self.lm_head.qweight.data_ptr()):
+            return head_screen.logits(self.lm_head, screen[2], hidden)
         return _linear(hidden, wt(self.lm_head)).float()
+
+    def attach_head_screen(self) -> bool:
+        """Give a GGUF head of a screened type its int4 screen (pipeline/runtime/head_screen.py), for greedy logits;
+        False where the head has none. A head replaced or moved later is read whole again (the screen names the module
+        and its weights' address)."""
+        screen = head_screen.build(self.lm_head)
+        if screen is None:
+            self.__dict__.pop("_head_screen", None)
+            return False
+        to_hugepages(screen.layer)
+        self.__dict__["_head_screen"] = (self.lm_head, self.lm_head.qweight.data_ptr(), screen)
+        return True
 
 
 def hf_to_runtime(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:

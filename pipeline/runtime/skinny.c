@@ -1563,6 +1563,99 @@ void argmax_prob(const float *logits, int B, int N, int64_t *idx, float *prob) {
     }
 }
 
+// One value of x as an int8 kernel uses it after quantizing its group (x_a8, gg_quant_row, gg_quant32_row all
+// alike): q = RN(x RN(127 / m)) times RN(m / 127), m the group's max |x|; a group under 1e-30 is zero.
+static inline double screen_q8(float x, float inv, float step) {
+    return step == 0.f ? 0.0 : (double)rintf(x * inv) * (double)step;
+}
+
+// The exact greedy head's bounds (pipeline/runtime/head_screen.py): per row b of x [B, K] (finite), with a the row
+// as the head's kernel quantizes it (groups of g1 columns) and a' as the screen's (groups of g2), the coefficients
+// of |W_j| and |W_j - Q_j| in the bound on |r_j - s_j|: out[2 b] = |a - a'| + 2 tol m, out[2 b + 1] = |a'| + tol m,
+// m = max(|a|, |a'|) (tol: both kernels' fp32 rounding, relative), in double, rounded up to fp32. Returns 1 (and
+// writes nothing) if x holds a NaN or an infinity: no bound holds for such a row.
+int screen_bounds(const float *x, int B, int K, int g1, int g2, double tol, float *out) {
+    for (int64_t i = 0; i < (int64_t)B * K; i++)
+        if (!(fabsf(x[i]) <= 3.4028235e38f)) return 1;
+    for (int b = 0; b < B; b++) {
+        const float *r = x + (int64_t)b * K;
+        double d2 = 0.0, n2 = 0.0, r2 = 0.0;
+        float inv1 = 0.f, st1 = 0.f, inv2 = 0.f, st2 = 0.f;
+        for (int k = 0; k < K; k++) {
+            for (int t = 0; t < 2; t++) {
+                const int g = t ? g2 : g1;
+                if (k % g) continue;
+                float mx = 0.f;
+                for (int i = k; i < k + g; i++) mx = fabsf(r[i]) > mx ? fabsf(r[i]) : mx;
+                const float inv = mx < 1e-30f ? 0.f : 127.0f / mx, st = mx < 1e-30f ? 0.f : mx / 127.0f;
+                if (t) inv2 = inv, st2 = st;
+                else inv1 = inv, st1 = st;
+            }
+            const double a = screen_q8(r[k], inv1, st1), a2 = screen_q8(r[k], inv2, st2);
+            d2 += (a - a2) * (a - a2);
+            n2 += a2 * a2;
+            r2 += a * a;
+        }
+        const double m = sqrt(r2 > n2 ? r2 : n2), up = 1.0 + 1e-9;
+        out[2 * b] = nextafterf((float)((sqrt(d2) + 2 * tol * m) * up), INFINITY);
+        out[2 * b + 1] = nextafterf((float)((sqrt(n2) + tol * m) * up), INFINITY);
+    }
+    return 0;
+}
+
+// The exact greedy head's screen (pipeline/runtime/head_screen.py): mark panel j / 16 of every row j that row b of
+// the screened scores s [B, N] cannot rule out, s[b][j] + wn[j] ab[2 b] + dn[j] ab[2 b + 1] >= lo[b] (wn, dn the
+// rows' bound coefficients, ab the row's, screen_bounds; lo an exact logit already computed), and set every s to
+// -inf on the way (the caller writes the exact logits of the marked panels over it). panels[] (N / 16 rounded up)
+// is OR-ed into, so one pass marks the union over the rows; returns how many entries passed. A NaN passes.
+int64_t screen_select(float *s, int B, int N, const float *wn, const float *dn, const float *ab, const float *lo,
+                      uint8_t *panels) {
+    int64_t kept = 0;
+    for (int b = 0; b < B; b++) {
+        float *r = s + (int64_t)b * N;
+        const float a = ab[2 * b], c = ab[2 * b + 1], lb = lo[b];
+        int j = 0;
+#ifdef __AVX512F__
+        const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vl = _mm512_set1_ps(lb);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= N; j += 16) {
+            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(wn + j), va, _mm512_loadu_ps(r + j));
+            v = _mm512_fmadd_ps(_mm512_loadu_ps(dn + j), vc, v);
+            const __mmask16 m = _mm512_cmp_ps_mask(v, vl, _CMP_NLT_UQ);  // not less than: >= or unordered (NaN)
+            _mm512_storeu_ps(r + j, ninf);
+            if (m) {
+                kept += __builtin_popcount((unsigned)m);
+                for (int t = 0; t < 16; t++)
+                    if (m >> t & 1) panels[(j + t) >> 4] = 1;
+            }
+        }
+#else
+        const __m256 va = _mm256_set1_ps(a), vc = _mm256_set1_ps(c), vl = _mm256_set1_ps(lb);
+        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+        for (; j + 8 <= N; j += 8) {
+            __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(wn + j), va, _mm256_loadu_ps(r + j));
+            v = _mm256_fmadd_ps(_mm256_loadu_ps(dn + j), vc, v);
+            const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_NLT_UQ));
+            _mm256_storeu_ps(r + j, ninf);
+            if (m) {
+                kept += __builtin_popcount((unsigned)m);
+                for (int t = 0; t < 8; t++)
+                    if (m >> t & 1) panels[(j + t) >> 4] = 1;
+            }
+        }
+#endif
+        for (; j < N; j++) {
+            const float v = fmaf(dn[j], c, fmaf(wn[j], a, r[j]));
+            r[j] = -INFINITY;
+            if (!(v < lb)) {
+                kept++;
+                panels[j >> 4] = 1;
+            }
+        }
+    }
+    return kept;
+}
+
 // Per row of probs [B, N] (non-negative weights, any positive total): idx[b] = the first index whose running total
 // exceeds u[b] x the row's total, so index i comes with odds p_i / total for u[b] uniform in [0, 1): inverse-CDF
 // sampling from one uniform draw a row. torch.multinomial draws one exponential per entry instead (151,936 logs a

@@ -425,7 +425,7 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         prompts = [r.prompt for r in reqs]
         cache = target.new_cache(B, length)
         hidden, reused = prefill_cached(target, cache, prompts, prompt_cache, "target", [r.cache_prompt for r in reqs])
-        logits = target.logits(hidden)
+        logits = target.logits(hidden, all_greedy)
         for s, n in zip(seqs, reused):
             s.cached = n
         ctx = [list(p) for p in prompts]
@@ -474,7 +474,7 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
         last = torch.tensor([c[-1] for c in ctx], device=dev)
         tokens = torch.cat([last[:, None], drafts], 1)
         cache = grow(cache, int(pos.max()) + w + 1)  # K/V taken as the rows advance
-        p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache))
+        p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache), all_greedy)
         best = greedy(p_logits)
         lim = torch.tensor(limit, device=dev)
         match = (drafts == best[:, :w]) & (torch.arange(w, device=dev) < lim[:, None])

@@ -1,0 +1,200 @@
+"""The exact greedy head on fewer bytes: a Q4_K screen of a GGUF head's rows, then the rows it cannot rule out.
+
+Greedy decoding needs only each token row's argmax over the vocabulary, and the head is the largest single read of a
+step (the 1.5B flagship's Q6_K head: 193 MB of its 1,000 MB). The screen is the same head rounded to Q4_K (135 MB
+in the kernels' panels), multiplied by the same Q4_K / Q6_K kernel, and for every vocabulary row j a bound on how far
+its screened score s_j can lie from the logit r_j the head's own kernel computes:
+
+    |r_j - s_j| <= |W_j| (|a - a'| + 2 tol m) + |W_j - Q_j| (|a'| + tol m)
+
+W_j the GGUF row as the head's kernel multiplies it, Q_j the screen's row as its kernel does, a and a' the token's
+hidden state as each kernel quantizes it to int8 (the same for a k-quant head: both quantize per 256 columns), m
+the larger of their norms, and tol (SUM_TOL) both kernels' fp32 rounding with room to spare. skinny.c's
+screen_bounds repeats the kernels' quantization (RN(x RN(127 / max)) steps of RN(max / 127) a group); `build`
+raises |W_j| and |W_j - Q_j| past their own rounding. So a row whose s_j plus its bound falls below an exact logit
+L of that token cannot be its argmax.
+
+`logits` computes the 16-row panels of the screen's best rows exactly (L: each token's largest logit there), marks
+every panel holding a row the bound cannot rule out (skinny.c's screen_select, one pass that also sets every score
+to -inf), and computes those panels with the head's own kernel: the same bits the full head gives those rows (its
+rows are independent). Its argmax, the first largest value, is the full head's: every row that could equal or beat
+the best is among those computed. On the flagship's answers a token leaves a mean of about 5 panels to compute.
+
+It only serves greedy picks: sampling and the training's recorded logits read the full head
+(`Transformer.logits(..., greedy=False)`), and so do more than MAX_ROWS token rows (the screen's arithmetic then
+costs more than its bytes save), hidden states that are not finite, and tokens that leave more than MAX_PANEL_SHARE
+of the panels. Built at load (`Transformer.attach_head_screen`, 6.6 s for the flagship's head on 2 cores).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.runtime import kernels
+from pipeline.runtime.gguf_weights import (
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q6_K,
+    Q8_0,
+    RECORD32,
+    TYPE_NAMES,
+    GGUFLinear,
+    _Desc,
+    _Part,
+    pack,
+    panel_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+SCREENED = (Q6_K, Q8_0, Q5_0, Q5_1)  # head types of 5.5 bits a weight or more in their panels: the screen's 4.6 pay
+MAX_PANEL_SHARE = 1 / 8  # past this share of the panels, the full head is the cheaper read
+SMALL = 4  # panels computed on the calling thread alone
+MAX_ROWS = 6  # token rows the screen serves: at 8 the two reads' arithmetic costs more than the bytes saved
+SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 roundings of 2^-24 each: 6e-6 at K 1536)
+
+
+@dataclass
+class HeadScreen:
+    """A GGUF head's int4 screen (`build`): `layer` the W4A8 rows, `wn` / `dn` fp32 [N] upper bounds of |W_j| and
+    |W_j - Q_j|, `act_group` the head kernel's activation group (256 for k-quants, 32 for the 32-weight blocks)."""
+
+    layer: GGUFLinear
+    wn: Tensor
+    dn: Tensor
+    act_group: int
+
+
+def build(head) -> HeadScreen | None:
+    """The screen of `head`, or None where it has none: not a one-part GGUF head without bias of a type in SCREENED,
+    or an input width that is not whole super-blocks of 256 (the screen is Q4_K)."""
+    if not isinstance(head, GGUFLinear) or len(head.parts) != 1 or head.bias is not None:
+        return None
+    qtype, K = int(head.parts[0, 0]), head.in_features
+    if qtype not in SCREENED or K % 256:
+        return None
+    t0 = time.perf_counter()
+    try:
+        W = head.dequant_kernel(0)
+    except RuntimeError:  # no kernel library: the torch decode
+        W = head.weight
+    N = W.shape[0]
+    raws, wn, dn = [], torch.empty(N), torch.empty(N)
+    for r0 in range(0, N, ROWS):
+        w = W[r0:r0 + ROWS]
+        raw, Q = q4k_blocks(w)
+        raws.append(raw)
+        # fp32 norms, raised past their rounding: sums of 1,536 squares (well within 1e-4), and the difference's
+        # own rounding (a few ulps of the sub-block's largest weight each: within 1e-4 |W_j|)
+        wn[r0:r0 + ROWS] = w.norm(dim=1) * (1 + 1e-4)
+        dn[r0:r0 + ROWS] = (w - Q).norm(dim=1) * (1 + 1e-4) + 1e-4 * wn[r0:r0 + ROWS]
+    for t in (wn, dn):  # and up to the next fp32
+        t.copy_(torch.nextafter(t, torch.full_like(t, float("inf"))))
+    packed = torch.from_numpy(pack(Q4_K, np.concatenate(raws), K))
+    layer = GGUFLinear(packed, torch.tensor([[Q4_K, N, 0, 0, K]], dtype=torch.int64))
+    log.info("head screen: Q4_K rows for the %s head's %d x %d (%.0f MB for %.0f) in %.1f s", TYPE_NAMES[qtype], N, K,
+             packed.numel() / 1e6, head.qweight.numel() / 1e6, time.perf_counter() - t0)
+    return HeadScreen(layer, wn.contiguous(), dn.contiguous(), 32 if qtype in RECORD32 else 256)
+
+
+ROWS = 8192  # head rows rounded at a time
+
+
+def q4k_blocks(W: Tensor) -> tuple[np.ndarray, Tensor]:
+    """Rows W [N, K] (K a multiple of 256) -> (GGUF Q4_K blocks uint8 [N, K / 256 * 144], their weights fp32 [N, K]
+    as the Q4_K kernel multiplies them: d sc q - dmin m, each product as the kernel rounds it), by nearest rounding:
+    each 32 columns' range [min(w, 0), max w] in 15 steps, the steps and minima as 6-bit multiples of the
+    super-block's fp16 d and dmin (gguf_weights.q4k_fields reads them back)."""
+    N, K = W.shape
+    nsb = K // 256
+    w = W.float().reshape(N, nsb, 8, 32)
+    lo = w.amin(-1).clamp(max=0.0)
+    step = (w.amax(-1) - lo) / 15.0
+    d = (step.amax(-1) / 63.0).half().float()
+    dmin = ((-lo).amax(-1) / 63.0).half().float()
+    zero = torch.zeros(())
+    sc = torch.where(d[..., None] > 0, torch.round(step / d[..., None].clamp_min(1e-30)), zero).clamp(0, 63)
+    m = torch.where(dmin[..., None] > 0, torch.round(-lo / dmin[..., None].clamp_min(1e-30)), zero).clamp(0, 63)
+    D, M = d[..., None] * sc, dmin[..., None] * m
+    q = torch.where(D[..., None] > 0, torch.round((w + M[..., None]) / D[..., None].clamp_min(1e-30)), zero)
+    q = q.clamp(0, 15).to(torch.uint8)
+    sc8, m8 = sc.to(torch.uint8), m.to(torch.uint8)
+    scales = torch.cat([sc8[..., :4] | ((sc8[..., 4:] >> 4) << 6), m8[..., :4] | ((m8[..., 4:] >> 4) << 6),
+                        (sc8[..., 4:] & 15) | ((m8[..., 4:] & 15) << 4)], -1)  # q4k_fields' 12 bytes
+    qs = q.reshape(N, nsb, 4, 2, 32)
+    qs = qs[:, :, :, 0] | (qs[:, :, :, 1] << 4)  # byte l of 64 weights: weight l low, weight 32 + l high
+    out = torch.cat([d.half().view(torch.uint8).reshape(N, nsb, 2), dmin.half().view(torch.uint8).reshape(N, nsb, 2),
+                     scales, qs.reshape(N, nsb, 128)], -1)
+    return out.reshape(N, nsb * 144).numpy(), (D[..., None] * q.float() - M[..., None]).reshape(N, K)
+
+
+def _exact(head: GGUFLinear, x: Tensor, panels: Tensor) -> Tensor:
+    """The head's logits [R, 16 * len(panels)] for the rows of `panels`, by the head's own kernel on those panels'
+    bytes gathered (each row's bits as the whole head gives them: the kernel's rows are independent)."""
+    qtype, K = int(head.parts[0, 0]), head.in_features
+    w = head.qweight.view(-1, panel_bytes(qtype, K)).index_select(0, panels)
+    n = 16 * panels.numel()
+    desc = _Desc(1, K)
+    desc.part[0] = _Part(qtype, n, 0, 0, w.data_ptr())
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib = kernels._load()
+    threads = 1 if panels.numel() <= SMALL else kernels.threads()  # a few panels: not worth waking the pool
+    code = lib.skinny_matmul(x.data_ptr(), ctypes.addressof(desc), None, y.data_ptr(), x.shape[0], K, n, threads,
+                             lib.weight_types["gguf"], 0)
+    if code:
+        raise RuntimeError(f"head screen: the GGUF kernel returned {code} on {n} rows")
+    return y
+
+
+def logits(head: GGUFLinear, screen: HeadScreen, x: Tensor) -> Tensor:
+    """Greedy-exact logits of token rows x [..., K] (module docstring): fp32 [..., N], the head kernel's own values
+    on every row that could be a row's argmax, -inf elsewhere; the full head where the screen cannot help."""
+    N = screen.wn.numel()
+    P = -(-N // 16)
+    lib = kernels._load()
+    xr = x.reshape(-1, x.shape[-1]).float().contiguous()
+    R, K = xr.shape
+    ab = torch.empty(R, 2)
+    if (lib is None or xr.device.type != "cpu" or not 0 < R <= MAX_ROWS
+            or lib.screen_bounds(xr.data_ptr(), R, K, screen.act_group, 256, SUM_TOL, ab.data_ptr())):
+        return head(x).float()  # no kernels, too many rows, or a hidden state that is not finite (no bound holds)
+    s = screen.layer(xr)  # [R, N]: the screened scores, then (screen_select) -inf where no exact logit goes
+    with kernels.torch_on_caller():
+        top, _ = kernels.argmax_prob(s, with_prob=False)
+        first = torch.tensor(sorted(set((top // 16).tolist())), dtype=torch.int64)
+        ex = _exact(head, xr, first)  # [R, 16 * len(first)]
+        if N % 16 and int(first[-1]) == P - 1:  # the last panel's padding rows are no logits
+            ex.view(R, -1, 16)[:, -1, N % 16:] = float("-inf")
+        lo = ex.amax(-1)  # an exact logit of each row: its argmax is at least this
+        mark = torch.zeros(P, dtype=torch.uint8)
+        lib.screen_select(s.data_ptr(), R, N, screen.wn.data_ptr(), screen.dn.data_ptr(), ab.data_ptr(),
+                          lo.data_ptr(), mark.data_ptr())
+        mark[first] = 0
+        rest = torch.nonzero(mark).flatten()
+        if first.numel() + rest.numel() > MAX_PANEL_SHARE * P:
+            return head(x).float()
+        _put(s, first, ex, N)
+        if rest.numel():
+            _put(s, rest, _exact(head, xr, rest), N)
+        return s.view(*x.shape[:-1], N)
+
+
+def _put(s: Tensor, panels: Tensor, ex: Tensor, N: int) -> None:
+    """Write exact logits ex [R, 16 * len(panels)] into s [R, N] at those panels' rows (a last partial panel's
+    padding rows dropped)."""
+    if panels.numel() <= 8:  # a few slices cost less than an index
+        for i, p in enumerate(panels.tolist()):
+            n = min(16, N - 16 * p)
+            s[:, 16 * p:16 * p + n] = ex[:, 16 * i:16 * i + n]
+        return
+    cols = (panels[:, None] * 16 + torch.arange(16)).flatten()
+    keep = cols < N
+    s[:, cols[keep]] = ex[:, keep]
