@@ -193,3 +193,21 @@ def test_a_model_decodes_the_same_greedy_tokens_with_its_head_screen_and_samples
     calls.clear()
     sampled = run(SamplingParams(temperature=0.8, seed=3))
     assert not calls and len(sampled[0]) == 24  # a sampled request reads the whole head
+
+
+def test_the_screen_is_kept_beside_the_engine_read_back_by_the_next_load_and_rebuilt_when_damaged(tmp_path):
+    head = _head(gw.Q6_K, 512, 256, seed=12)
+    first = head_screen.build(head, tmp_path)
+    files = list(tmp_path.glob(f"{head_screen.CACHE_PREFIX}*.safetensors"))
+    assert len(files) == 1 and not list(tmp_path.glob("*.tmp*"))
+    again = head_screen.build(head, tmp_path)  # read back, not rebuilt: the same bytes and bounds
+    assert torch.equal(again.layer.qweight, first.layer.qweight) and torch.equal(again.dn, first.dn)
+    x = _aimed(head, [3, 400], seed=13)
+    assert torch.equal(head_screen.logits(head, again, x), head_screen.logits(head, first, x))
+    files[0].write_bytes(files[0].read_bytes()[:1000])  # a damaged file is rebuilt, never used
+    rebuilt = head_screen.build(head, tmp_path)
+    assert torch.equal(rebuilt.layer.qweight, first.layer.qweight)
+    other = _head(gw.Q6_K, 512, 256, seed=14)  # a rebuilt engine's new head: its own file, the old one gone
+    head_screen.build(other, tmp_path)
+    now = list(tmp_path.glob(f"{head_screen.CACHE_PREFIX}*.safetensors"))
+    assert len(now) == 1 and now != files

@@ -90,7 +90,7 @@ def load_bundle(engine_dir: Path, device: str = "cpu", methods: tuple[str, ...] 
                 verify: bool = True) -> Bundle:
     """Load engines/<name>/{target,draft,medusa} as far as they exist."""
     eng = load_engine(engine_dir / "target", device, verify=verify)
-    eng.model.attach_head_screen()  # greedy picks read an int4 screen of a GGUF head, then the rows it keeps
+    eng.model.attach_head_screen(engine_dir / "target")  # greedy picks: a Q4_K screen of a GGUF head, then its rows
     draft = draft_config = medusa = None
     if ("draft_target" in methods or "hybrid" in methods) and (engine_dir / "draft" / "config.json").is_file():
         draft, draft_config = load_draft(engine_dir / "draft", device, verify=verify)

@@ -23,18 +23,24 @@ the best is among those computed. On the flagship's answers a token leaves a mea
 It only serves greedy picks: sampling and the training's recorded logits read the full head
 (`Transformer.logits(..., greedy=False)`), and so do more than MAX_ROWS token rows (the screen's arithmetic then
 costs more than its bytes save), hidden states that are not finite, and tokens that leave more than MAX_PANEL_SHARE
-of the panels. Built at load (`Transformer.attach_head_screen`, 6.6 s for the flagship's head on 2 cores).
+of the panels. Built at load (`Transformer.attach_head_screen`, 6.6 s for the flagship's head on 2 cores) and
+kept beside the engine for the next process and load (`build`'s cache_dir).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from pipeline.runtime import kernels
@@ -73,14 +79,66 @@ class HeadScreen:
     act_group: int
 
 
-def build(head) -> HeadScreen | None:
+def build(head, cache_dir: Path | None = None) -> HeadScreen | None:
     """The screen of `head`, or None where it has none: not a one-part GGUF head without bias of a type in SCREENED,
-    or an input width that is not whole super-blocks of 256 (the screen is Q4_K)."""
+    or an input width that is not whole super-blocks of 256 (the screen is Q4_K). With `cache_dir` (the engine's
+    directory) the screen is read from `.head-screen-<sha256 of the head's panels>.safetensors` there, or built and
+    written there under a file lock: Triton's two stub processes and every later load build it once."""
     if not isinstance(head, GGUFLinear) or len(head.parts) != 1 or head.bias is not None:
         return None
     qtype, K = int(head.parts[0, 0]), head.in_features
     if qtype not in SCREENED or K % 256:
         return None
+    if cache_dir is None:
+        return _build(head, qtype, K)
+    key = hashlib.sha256(head.qweight.contiguous().numpy()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{CACHE_PREFIX}{key}.safetensors"
+    try:
+        lock = open(Path(cache_dir) / f"{CACHE_PREFIX}lock", "a+")  # noqa: SIM115 - held while building
+    except OSError:
+        return _build(head, qtype, K)  # a directory this process cannot write: built here, kept in memory
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        screen = _read(path, head)
+        if screen is None:
+            screen = _build(head, qtype, K)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            try:
+                save_file({"qweight": screen.layer.qweight, "parts": screen.layer.parts, "wn": screen.wn,
+                           "dn": screen.dn, "act_group": torch.tensor([screen.act_group])}, str(tmp))
+                os.replace(tmp, path)  # whole or not at all: an interrupted write leaves no file that looks complete
+                for old in path.parent.glob(f"{CACHE_PREFIX}*.safetensors"):  # a rebuilt engine's old head
+                    if old != path:
+                        old.unlink(missing_ok=True)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                log.warning("head screen: could not keep it in %s (%s); it is built again at the next load",
+                            cache_dir, e)
+    return screen
+
+
+CACHE_PREFIX = ".head-screen-"
+
+
+def _read(path: Path, head: GGUFLinear) -> HeadScreen | None:
+    """The screen stored at `path` for `head` (its file name carries the head's hash), or None if absent or not one."""
+    if not path.is_file():
+        return None
+    try:
+        st = load_file(str(path))
+        layer = GGUFLinear(st["qweight"], st["parts"])
+        screen = HeadScreen(layer, st["wn"], st["dn"], int(st["act_group"][0]))
+    except Exception as e:  # noqa: BLE001 - a damaged file is rebuilt, never used
+        log.warning("head screen: %s unreadable (%s); building it again", path, e)
+        return None
+    N = head.out_features
+    if layer.out_features != N or layer.in_features != head.in_features or screen.wn.shape != (N,) \
+            or screen.dn.shape != (N,):
+        return None
+    return screen
+
+
+def _build(head: GGUFLinear, qtype: int, K: int) -> HeadScreen:
     t0 = time.perf_counter()
     try:
         W = head.dequant_kernel(0)

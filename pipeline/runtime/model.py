@@ -405,11 +405,11 @@ class Transformer(nn.Module):
             return head_screen.logits(self.lm_head, screen[2], hidden)
         return _linear(hidden, wt(self.lm_head)).float()
 
-    def attach_head_screen(self) -> bool:
-        """Give a GGUF head of a screened type its int4 screen (pipeline/runtime/head_screen.py), for greedy logits;
-        False where the head has none. A head replaced or moved later is read whole again (the screen names the module
-        and its weights' address)."""
-        screen = head_screen.build(self.lm_head)
+    def attach_head_screen(self, cache_dir=None) -> bool:
+        """Give a GGUF head of a screened type its Q4_K screen (pipeline/runtime/head_screen.py; kept in `cache_dir`,
+        the engine's directory, when given), for greedy logits; False where the head has none. A head replaced or
+        moved later is read whole again (the screen names the module and its weights' address)."""
+        screen = head_screen.build(self.lm_head, cache_dir)
         if screen is None:
             self.__dict__.pop("_head_screen", None)
             return False
