@@ -57,8 +57,12 @@ RESIDENT_OVER_WEIGHTS = 1.25
 
 
 def read_bytes(model: Transformer) -> int:
-    """Bytes of weights one decode step reads."""
+    """Bytes of weights one greedy decode step reads: a screened head (pipeline/runtime/head_screen.py) counts as its
+    screen, the panels it then computes exactly left out (a few of 16 rows: 0.01% of the flagship's step)."""
     total = quant.weight_bytes(model)
+    screen = model.__dict__.get("_head_screen")
+    if screen is not None and screen[0] is model.lm_head:
+        total += quant.weight_bytes(screen[2].layer) - quant.weight_bytes(model.lm_head)
     if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight is model.embed.weight:
         return total
     return total - model.embed.weight.numel() * model.embed.weight.element_size()

@@ -211,3 +211,14 @@ def test_the_screen_is_kept_beside_the_engine_read_back_by_the_next_load_and_reb
     head_screen.build(other, tmp_path)
     now = list(tmp_path.glob(f"{head_screen.CACHE_PREFIX}*.safetensors"))
     assert len(now) == 1 and now != files
+
+
+def test_the_roofline_counts_a_screened_head_as_the_screens_bytes():
+    from pipeline.precision import read_bytes
+
+    model = _gguf_model(2048)
+    whole = read_bytes(model)
+    assert model.attach_head_screen()
+    screen = model.__dict__["_head_screen"][2]
+    assert read_bytes(model) == whole - quant.weight_bytes(model.lm_head) + quant.weight_bytes(screen.layer)
+    assert read_bytes(model) < whole
