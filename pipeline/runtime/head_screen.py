@@ -70,7 +70,7 @@ SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 rou
 
 @dataclass
 class HeadScreen:
-    """A GGUF head's int4 screen (`build`): `layer` the W4A8 rows, `wn` / `dn` fp32 [N] upper bounds of |W_j| and
+    """A GGUF head's screen (`build`): `layer` its Q4_K rows, `wn` / `dn` fp32 [N] upper bounds of |W_j| and
     |W_j - Q_j|, `act_group` the head kernel's activation group (256 for k-quants, 32 for the 32-weight blocks)."""
 
     layer: GGUFLinear
@@ -205,10 +205,8 @@ def _exact(head: GGUFLinear, x: Tensor, panels: Tensor) -> Tensor:
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     lib = kernels._load()
     threads = 1 if panels.numel() <= SMALL else kernels.threads()  # a few panels: not worth waking the pool
-    code = lib.skinny_matmul(x.data_ptr(), ctypes.addressof(desc), None, y.data_ptr(), x.shape[0], K, n, threads,
-                             lib.weight_types["gguf"], 0)
-    if code:
-        raise RuntimeError(f"head screen: the GGUF kernel returned {code} on {n} rows")
+    kernels._status(lib.skinny_matmul(x.data_ptr(), ctypes.addressof(desc), None, y.data_ptr(), x.shape[0], K, n,
+                                      threads, lib.weight_types["gguf"], 0), "head_screen")
     return y
 
 
