@@ -88,6 +88,19 @@ def test_greedy_logits_keep_the_full_heads_argmax_and_its_bits_on_every_row_they
 
 
 @pytest.mark.parametrize("build", BUILDS)
+def test_many_panels_left_are_shared_by_the_pool_and_too_many_read_the_whole_head(build, path, monkeypatch):
+    path(build)
+    monkeypatch.setattr(kernels, "threads", lambda: 2)
+    head = _head(gw.Q6_K, 16384, 256, seed=11)  # 1,024 panels: the screen computes at most 128
+    screen = head_screen.build(head)
+    x = _aimed(head, [5000, 77], seed=2, scale=1.5)  # weakly aimed: about 70 panels left, past SH_POOL_FROM (32)
+    done = _check(head, screen, x).any(0).sum().item() // 16
+    assert 32 < done <= 1024 * head_screen.MAX_PANEL_SHARE
+    x = _aimed(head, [5000, 77], seed=2, scale=1.2)  # past the share: the whole head, every logit
+    assert torch.equal(head_screen.logits(head, screen, x), head(x).float())
+
+
+@pytest.mark.parametrize("build", BUILDS)
 def test_rows_that_tie_the_best_give_the_first_as_the_full_heads_argmax_does(build, path):
     path(build)
     N, K = 640, 256
@@ -211,6 +224,26 @@ def test_the_screen_is_kept_beside_the_engine_read_back_by_the_next_load_and_reb
     head_screen.build(other, tmp_path)
     now = list(tmp_path.glob(f"{head_screen.CACHE_PREFIX}*.safetensors"))
     assert len(now) == 1 and now != files
+
+
+def test_processes_that_share_weights_map_one_file_of_the_screen_and_pick_the_same_tokens(tmp_path, monkeypatch):
+    from pipeline.runtime import shared
+
+    monkeypatch.setenv("PIPELINE_SHARED_WEIGHTS", "1")
+    monkeypatch.setenv("PIPELINE_LOCK_WEIGHTS", "0")
+    a, b, private = _gguf_model(2048), _gguf_model(2048), _gguf_model(2048)
+    assert a.attach_head_screen(tmp_path) and b.attach_head_screen(tmp_path)
+    (f,) = tmp_path.glob(f"{shared.SCREEN_PREFIX}*.bin")
+    assert not list(tmp_path.glob(f"{shared.PREFIX}*.bin"))  # the model's own file is not touched
+    qa, qb = (m.__dict__["_head_screen"][2].layer.qweight for m in (a, b))
+    assert qa.data_ptr() != qb.data_ptr() and torch.equal(qa, qb)
+    assert str(f) in shared.shared_mappings()  # both screens read the file's pages
+    monkeypatch.setenv("PIPELINE_SHARED_WEIGHTS", "0")
+    assert private.attach_head_screen(tmp_path)
+    h = torch.randn(3, a.lm_head.in_features, generator=torch.Generator().manual_seed(15)) * 4
+    want = private.logits(h, greedy=True)
+    assert torch.equal(a.logits(h, greedy=True), want) and torch.equal(b.logits(h, greedy=True), want)
+    assert torch.equal(want.argmax(-1), private.logits(h).argmax(-1))
 
 
 def test_the_roofline_counts_a_screened_head_as_the_screens_bytes():

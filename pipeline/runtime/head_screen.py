@@ -14,11 +14,12 @@ screen_bounds repeats the kernels' quantization (RN(x RN(127 / max)) steps of RN
 raises |W_j| and |W_j - Q_j| past their own rounding. So a row whose s_j plus its bound falls below an exact logit
 L of that token cannot be its argmax.
 
-`logits` computes the 16-row panels of the screen's best rows exactly (L: each token's largest logit there), marks
-every panel holding a row the bound cannot rule out (skinny.c's screen_select, one pass that also sets every score
-to -inf), and computes those panels with the head's own kernel: the same bits the full head gives those rows (its
-rows are independent). Its argmax, the first largest value, is the full head's: every row that could equal or beat
-the best is among those computed. On the flagship's answers a token leaves a mean of about 5 panels to compute.
+`logits` is one C call (skinny.c's screen_head): the screen's matmul; each 16-row panel's largest score; the panel
+of each token's best score computed exactly (L: the token's largest logit there); the panels whose largest score
+plus their largest bound coefficients (`pwn`, `pdn`) could reach L, and of those the ones holding a row whose own
+bound could; those computed with the head's own kernel (the same bits the full head gives those rows: its rows are
+independent), -inf everywhere else. Its argmax, the first largest value, is the full head's: every row that could
+equal or beat the best is among those computed. On the flagship's answers a token leaves about 5 panels to compute.
 
 It only serves greedy picks: sampling and the training's recorded logits read the full head
 (`Transformer.logits(..., greedy=False)`), and so do more than MAX_ROWS token rows (the screen's arithmetic then
@@ -29,13 +30,12 @@ kept beside the engine for the next process and load (`build`'s cache_dir).
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -53,17 +53,13 @@ from pipeline.runtime.gguf_weights import (
     RECORD32,
     TYPE_NAMES,
     GGUFLinear,
-    _Desc,
-    _Part,
     pack,
-    panel_bytes,
 )
 
 log = logging.getLogger(__name__)
 
 SCREENED = (Q6_K, Q8_0, Q5_0, Q5_1)  # head types of 5.5 bits a weight or more in their panels: the screen's 4.6 pay
 MAX_PANEL_SHARE = 1 / 8  # past this share of the panels, the full head is the cheaper read
-SMALL = 4  # panels computed on the calling thread alone
 MAX_ROWS = 6  # token rows the screen serves: at 8 the two reads' arithmetic costs more than the bytes saved
 SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 roundings of 2^-24 each: 6e-6 at K 1536)
 
@@ -71,12 +67,25 @@ SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 rou
 @dataclass
 class HeadScreen:
     """A GGUF head's screen (`build`): `layer` its Q4_K rows, `wn` / `dn` fp32 [N] upper bounds of |W_j| and
-    |W_j - Q_j|, `act_group` the head kernel's activation group (256 for k-quants, 32 for the 32-weight blocks)."""
+    |W_j - Q_j|, `act_group` the head kernel's activation group (256 for k-quants, 32 for the 32-weight blocks),
+    `head_type` the head's GGUF type; `pwn` / `pdn` [ceil(N / 16)] the largest of `wn` / `dn` in each 16-row panel
+    (what skinny.c's screen_head tests a panel with), `max_panels` the most panels it computes before the whole head
+    is the cheaper read."""
 
     layer: GGUFLinear
     wn: Tensor
     dn: Tensor
     act_group: int
+    head_type: int = Q6_K
+    pwn: Tensor = field(init=False, repr=False)
+    pdn: Tensor = field(init=False, repr=False)
+    max_panels: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        pad = -self.wn.numel() % 16
+        self.pwn, self.pdn = (torch.nn.functional.pad(t.float(), (0, pad)).view(-1, 16).amax(-1).contiguous()
+                              for t in (self.wn, self.dn))
+        self.max_panels = int(MAX_PANEL_SHARE * self.pwn.numel())
 
 
 def build(head, cache_dir: Path | None = None) -> HeadScreen | None:
@@ -127,7 +136,7 @@ def _read(path: Path, head: GGUFLinear) -> HeadScreen | None:
     try:
         st = load_file(str(path))
         layer = GGUFLinear(st["qweight"], st["parts"])
-        screen = HeadScreen(layer, st["wn"], st["dn"], int(st["act_group"][0]))
+        screen = HeadScreen(layer, st["wn"], st["dn"], int(st["act_group"][0]), int(head.parts[0, 0]))
     except Exception as e:  # noqa: BLE001 - a damaged file is rebuilt, never used
         log.warning("head screen: %s unreadable (%s); building it again", path, e)
         return None
@@ -160,7 +169,7 @@ def _build(head: GGUFLinear, qtype: int, K: int) -> HeadScreen:
     layer = GGUFLinear(packed, torch.tensor([[Q4_K, N, 0, 0, K]], dtype=torch.int64))
     log.info("head screen: Q4_K rows for the %s head's %d x %d (%.0f MB for %.0f) in %.1f s", TYPE_NAMES[qtype], N, K,
              packed.numel() / 1e6, head.qweight.numel() / 1e6, time.perf_counter() - t0)
-    return HeadScreen(layer, wn.contiguous(), dn.contiguous(), 32 if qtype in RECORD32 else 256)
+    return HeadScreen(layer, wn.contiguous(), dn.contiguous(), 32 if qtype in RECORD32 else 256, qtype)
 
 
 ROWS = 8192  # head rows rounded at a time
@@ -194,63 +203,25 @@ def q4k_blocks(W: Tensor) -> tuple[np.ndarray, Tensor]:
     return out.reshape(N, nsb * 144).numpy(), (D[..., None] * q.float() - M[..., None]).reshape(N, K)
 
 
-def _exact(head: GGUFLinear, x: Tensor, panels: Tensor) -> Tensor:
-    """The head's logits [R, 16 * len(panels)] for the rows of `panels`, by the head's own kernel on those panels'
-    bytes gathered (each row's bits as the whole head gives them: the kernel's rows are independent)."""
-    qtype, K = int(head.parts[0, 0]), head.in_features
-    w = head.qweight.view(-1, panel_bytes(qtype, K)).index_select(0, panels)
-    n = 16 * panels.numel()
-    desc = _Desc(1, K)
-    desc.part[0] = _Part(qtype, n, 0, 0, w.data_ptr())
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    lib = kernels._load()
-    threads = 1 if panels.numel() <= SMALL else kernels.threads()  # a few panels: not worth waking the pool
-    kernels._status(lib.skinny_matmul(x.data_ptr(), ctypes.addressof(desc), None, y.data_ptr(), x.shape[0], K, n,
-                                      threads, lib.weight_types["gguf"], 0), "head_screen")
-    return y
-
-
 def logits(head: GGUFLinear, screen: HeadScreen, x: Tensor) -> Tensor:
     """Greedy-exact logits of token rows x [..., K] (module docstring): fp32 [..., N], the head kernel's own values
     on every row that could be a row's argmax, -inf elsewhere; the full head where the screen cannot help."""
-    N = screen.wn.numel()
-    P = -(-N // 16)
     lib = kernels._load()
     xr = x.reshape(-1, x.shape[-1]).float().contiguous()
     R, K = xr.shape
-    ab = torch.empty(R, 2)
-    if (lib is None or xr.device.type != "cpu" or not 0 < R <= MAX_ROWS
-            or lib.screen_bounds(xr.data_ptr(), R, K, screen.act_group, 256, SUM_TOL, ab.data_ptr())):
-        return head(x).float()  # no kernels, too many rows, or a hidden state that is not finite (no bound holds)
-    s = screen.layer(xr)  # [R, N]: the screened scores, then (screen_select) -inf where no exact logit goes
-    with kernels.torch_on_caller():
-        top, _ = kernels.argmax_prob(s, with_prob=False)
-        first = torch.tensor(sorted(set((top // 16).tolist())), dtype=torch.int64)
-        ex = _exact(head, xr, first)  # [R, 16 * len(first)]
-        if N % 16 and int(first[-1]) == P - 1:  # the last panel's padding rows are no logits
-            ex.view(R, -1, 16)[:, -1, N % 16:] = float("-inf")
-        lo = ex.amax(-1)  # an exact logit of each row: its argmax is at least this
-        mark = torch.zeros(P, dtype=torch.uint8)
-        lib.screen_select(s.data_ptr(), R, N, screen.wn.data_ptr(), screen.dn.data_ptr(), ab.data_ptr(),
-                          lo.data_ptr(), mark.data_ptr())
-        mark[first] = 0
-        rest = torch.nonzero(mark).flatten()
-        if first.numel() + rest.numel() > MAX_PANEL_SHARE * P:
-            return head(x).float()
-        _put(s, first, ex, N)
-        if rest.numel():
-            _put(s, rest, _exact(head, xr, rest), N)
-        return s.view(*x.shape[:-1], N)
-
-
-def _put(s: Tensor, panels: Tensor, ex: Tensor, N: int) -> None:
-    """Write exact logits ex [R, 16 * len(panels)] into s [R, N] at those panels' rows (a last partial panel's
-    padding rows dropped)."""
-    if panels.numel() <= 8:  # a few slices cost less than an index
-        for i, p in enumerate(panels.tolist()):
-            n = min(16, N - 16 * p)
-            s[:, 16 * p:16 * p + n] = ex[:, 16 * i:16 * i + n]
-        return
-    cols = (panels[:, None] * 16 + torch.arange(16)).flatten()
-    keep = cols < N
-    s[:, cols[keep]] = ex[:, keep]
+    if lib is None or xr.device.type != "cpu" or not 0 < R <= MAX_ROWS:
+        return head(x).float()  # no kernels, or more rows than the screen pays for
+    N = screen.wn.numel()
+    s = torch.empty(R, N)
+    # the screen's matmul and every pass after it, in one call (skinny.c): nothing between them for Python to run
+    done = lib.screen_head(xr.data_ptr(), R, K, screen.act_group, SUM_TOL, screen.layer.desc_ptr(), screen.head_type,
+                           head.qweight.data_ptr(), N, s.data_ptr(), screen.wn.data_ptr(), screen.dn.data_ptr(),
+                           screen.pwn.data_ptr(), screen.pdn.data_ptr(), screen.max_panels, kernels.threads())
+    if done == -2:
+        raise MemoryError("kernels.screen_head: skinny.c could not allocate its buffers")
+    if done == -3:
+        raise ValueError(f"head_screen: a screen of {screen.layer.out_features} x {screen.layer.in_features} for a "
+                         f"head of {N} x {K}")
+    if done < 0:  # too many panels left (the whole head is the cheaper read), or a state that is not finite
+        return head(x).float()
+    return s.view(*x.shape[:-1], N)

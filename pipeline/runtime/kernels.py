@@ -160,8 +160,8 @@ def bind(so: Path) -> ctypes.CDLL:
     lib.skinny_isa.restype = ctypes.c_char_p
     lib.argmax_prob.argtypes = [P, Int, Int, P, P]
     lib.argmax_prob.restype = None
-    lib.screen_select.argtypes = [P, Int, Int, P, P, P, P, P]
-    lib.screen_select.restype = ctypes.c_int64
+    lib.screen_head.argtypes = [P, Int, Int, Int, ctypes.c_double, P, Int, P, Int, P, P, P, P, P, Int, Int]
+    lib.screen_head.restype = ctypes.c_int64
     lib.screen_bounds.argtypes = [P, Int, Int, Int, Int, ctypes.c_double, P]
     lib.screen_bounds.restype = Int
     lib.sample_rows.argtypes = [P, Int, Int, P, P]

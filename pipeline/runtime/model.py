@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.runtime import head_screen, kernels
+from pipeline.runtime import head_screen, kernels, shared
 from pipeline.runtime.gguf_weights import GGUFLinear
 from pipeline.runtime.kernels import linear
 from pipeline.runtime.quant import QLinear, tile_model, to_hugepages, untile_model
@@ -413,7 +413,10 @@ class Transformer(nn.Module):
         if screen is None:
             self.__dict__.pop("_head_screen", None)
             return False
-        to_hugepages(screen.layer)
+        if shared.enabled() and cache_dir is not None and screen.layer.qweight.device.type == "cpu":
+            shared.share_weights(screen.layer, cache_dir, shared.SCREEN_PREFIX)  # one copy for Triton's two stubs
+        else:
+            to_hugepages(screen.layer)
         self.__dict__["_head_screen"] = (self.lm_head, self.lm_head.qweight.data_ptr(), screen)
         return True
 

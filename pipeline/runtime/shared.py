@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from pipeline.runtime import kernels, quant
 
 PREFIX = ".shared-weights-"
+SCREEN_PREFIX = ".shared-screen-"  # a GGUF head's screen (head_screen.py), beside its model's file
 MIN_BYTES = 16 << 10  # smaller tensors stay private: a 4 KB page apiece would waste more than they weigh
 ALIGN = 4096
 MLOCK_ONFAULT = 1  # linux/mman.h
@@ -79,9 +80,10 @@ def _bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def share_weights(model: nn.Module, where: Path) -> int:
+def share_weights(model: nn.Module, where: Path, prefix: str = PREFIX) -> int:
     """Point `model`'s weights at the shared file for them in directory `where` (written first if missing or stale);
-    returns the bytes now shared (0 where the directory cannot be written and holds no such file)."""
+    returns the bytes now shared (0 where the directory cannot be written and holds no such file). `prefix` names
+    the file and its lock: one file per prefix in a directory (a new layout replaces the old one)."""
     tensors, slots, names = _slots(model)
     if not tensors:
         return 0
@@ -92,9 +94,9 @@ def share_weights(model: nn.Module, where: Path) -> int:
         at += (n + ALIGN - 1) & ~(ALIGN - 1)
     size = at
     key = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
-    path = Path(where) / f"{PREFIX}{key}.bin"
+    path = Path(where) / f"{prefix}{key}.bin"
     try:
-        lock = open(Path(where) / f"{PREFIX}lock", "a+")  # noqa: SIM115 - held until the file is mapped
+        lock = open(Path(where) / f"{prefix}lock", "a+")  # noqa: SIM115 - held until the file is mapped
     except OSError:
         return 0
     with lock:
@@ -105,7 +107,7 @@ def share_weights(model: nn.Module, where: Path) -> int:
             region = None  # stale bytes under a current name: never used
         if region is None:
             _write(path, size, tensors.values(), layout)
-            for old in path.parent.glob(f"{PREFIX}*.bin"):  # other layouts; a process mapping one keeps its pages
+            for old in path.parent.glob(f"{prefix}*.bin"):  # other layouts; a process mapping one keeps its pages
                 if old != path:
                     old.unlink(missing_ok=True)
             region = _map(path, size)
@@ -218,7 +220,8 @@ def resident(pid: int | str = "self") -> dict[str, int]:
 
 
 def shared_mappings(pid: int | str = "self") -> dict[str, dict[str, int]]:
-    """Per mapped shared-weights file of a process: its Rss and Pss in bytes (/proc/PID/smaps)."""
+    """Per mapped shared-weights file of a process (a model's or a head screen's): its Rss and Pss in bytes
+    (/proc/PID/smaps)."""
     out: dict[str, dict[str, int]] = {}
     current = None
     try:
@@ -226,7 +229,7 @@ def shared_mappings(pid: int | str = "self") -> dict[str, dict[str, int]]:
             for line in f:
                 head = line.split()
                 if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                    current = head[5] if len(head) > 5 and PREFIX in head[5] else None
+                    current = head[5] if len(head) > 5 and (PREFIX in head[5] or SCREEN_PREFIX in head[5]) else None
                     if current:
                         out.setdefault(current, {"Rss": 0, "Pss": 0})
                 elif current and head and head[0] in ("Rss:", "Pss:"):

@@ -1603,57 +1603,249 @@ int screen_bounds(const float *x, int B, int K, int g1, int g2, double tol, floa
     return 0;
 }
 
-// The exact greedy head's screen (pipeline/runtime/head_screen.py): mark panel j / 16 of every row j that row b of
-// the screened scores s [B, N] cannot rule out, s[b][j] + wn[j] ab[2 b] + dn[j] ab[2 b + 1] >= lo[b] (wn, dn the
-// rows' bound coefficients, ab the row's, screen_bounds; lo an exact logit already computed), and set every s to
-// -inf on the way (the caller writes the exact logits of the marked panels over it). panels[] (N / 16 rounded up)
-// is OR-ed into, so one pass marks the union over the rows; returns how many entries passed. A NaN passes.
-int64_t screen_select(float *s, int B, int N, const float *wn, const float *dn, const float *ab, const float *lo,
-                      uint8_t *panels) {
-    int64_t kept = 0;
-    for (int b = 0; b < B; b++) {
-        float *r = s + (int64_t)b * N;
-        const float a = ab[2 * b], c = ab[2 * b + 1], lb = lo[b];
-        int j = 0;
-#ifdef __AVX512F__
-        const __m512 va = _mm512_set1_ps(a), vc = _mm512_set1_ps(c), vl = _mm512_set1_ps(lb);
-        const __m512 ninf = _mm512_set1_ps(-INFINITY);
-        for (; j + 16 <= N; j += 16) {
-            __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(wn + j), va, _mm512_loadu_ps(r + j));
-            v = _mm512_fmadd_ps(_mm512_loadu_ps(dn + j), vc, v);
-            const __mmask16 m = _mm512_cmp_ps_mask(v, vl, _CMP_NLT_UQ);  // not less than: >= or unordered (NaN)
-            _mm512_storeu_ps(r + j, ninf);
-            if (m) {
-                kept += __builtin_popcount((unsigned)m);
-                for (int t = 0; t < 16; t++)
-                    if (m >> t & 1) panels[(j + t) >> 4] = 1;
-            }
-        }
+// The exact greedy head's logits (pipeline/runtime/head_screen.py's `logits`) in one call: token rows x [B, K], the
+// screen's panels `sdesc` (its Q4_K rows), the head's panels w (one GGUF part of type `type`, N rows), wn / dn [N]
+// the rows' bound coefficients of |W_j| and |W_j - Q_j| and pwn / pdn [ceil(N / 16)] each 16-row panel's largest,
+// act_group the head kernel's activation group and tol the kernels' rounding (screen_bounds: a, c a token row's).
+// Into s [B, N] the screen's scores, then: each panel's largest score (one pass); the panel of each row's best score
+// computed with the head's own tiles (the union over the rows), a row's largest logit there its lower bound L; the
+// panels where, for some row, largest score + pwn a + pdn c >= L (a NaN passes), and of those the ones where some
+// row j passes s_j + wn_j a + dn_j c >= L itself (the panel test passes wherever a row's would: s_j, wn_j and dn_j
+// are at most the panel's, and fp32 FMAs are monotone in each operand). Those are computed into s with the head's
+// bits (the tiles' rows are independent), -inf everywhere else: no row left out can reach L. Returns the panels
+// computed, or where s holds no logits (the caller reads the whole head): -1 more than max_panels would be computed,
+// -2 out of memory, -3 shapes it does not take, -4 x holds a NaN or an infinity (no bound holds).
+typedef struct {
+    const gx_t *X;
+    const gg_part_t *pt;
+    float *s;
+    const int32_t *list;
+    int n, B, K, N, parts;
+} sh_job_t;
+static void sh_share(void *ctx, int t) {
+    const sh_job_t *j = (const sh_job_t *)ctx;
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0x8040u);
+    for (int i = j->n * t / j->parts; i < j->n * (t + 1) / j->parts; i++)
+        gg_panels(j->X, j->pt, j->s, j->B, j->K, j->N, j->list[i], j->list[i] + 1);
+    gg_amx_release();
+    _mm_setcsr(csr);
+}
+#define SH_FIRST 8       // at most this many first panels (one per row: MAX_ROWS in head_screen.py is 6)
+#define SH_POOL_FROM 32  // marked panels from which the pool shares them
+int64_t screen_head(const float *x, int B, int K, int act_group, double tol, const gg_desc_t *sdesc, int type,
+                    const uint8_t *w, int N, float *s, const float *wn, const float *dn, const float *pwn,
+                    const float *pdn, int max_panels, int threads) {
+    if (B < 1 || B > SH_FIRST || K % 256 || N < 1 || sdesc->K != K || sdesc->nparts != 1 || sdesc->part[0].N != N)
+        return -3;
+    float ab[2 * SH_FIRST];
+    if (screen_bounds(x, B, K, act_group, 256, tol, ab)) return -4;
+    if (gguf_matmul(x, sdesc, s, B, K, N, threads) != SK_OK) return -2;
+    const int P = (N + 15) / 16, is32 = gg_is32(type);
+    int64_t done = -2;
+    int oq, oqi = 0, odx, oxs, oo;
+    int8_t *q = (int8_t *)scratch(SC_GGQ, (size_t)B * K, &oq);
+#if defined(__AVX512F__)
+    const int interleave = 0;
 #else
-        const __m256 va = _mm256_set1_ps(a), vc = _mm256_set1_ps(c), vl = _mm256_set1_ps(lb);
-        const __m256 ninf = _mm256_set1_ps(-INFINITY);
-        for (; j + 8 <= N; j += 8) {
-            __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(wn + j), va, _mm256_loadu_ps(r + j));
-            v = _mm256_fmadd_ps(_mm256_loadu_ps(dn + j), vc, v);
-            const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, vl, _CMP_NLT_UQ));
-            _mm256_storeu_ps(r + j, ninf);
-            if (m) {
-                kept += __builtin_popcount((unsigned)m);
-                for (int t = 0; t < 8; t++)
-                    if (m >> t & 1) panels[(j + t) >> 4] = 1;
+    const int interleave = B > 1 && !is32;
+#endif
+    int8_t *qi = interleave ? (int8_t *)scratch(SC_GGQI, (size_t)B * K, &oqi) : q;
+    float *dx = (float *)scratch(SC_GGDX, sizeof(float) * (size_t)B * (K / 256 + 1), &odx);
+    float *xs = (float *)scratch(SC_GGXS, sizeof(float) * (size_t)B * (K / 32), &oxs);
+    int32_t *o = (int32_t *)scratch(SC_GGO, sizeof(int32_t) * (size_t)B * (K / 16), &oo);
+    int8_t *q32 = is32 ? (int8_t *)malloc((size_t)B * K + 2 * sizeof(float) * (size_t)B * (K / 32)) : NULL;
+    float *dx32 = q32 ? (float *)(q32 + (size_t)B * K) : NULL, *xs32 = dx32 ? dx32 + (size_t)B * (K / 32) : NULL;
+    float *ex = (float *)malloc(sizeof(float) * (size_t)B * 16 * SH_FIRST);
+    float *pm = (float *)malloc(sizeof(float) * (size_t)B * P);
+    int32_t *list = (int32_t *)malloc(sizeof(int32_t) * (size_t)P);
+    const unsigned int csr = _mm_getcsr();
+    if (!q || !qi || !dx || !xs || !o || (is32 && !q32) || !ex || !pm || !list) goto out;
+    int first[SH_FIRST], nf = 0;
+    for (int b = 0; b < B; b++) {  // each panel's largest score, and the panel of the row's largest
+        const float *r = s + (int64_t)b * N;
+        float *m = pm + (int64_t)b * P;
+        int p = 0;
+#ifdef __AVX512F__
+        // 16 whole panels at a time: a transposing tree of maxima (half against half, lanes against lanes) leaves
+        // their 16 maxima in one register, in the order `order` puts back; a block holding a NaN takes each panel alone
+        const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+        for (; 16 * (p + 16) <= N; p += 16) {
+            __m512 v[16];
+            __mmask16 nan = 0;
+            for (int i = 0; i < 16; i++) {
+                v[i] = _mm512_loadu_ps(r + 16 * (p + i));
+                nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
             }
+            if (nan) {
+                for (int i = 0; i < 16; i++) {
+                    const __mmask16 u = _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+                    m[p + i] = u ? INFINITY : _mm512_reduce_max_ps(v[i]);
+                }
+                continue;
+            }
+            for (int i = 0; i < 8; i++)  // 128-bit lanes 0-1: panel i's halves' maxima, 2-3: panel i + 8's
+                v[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                                     _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+            for (int i = 0; i < 4; i++)  // lanes: panels i, i + 8, i + 4, i + 12, four partial maxima each
+                v[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], 0x88),
+                                     _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD));
+            for (int i = 0; i < 2; i++)  // per lane two panels (of v[i] and v[i + 2]), two partial maxima each
+                v[i] = _mm512_max_ps(_mm512_shuffle_ps(v[i], v[i + 2], 0x44), _mm512_shuffle_ps(v[i], v[i + 2], 0xEE));
+            const __m512 t = _mm512_max_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+            _mm512_storeu_ps(m + p, _mm512_permutexvar_ps(order, t));  // panels 0,2,1,3, 8,10,9,11, ... in order
         }
 #endif
-        for (; j < N; j++) {
-            const float v = fmaf(dn[j], c, fmaf(wn[j], a, r[j]));
-            r[j] = -INFINITY;
-            if (!(v < lb)) {
-                kept++;
-                panels[j >> 4] = 1;
+        for (; p < P; p++) {
+            const int n = N - 16 * p < 16 ? N - 16 * p : 16;
+            float v;
+#ifdef __AVX512F__
+            const __mmask16 k = (__mmask16)((1u << n) - 1);
+            const __m512 t = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, r + 16 * p);
+            v = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q) ? INFINITY : _mm512_reduce_max_ps(t);
+#else
+            v = -INFINITY;
+            if (n == 16) {
+                const __m256 t0 = _mm256_loadu_ps(r + 16 * p), t1 = _mm256_loadu_ps(r + 16 * p + 8);
+                if (_mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(t0, t0, _CMP_UNORD_Q),
+                                                    _mm256_cmp_ps(t1, t1, _CMP_UNORD_Q)))) {
+                    v = INFINITY;
+                } else {
+                    __m256 t = _mm256_max_ps(t0, t1);
+                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+                    v = _mm_cvtss_f32(h);
+                }
+            } else {
+                for (int i = 0; i < n; i++)
+                    v = r[16 * p + i] != r[16 * p + i] ? INFINITY : r[16 * p + i] > v ? r[16 * p + i] : v;
+            }
+#endif
+            m[p] = v;
+        }
+        int bp = 0;  // the first panel of the largest maximum (a NaN's INFINITY wins: any start is sound)
+        for (int q = 1; q < P; q++) bp = m[q] > m[bp] ? q : bp;
+        int seen = 0;
+        for (int f = 0; f < nf; f++) seen |= first[f] == bp;
+        if (!seen) first[nf++] = bp;
+    }
+    _mm_setcsr(csr & ~0x8040u);  // IEEE denormals: the tiles' contract, as gguf_matmul sets it
+    for (int b = 0; b < B; b++) {
+        if (is32) gg_quant32_row(x + (int64_t)b * K, K, q32 + (int64_t)b * K, dx32 + (int64_t)b * (K / 32),
+                                 xs32 + (int64_t)b * (K / 32));
+        else gg_quant_row(x + (int64_t)b * K, K, q + (int64_t)b * K, dx + (int64_t)b * (K / 256),
+                          xs + (int64_t)b * (K / 32), o + (int64_t)b * (K / 16));
+    }
+    if (interleave) gg_interleave(q, qi, B, K);
+    const gx_t X = {q, qi, dx, xs, o, q32, dx32, xs32};
+    const int64_t pbytes = gg_panel_bytes(type, K);
+    for (int f = 0; f < nf; f++) {  // the first panels into ex [B, 16 nf]
+        const int left = N - 16 * first[f] < 16 ? N - 16 * first[f] : 16;
+        const gg_part_t one = {type, left, 16 * f, 0, w + first[f] * pbytes};
+        gg_panels(&X, &one, ex, B, K, 16 * nf, 0, 1);
+    }
+    gg_amx_release();
+    _mm_setcsr(csr);
+    float lo[SH_FIRST];  // each row's largest logit in the first panels (a NaN: every panel passes)
+    for (int b = 0; b < B; b++) {
+        lo[b] = -INFINITY;
+        for (int f = 0; f < nf; f++) {
+            const int left = N - 16 * first[f] < 16 ? N - 16 * first[f] : 16;
+            for (int i = 0; i < left; i++) {
+                const float v = ex[(int64_t)b * 16 * nf + 16 * f + i];
+                lo[b] = v > lo[b] || v != v ? v : lo[b];
             }
         }
     }
-    return kept;
+    int n = 0, p = 0;
+#ifdef __AVX512F__
+    for (; p + 16 <= P; p += 16) {  // the same test as the loop below, 16 panels at a time
+        const __m512 wn16 = _mm512_loadu_ps(pwn + p), dn16 = _mm512_loadu_ps(pdn + p);
+        __mmask16 keep = 0;
+        for (int b = 0; b < B; b++) {
+            const __m512 v = _mm512_fmadd_ps(dn16, _mm512_set1_ps(ab[2 * b + 1]),
+                                             _mm512_fmadd_ps(wn16, _mm512_set1_ps(ab[2 * b]),
+                                                             _mm512_loadu_ps(pm + (int64_t)b * P + p)));
+            keep |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(lo[b]), _CMP_NLT_UQ);
+        }
+        for (; keep; keep &= keep - 1) list[n++] = p + __builtin_ctz(keep);
+    }
+#else
+    for (; p + 8 <= P; p += 8) {
+        const __m256 wn8 = _mm256_loadu_ps(pwn + p), dn8 = _mm256_loadu_ps(pdn + p);
+        int keep = 0;
+        for (int b = 0; b < B; b++) {
+            const __m256 v = _mm256_fmadd_ps(dn8, _mm256_set1_ps(ab[2 * b + 1]),
+                                             _mm256_fmadd_ps(wn8, _mm256_set1_ps(ab[2 * b]),
+                                                             _mm256_loadu_ps(pm + (int64_t)b * P + p)));
+            keep |= _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(lo[b]), _CMP_NLT_UQ));
+        }
+        for (; keep; keep &= keep - 1) list[n++] = p + __builtin_ctz((unsigned)keep);
+    }
+#endif
+    for (; p < P; p++) {
+        int keep = 0;
+        for (int b = 0; b < B && !keep; b++)
+            keep = !(fmaf(pdn[p], ab[2 * b + 1], fmaf(pwn[p], ab[2 * b], pm[(int64_t)b * P + p])) < lo[b]);
+        if (keep) list[n++] = p;
+    }
+    int kept = 0;  // each row of the panels that passed, tested alone; the first panels are computed already
+    for (int i = 0; i < n; i++) {
+        const int q = list[i], rows = N - 16 * q < 16 ? N - 16 * q : 16;
+        int keep = 1;
+        for (int f = 0; f < nf && keep; f++) keep = first[f] != q;
+        int pass = 0;
+        for (int b = 0; b < B && keep && !pass; b++)
+            for (int j = 16 * q; j < 16 * q + rows && !pass; j++)
+                pass = !(fmaf(dn[j], ab[2 * b + 1], fmaf(wn[j], ab[2 * b], s[(int64_t)b * N + j])) < lo[b]);
+        if (keep && pass) list[kept++] = q;
+    }
+    n = kept;
+    if (nf + n > max_panels) {
+        done = -1;
+        goto restore;
+    }
+    uint8_t *done_p = (uint8_t *)pm;  // pm is read no more: a byte a panel, 1 where it is computed
+    memset(done_p, 0, (size_t)P);
+    for (int f = 0; f < nf; f++) done_p[first[f]] = 1;
+    for (int i = 0; i < n; i++) done_p[list[i]] = 1;
+    for (int b = 0; b < B; b++) {  // -inf wherever no logit is computed
+        float *r = s + (int64_t)b * N;
+        for (int q = 0; q < P; q++) {
+            if (done_p[q]) continue;
+            const int rows = N - 16 * q < 16 ? N - 16 * q : 16;
+            if (rows == 16) {
+                _mm256_storeu_ps(r + 16 * q, _mm256_set1_ps(-INFINITY));
+                _mm256_storeu_ps(r + 16 * q + 8, _mm256_set1_ps(-INFINITY));
+            } else {
+                for (int j = 0; j < rows; j++) r[16 * q + j] = -INFINITY;
+            }
+        }
+        for (int f = 0; f < nf; f++) {
+            const int left = N - 16 * first[f] < 16 ? N - 16 * first[f] : 16;
+            memcpy(r + 16 * first[f], ex + (int64_t)b * 16 * nf + 16 * f, sizeof(float) * left);
+        }
+    }
+    const gg_part_t all = {type, N, 0, 0, w};
+    if (n < SH_POOL_FROM || threads < 2) {
+        for (int i = 0; i < n; i++) gg_panels(&X, &all, s, B, K, N, list[i], list[i] + 1);
+        gg_amx_release();
+    } else {
+        const sh_job_t job = {&X, &all, s, list, n, B, K, N, threads};
+        pool_run(sh_share, (void *)&job, threads);
+    }
+    done = nf + n;
+restore:
+    _mm_setcsr(csr);
+out:
+    scratch_done(q, oq);
+    if (interleave) scratch_done(qi, oqi);
+    scratch_done(dx, odx);
+    scratch_done(xs, oxs);
+    scratch_done(o, oo);
+    free(q32), free(ex), free(pm), free(list);
+    return done;
 }
 
 // Per row of probs [B, N] (non-negative weights, any positive total): idx[b] = the first index whose running total
