@@ -140,18 +140,23 @@ def _labelled_runs(b, methods: list[str]) -> list[tuple[str, str, dict]]:
 
 def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new: int, hf_peer, draft_hf, k: int,
                  probe: Callable[[], float], log, llama: gguf.PlainPeer | None = None, texts: Sequence[str] = ()
-                 ) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float]]:
+                 ) -> tuple[dict[str, list[Run]], dict[str, list[float]], list[float], list[float]]:
     """Every run, the transformers peers and `llama` (llama-server plain, on `texts`, the raw prompts) on prompt i
-    before prompt i + 1, so machine noise hits all alike: (runs per label, peers' tokens/s, bandwidth probes). The
-    roofline's bandwidth is read between the prompts, as the speeds are: it drifts by tens of percent."""
+    before prompt i + 1, so machine noise hits all alike: (runs per label, peers' tokens/s, bandwidth probes between
+    the prompts, a probe right after each prompt's baseline). The baseline runs first, just after a probe, so the
+    roofline sets each of its decodes against the memory of its own seconds: it drifts by tens of percent within a
+    prompt's round (transformers alone takes a minute of it)."""
     rows: dict[str, list[Run]] = {label: [] for label, _, _ in runs}
     peers: dict[str, list[float]] = {"hf_generate": [], "hf_assisted": []}
-    bws = [probe()]
+    bws, after_baseline = [probe()], []
+    runs = sorted(runs, key=lambda r: r[0] != "baseline")  # the baseline first, right after the probe
     for i, p in enumerate(ids):
         for label, m, opts in runs:
             dt, res = _timed(b, m, p, new, **opts)
             rows[label].append(Run(len(res.tokens) / dt, res.tokens, len(res.tokens), res.steps, res.draft_proposed,
                                    res.draft_accepted))
+            if label == "baseline":
+                after_baseline.append(probe())
         dt, out = _hf_generate(hf_peer, [p], new)
         peers["hf_generate"].append(new / dt)
         if draft_hf is not None:
@@ -163,7 +168,7 @@ def _interleaved(b, runs: list[tuple[str, str, dict]], ids: list[list[int]], new
             + f", hf_generate {peers['hf_generate'][-1]:.1f}"
             + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
         bws.append(probe())
-    return rows, peers, bws
+    return rows, peers, bws, after_baseline
 
 
 def _methods_and_peers(report: dict, b, rows: dict[str, list[Run]], peers: dict[str, list[float]], k: int) -> None:
@@ -190,17 +195,19 @@ def _methods_and_peers(report: dict, b, rows: dict[str, list[Run]], peers: dict[
             report["methods"]["draft_target"]["tokens_per_s"] / report["peers"]["hf_assisted"]["tokens_per_s"])
 
 
-def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float) -> dict:
+def _roofline(b, bws: list[float], base_tps: list[float], baseline_tps: float,
+              after_baseline: list[float] | None = None) -> dict:
     """Memory-bandwidth roofline for batch-1 decoding: the weights read per token against the measured bandwidth."""
 
     bw = median(bws)
     wbytes = read_bytes(b.target)  # buffers too: tiled and quantized layers hold their weights as buffers
     limit = bw * 1e9 / wbytes
-    # Each prompt's baseline against the readings taken just before and after its round (the median of all of them
-    # against the median speed had read 117% in one run: the decodes had run in faster minutes than most probes).
-    around = [(a + c) / 2 for a, c in zip(bws, bws[1:])]
+    # Each prompt's baseline against the readings taken just before and just after it (`after_baseline`; without it,
+    # after its prompt's whole round). The median of all probes against the median speed had read 117% in one run:
+    # the decodes had run in faster minutes than most probes.
+    around = [(a + c) / 2 for a, c in zip(bws, after_baseline or bws[1:])]
     return {"bandwidth_gbs": bw, "bandwidth_probes_gbs": bws, "weight_bytes_read_per_token": wbytes,
-            "limit_tokens_per_s": limit,
+            "bandwidth_after_baseline_gbs": after_baseline or [], "limit_tokens_per_s": limit,
             "fraction_of_limit": median([t * wbytes / (g * 1e9) for t, g in zip(base_tps, around)]),
             "fraction_at_median_bandwidth": baseline_tps / limit,
             "skinny_kernel": kernels.available()}
@@ -273,7 +280,8 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
         return measure_bandwidth_gbs(128 if quick else 512, reps=3)
 
     with gguf.PlainPeer(spec, new, log, warm=prompts[0]) as llama:  # llama-server plain, between ours per prompt
-        rows, peers, bws = _interleaved(b, runs, ids, new, hf_peer, draft_hf, k, probe, log, llama, prompts[1:])
+        rows, peers, bws, after_baseline = _interleaved(b, runs, ids, new, hf_peer, draft_hf, k, probe, log, llama,
+                                                        prompts[1:])
     report: dict = {"spec": spec.name, "new_tokens": new, "prompts": len(ids), "batch": 1, "dtype": spec.dtype,
                     "methods": {}, "peers": {}}
     _methods_and_peers(report, b, rows, peers, k)
@@ -292,7 +300,7 @@ def run_bench(spec: Spec, quick: bool = False, log=print) -> dict:
     report["admission"] = streams_while_admitting(b.target, chunk, prompt_tokens=n_long)
     log("   " + admission_lines(report["admission"])[-1])
     report["roofline"] = _roofline(b, bws, [r.tokens_per_s for r in rows["baseline"]],
-                                   report["methods"]["baseline"]["tokens_per_s"])
+                                   report["methods"]["baseline"]["tokens_per_s"], after_baseline)
     # Batch-8 throughput (baseline) with transformers alongside; then the transformers models go (4 GB for the
     # pair): the precision table builds up to five copies of the target and needs the room.
     report["batch8"] = batch_compare(b, hf_peer, ids, 8, 8 if quick else 32)

@@ -132,10 +132,7 @@ def test_bench_ratios_are_recomputed_from_its_per_prompt_figures(bench):
     weights = {id(p): p.numel() * p.element_size() for p in target.parameters()}
     assert rf["weight_bytes_read_per_token"] == sum(weights.values())  # tied embeddings: the head is the table
     assert rf["limit_tokens_per_s"] == pytest.approx(rf["bandwidth_gbs"] * 1e9 / rf["weight_bytes_read_per_token"])
-    bws, b = rf["bandwidth_probes_gbs"], rf["weight_bytes_read_per_token"]
-    assert len(bws) == len(base) + 1  # before the first prompt and after each
-    assert rf["fraction_of_limit"] == pytest.approx(statistics.median(
-        [t * b / ((g0 + g1) / 2 * 1e9) for t, g0, g1 in zip(base, bws, bws[1:])]))
+    assert len(rf["bandwidth_probes_gbs"]) == len(base) + 1  # before the first prompt and after each
     assert rf["fraction_at_median_bandwidth"] == pytest.approx(m["baseline"]["tokens_per_s"] / rf["limit_tokens_per_s"])
     hot = r["temperature_0.7"]
     assert hot["baseline"]["speedup"] == 1.0
@@ -153,6 +150,16 @@ def test_bench_ratios_are_recomputed_from_its_per_prompt_figures(bench):
         assert c["ms"] == pytest.approx(max(min(e["rounds_ms"]) for e in cost[:i + 1]))
     for block in (r["bf16"], r["batch8"]):
         assert block["ratio"] == pytest.approx(block["baseline_tokens_per_s"] / block["hf_generate_tokens_per_s"])
+
+
+def test_bench_roofline_sets_each_baseline_decode_against_the_probes_just_before_and_after_it(bench):
+    _, r = bench
+    rf, base = r["roofline"], r["methods"]["baseline"]["per_prompt_tokens_per_s"]
+    before, after = rf["bandwidth_probes_gbs"][:-1], rf["bandwidth_after_baseline_gbs"]
+    assert len(after) == len(before) == len(base) == 2
+    want = statistics.median(t * rf["weight_bytes_read_per_token"] / ((a + c) / 2 * 1e9)
+                             for t, a, c in zip(base, before, after))
+    assert rf["fraction_of_limit"] == pytest.approx(want)
 
 
 def test_bench_writes_what_it_returns(bench):
