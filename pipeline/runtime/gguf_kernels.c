@@ -83,6 +83,8 @@ static inline vf_t gg_i8(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cv
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm512_mul_ps(a, b); }
 static inline vf_t gg_set1(float f) { return _mm512_set1_ps(f); }
 static inline vf_t gg_fnma(vf_t a, vf_t b, vf_t c) { return _mm512_fnmadd_ps(a, b, c); }  // RN(c - a b)
+static inline vf_t gg_fma(vf_t a, vf_t b, vf_t c) { return _mm512_fmadd_ps(a, b, c); }  // RN(a b + c)
+static inline unsigned gg_nlt(vf_t a, vf_t b) { return _mm512_cmp_ps_mask(a, b, _CMP_NLT_UQ); }  // a >= b or NaN
 static inline vi_t gg_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 static inline vi_t gg_or(vi_t a, vi_t b) { return _mm512_or_si512(a, b); }
 static inline vi_t gg_and30(vi_t a) { return _mm512_and_si512(a, _mm512_set1_epi8(0x30)); }
@@ -104,6 +106,8 @@ static inline vf_t gg_i8(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cv
 static inline vf_t gg_mul(vf_t a, vf_t b) { return _mm256_mul_ps(a, b); }
 static inline vf_t gg_set1(float f) { return _mm256_set1_ps(f); }
 static inline vf_t gg_fnma(vf_t a, vf_t b, vf_t c) { return _mm256_fnmadd_ps(a, b, c); }
+static inline vf_t gg_fma(vf_t a, vf_t b, vf_t c) { return _mm256_fmadd_ps(a, b, c); }
+static inline unsigned gg_nlt(vf_t a, vf_t b) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_NLT_UQ)); }
 static inline vi_t gg_load(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi_t gg_or(vi_t a, vi_t b) { return _mm256_or_si256(a, b); }
 static inline vi_t gg_and30(vi_t a) { return _mm256_and_si256(a, _mm256_set1_epi8(0x30)); }

@@ -67,21 +67,22 @@ SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 rou
 @dataclass
 class HeadScreen:
     """A GGUF head's screen (`build`): `layer` its Q4_K rows, `wn` / `dn` fp32 [N] upper bounds of |W_j| and
-    |W_j - Q_j|, `act_group` the head kernel's activation group (256 for k-quants, 32 for the 32-weight blocks),
-    `head_type` the head's GGUF type; `pwn` / `pdn` [ceil(N / 16)] the largest of `wn` / `dn` in each 16-row panel
-    (what skinny.c's screen_head tests a panel with), `max_panels` the most panels it computes before the whole head
-    is the cheaper read."""
+    |W_j - Q_j|, `head_type` the head's GGUF type. Derived: `act_group` the head kernel's activation group (256 for
+    k-quants, 32 for the 32-weight blocks), `pwn` / `pdn` [ceil(N / 16)] the largest of `wn` / `dn` in each 16-row
+    panel (what skinny.c's screen_head tests a panel with), `max_panels` the most panels it computes before the whole
+    head is the cheaper read."""
 
     layer: GGUFLinear
     wn: Tensor
     dn: Tensor
-    act_group: int
-    head_type: int = Q6_K
+    head_type: int
+    act_group: int = field(init=False)
     pwn: Tensor = field(init=False, repr=False)
     pdn: Tensor = field(init=False, repr=False)
     max_panels: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.act_group = 32 if self.head_type in RECORD32 else 256
         pad = -self.wn.numel() % 16
         self.pwn, self.pdn = (torch.nn.functional.pad(t.float(), (0, pad)).view(-1, 16).amax(-1).contiguous()
                               for t in (self.wn, self.dn))
@@ -114,7 +115,7 @@ def build(head, cache_dir: Path | None = None) -> HeadScreen | None:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             try:
                 save_file({"qweight": screen.layer.qweight, "parts": screen.layer.parts, "wn": screen.wn,
-                           "dn": screen.dn, "act_group": torch.tensor([screen.act_group])}, str(tmp))
+                           "dn": screen.dn}, str(tmp))
                 os.replace(tmp, path)  # whole or not at all: an interrupted write leaves no file that looks complete
                 for old in path.parent.glob(f"{CACHE_PREFIX}*.safetensors"):  # a rebuilt engine's old head
                     if old != path:
@@ -136,7 +137,7 @@ def _read(path: Path, head: GGUFLinear) -> HeadScreen | None:
     try:
         st = load_file(str(path))
         layer = GGUFLinear(st["qweight"], st["parts"])
-        screen = HeadScreen(layer, st["wn"], st["dn"], int(st["act_group"][0]), int(head.parts[0, 0]))
+        screen = HeadScreen(layer, st["wn"], st["dn"], int(head.parts[0, 0]))
     except Exception as e:  # noqa: BLE001 - a damaged file is rebuilt, never used
         log.warning("head screen: %s unreadable (%s); building it again", path, e)
         return None
@@ -169,7 +170,7 @@ def _build(head: GGUFLinear, qtype: int, K: int) -> HeadScreen:
     layer = GGUFLinear(packed, torch.tensor([[Q4_K, N, 0, 0, K]], dtype=torch.int64))
     log.info("head screen: Q4_K rows for the %s head's %d x %d (%.0f MB for %.0f) in %.1f s", TYPE_NAMES[qtype], N, K,
              packed.numel() / 1e6, head.qweight.numel() / 1e6, time.perf_counter() - t0)
-    return HeadScreen(layer, wn.contiguous(), dn.contiguous(), 32 if qtype in RECORD32 else 256, qtype)
+    return HeadScreen(layer, wn.contiguous(), dn.contiguous(), qtype)
 
 
 ROWS = 8192  # head rows rounded at a time

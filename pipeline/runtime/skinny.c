@@ -1759,31 +1759,15 @@ int64_t screen_head(const float *x, int B, int K, int act_group, double tol, con
         }
     }
     int n = 0, p = 0;
-#ifdef __AVX512F__
-    for (; p + 16 <= P; p += 16) {  // the same test as the loop below, 16 panels at a time
-        const __m512 wn16 = _mm512_loadu_ps(pwn + p), dn16 = _mm512_loadu_ps(pdn + p);
-        __mmask16 keep = 0;
+    for (; p + A8_LANES <= P; p += A8_LANES) {  // the same test as the loop below, a vector of panels at a time
+        const vf_t wnv = gg_loadf(pwn + p), dnv = gg_loadf(pdn + p);
+        unsigned keep = 0;
         for (int b = 0; b < B; b++) {
-            const __m512 v = _mm512_fmadd_ps(dn16, _mm512_set1_ps(ab[2 * b + 1]),
-                                             _mm512_fmadd_ps(wn16, _mm512_set1_ps(ab[2 * b]),
-                                                             _mm512_loadu_ps(pm + (int64_t)b * P + p)));
-            keep |= _mm512_cmp_ps_mask(v, _mm512_set1_ps(lo[b]), _CMP_NLT_UQ);
+            const vf_t v = gg_fma(wnv, gg_set1(ab[2 * b]), gg_loadf(pm + (int64_t)b * P + p));
+            keep |= gg_nlt(gg_fma(dnv, gg_set1(ab[2 * b + 1]), v), gg_set1(lo[b]));
         }
         for (; keep; keep &= keep - 1) list[n++] = p + __builtin_ctz(keep);
     }
-#else
-    for (; p + 8 <= P; p += 8) {
-        const __m256 wn8 = _mm256_loadu_ps(pwn + p), dn8 = _mm256_loadu_ps(pdn + p);
-        int keep = 0;
-        for (int b = 0; b < B; b++) {
-            const __m256 v = _mm256_fmadd_ps(dn8, _mm256_set1_ps(ab[2 * b + 1]),
-                                             _mm256_fmadd_ps(wn8, _mm256_set1_ps(ab[2 * b]),
-                                                             _mm256_loadu_ps(pm + (int64_t)b * P + p)));
-            keep |= _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(lo[b]), _CMP_NLT_UQ));
-        }
-        for (; keep; keep &= keep - 1) list[n++] = p + __builtin_ctz((unsigned)keep);
-    }
-#endif
     for (; p < P; p++) {
         int keep = 0;
         for (int b = 0; b < B && !keep; b++)
