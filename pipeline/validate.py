@@ -276,14 +276,25 @@ def _lap_clock(phases: dict[str, float]):
     return lap
 
 
+def memory_probe() -> float:
+    """This machine's memory read speed now, GB/s (bench's probe: 256 MB read three times, about 0.1 s)."""
+    from pipeline.bench import measure_bandwidth_gbs  # lazy: torch and the kernels
+
+    return round(measure_bandwidth_gbs(256, reps=3), 1)
+
+
 def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: list[str], new: int, budget_s: float,
-                    report: dict, log, peer: peers.PlainPeer | None = None
+                    report: dict, log, peer: peers.PlainPeer | None = None, probe=memory_probe
                     ) -> tuple[dict[str, list[dict]], list[str], list[str]]:
     """Every method on prompt i before prompt i + 1 (concurrency 1), then `peer` (llama-server, plain) on it, until
     the prompts or the budget run out: (responses per method, the texts and prompts that ran). A spent budget is
     recorded in the report. The methods run in the spec's order on even prompts and the reverse on odd ones
     (report["method_order"]): in one fixed order the last method always followed the same one, and a run's
-    hybrid over draft_target read 0.96x where the two alternated on the same server read 1.01x (2026-12-05)."""
+    hybrid over draft_target read 0.96x where the two alternated on the same server read 1.01x (2026-12-05).
+    `probe()` reads the memory's speed before and after each prompt's requests (report["memory_gbs_by_prompt"]):
+    it moves by tens of percent within minutes here, and plain decoding (llama-server's) reads at that speed where
+    a verification of several tokens is partly bound by the integer units, so the figures over the peer move with
+    it (over_peer_by_prompt splits them by it)."""
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     t0 = time.perf_counter()
     for i, text in enumerate(texts):
@@ -296,10 +307,13 @@ def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: lis
             break
         order = methods if i % 2 == 0 else methods[::-1]
         report.setdefault("method_order", []).append(list(order))
+        before = probe()
         for m in order:
             runs[m].append(_request(url, text, new, m))
         theirs = peer.ask(prompts[i]) if peer is not None else None
-        log(f"  prompt {i + 1}/{len(texts)}: " + ", ".join(
+        report.setdefault("memory_gbs_by_prompt", []).append([before, probe()])
+        log(f"  prompt {i + 1}/{len(texts)} (memory {before:g} / {report['memory_gbs_by_prompt'][-1][1]:g} GB/s): "
+            + ", ".join(
             f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods)
             + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
     if texts:
@@ -850,12 +864,20 @@ def over_peer_by_prompt(report: dict) -> dict[str, dict[str, float]]:
     peer = plain.get("per_prompt_tokens_per_s") or []
     if not plain.get("interleaved") or not peer:
         return {}
+    mem = [sum(p) / 2 for p in report.get("memory_gbs_by_prompt") or []]
+    mid = statistics.median(mem) if len(mem) == len(peer) and len(mem) >= 2 else None
     out = {}
     for m, e in report["methods"].items():
         ours = e.get("per_prompt_tokens_per_s") or []
-        r = [a / b for a, b in zip(ours, peer) if a and b]
+        pairs = [(a / b, i) for i, (a, b) in enumerate(zip(ours, peer)) if a and b]
+        r = [x for x, _ in pairs]
         if r:
             out[m] = {"median": statistics.median(r), "min": min(r), "max": max(r), "prompts": len(r)}
+            slow = [x for x, i in pairs if mid is not None and mem[i] <= mid]
+            fast = [x for x, i in pairs if mid is not None and mem[i] > mid]
+            if slow and fast:  # the prompts read in the slower and the faster half of the memory's minutes
+                out[m].update(slower_memory=statistics.median(slow), faster_memory=statistics.median(fast),
+                              memory_gbs_median=mid)
     return out
 
 
@@ -864,9 +886,19 @@ def over_peer_line(ratios: dict[str, dict[str, float]]) -> list[str]:
     if not ratios:
         return []
     n = max(r["prompts"] for r in ratios.values())
-    return ["", f"Over llama-server plain prompt by prompt ({n} prompts, its requests interleaved with ours): "
-            + ", ".join(f"{m} median {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" for m, r in ratios.items())
-            + "."]
+    lines = ["", f"Over llama-server plain prompt by prompt ({n} prompts, its requests interleaved with ours): "
+             + ", ".join(f"{m} median {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" for m, r in ratios.items())
+             + "."]
+    split = {m: r for m, r in ratios.items() if "slower_memory" in r}
+    if split:
+        mid = next(iter(split.values()))["memory_gbs_median"]
+        lines += ["", f"The same split by the memory's read speed around each prompt (probes before and after it, "
+                  f"median {mid:g} GB/s): " + ", ".join(
+                      f"{m} {r['slower_memory']:.2f}x where it read slower, {r['faster_memory']:.2f}x faster"
+                      for m, r in split.items())
+                  + ". llama-server's plain decoding reads the weights at the memory's speed; a verification of "
+                  "several tokens is partly bound by the integer units, so speculation gains more in slow minutes."]
+    return lines
 
 
 def plain_from_line(plain_from: dict[str, int]) -> list[str]:

@@ -86,6 +86,10 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     assert len(passes) == ran and all("llama-server plain" in ln for ln in passes), passes
     plain = report["peers"]["llama_cpp_server"]["plain"]
     assert plain["interleaved"] is True and len(plain["per_prompt_tokens_per_s"]) == ran
+    # the memory's read speed probed before and after each prompt's requests, and named in its progress line
+    mem = report["memory_gbs_by_prompt"]
+    assert len(mem) == ran and all(len(p) == 2 and min(p) > 0 for p in mem), mem
+    assert all(re.search(r"\(memory [\d.]+ / [\d.]+ GB/s\)", ln) for ln in passes), passes
     assert report["prompts"] == ran and f"{ran} of 5 prompts ran" in " ".join(report["trimmed"])
     assert running_pid(s) is None, "validate must stop the server it started"
     on_disk = json.loads((s.report_dir / "validate.json").read_text())
@@ -469,7 +473,7 @@ def test_advice_never_switches_speculation_off_at_one_client_nor_under_the_load_
     assert never["set"] is None and "stayed faster at every measured concurrency" in never["why"]
 
 
-def test_validate_gives_each_methods_speed_over_llama_server_prompt_by_prompt_only_where_they_interleaved():
+def test_validate_gives_each_methods_speed_over_llama_server_prompt_by_prompt_and_by_the_memorys_speed():
     """Issue 53 names draft_target over llama-server plain; the memory's speed moves within minutes here, so the
     figure is each prompt's pair (the peer's request between ours) and their median, not two totals."""
     from pipeline.validate import over_peer_by_prompt, over_peer_line
@@ -481,6 +485,17 @@ def test_validate_gives_each_methods_speed_over_llama_server_prompt_by_prompt_on
     assert got["draft_target"] == {"median": 2.0, "min": 1.5, "max": 2.4, "prompts": 3}
     assert got["baseline"]["median"] == pytest.approx(1.2) and got["baseline"]["max"] == pytest.approx(1.25)
     assert "draft_target median 2.00x (1.50-2.40)" in over_peer_line(got)[1] and "3 prompts" in over_peer_line(got)[1]
+    assert "slower_memory" not in got["draft_target"] and len(over_peer_line(got)) == 2  # no probes: no split
+    # with the memory's speed probed around each prompt, each method's figure on the slower half of those minutes
+    # and on the faster half (the probes' mean per prompt against their median, 31.0 here)
+    r["memory_gbs_by_prompt"] = [[30.0, 32.0], [55.0, 57.0], [28.0, 30.0]]
+    got = over_peer_by_prompt(r)
+    assert got["draft_target"]["slower_memory"] == pytest.approx(1.95) and got["draft_target"]["faster_memory"] == 2.0
+    assert got["draft_target"]["median"] == 2.0 and got["draft_target"]["memory_gbs_median"] == 31.0
+    split = over_peer_line(got)[3]
+    assert "median 31 GB/s" in split and "draft_target 1.95x where it read slower, 2.00x faster" in split, split
+    r["memory_gbs_by_prompt"] = r["memory_gbs_by_prompt"][:2]  # probes that do not pair with the prompts: no split
+    assert "slower_memory" not in over_peer_by_prompt(r)["draft_target"]
     r["peers"]["llama_cpp_server"]["plain"]["interleaved"] = False  # totals from other minutes: no pairs to give
     assert over_peer_by_prompt(r) == {} and over_peer_line({}) == []
     assert over_peer_by_prompt({"methods": {}, "peers": {}}) == {}
