@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -276,15 +277,20 @@ def _lap_clock(phases: dict[str, float]):
     return lap
 
 
-def memory_probe() -> float:
-    """This machine's memory read speed now, GB/s (bench's probe: 256 MB read three times, about 0.1 s)."""
+def memory_probe() -> float | None:
+    """This machine's memory read speed now, GB/s (bench's probe: 256 MB read three times, about 0.1 s); None where
+    the 256 MB cannot be had (the figures then go unsplit, the run goes on)."""
     from pipeline.bench import measure_bandwidth_gbs  # lazy: torch and the kernels
 
-    return round(measure_bandwidth_gbs(256, reps=3), 1)
+    try:
+        return round(measure_bandwidth_gbs(256, reps=3), 1)
+    except (MemoryError, RuntimeError, OSError):
+        return None
 
 
 def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: list[str], new: int, budget_s: float,
-                    report: dict, log, peer: peers.PlainPeer | None = None, probe=memory_probe
+                    report: dict, log, peer: peers.PlainPeer | None = None,
+                    probe: Callable[[], float | None] = memory_probe
                     ) -> tuple[dict[str, list[dict]], list[str], list[str]]:
     """Every method on prompt i before prompt i + 1 (concurrency 1), then `peer` (llama-server, plain) on it, until
     the prompts or the budget run out: (responses per method, the texts and prompts that ran). A spent budget is
@@ -311,9 +317,10 @@ def _exactness_pass(url: str, texts: list[str], prompts: list[str], methods: lis
         for m in order:
             runs[m].append(_request(url, text, new, m))
         theirs = peer.ask(prompts[i]) if peer is not None else None
-        report.setdefault("memory_gbs_by_prompt", []).append([before, probe()])
-        log(f"  prompt {i + 1}/{len(texts)} (memory {before:g} / {report['memory_gbs_by_prompt'][-1][1]:g} GB/s): "
-            + ", ".join(
+        pair = [before, probe()]
+        report.setdefault("memory_gbs_by_prompt", []).append(pair)
+        mem = " / ".join(f"{g:g}" if g else "?" for g in pair)
+        log(f"  prompt {i + 1}/{len(texts)} (memory {mem} GB/s): " + ", ".join(
             f"{m} {runs[m][-1]['tokens_per_s']:.1f}" for m in methods)
             + (f", llama-server plain {theirs['tokens_per_s']:.1f}" if theirs else "") + " tokens/s")
     if texts:
@@ -864,8 +871,9 @@ def over_peer_by_prompt(report: dict) -> dict[str, dict[str, float]]:
     peer = plain.get("per_prompt_tokens_per_s") or []
     if not plain.get("interleaved") or not peer:
         return {}
-    mem = [sum(p) / 2 for p in report.get("memory_gbs_by_prompt") or []]
-    mid = statistics.median(mem) if len(mem) == len(peer) and len(mem) >= 2 else None
+    probes = report.get("memory_gbs_by_prompt") or []
+    mem = [sum(p) / 2 for p in probes if all(p)]  # a prompt missing a probe leaves the whole run unsplit
+    mid = statistics.median(mem) if len(mem) == len(probes) == len(peer) and len(mem) >= 2 else None
     out = {}
     for m, e in report["methods"].items():
         ours = e.get("per_prompt_tokens_per_s") or []
@@ -896,8 +904,8 @@ def over_peer_line(ratios: dict[str, dict[str, float]]) -> list[str]:
                   f"median {mid:g} GB/s): " + ", ".join(
                       f"{m} {r['slower_memory']:.2f}x where it read slower, {r['faster_memory']:.2f}x faster"
                       for m, r in split.items())
-                  + ". llama-server's plain decoding reads the weights at the memory's speed; a verification of "
-                  "several tokens is partly bound by the integer units, so speculation gains more in slow minutes."]
+                  + " (llama-server's plain decoding reads the weights at the memory's speed, where a verification "
+                  "of several tokens is partly bound by the integer units)."]
     return lines
 
 

@@ -494,7 +494,9 @@ def test_validate_gives_each_methods_speed_over_llama_server_prompt_by_prompt_an
     assert got["draft_target"]["median"] == 2.0 and got["draft_target"]["memory_gbs_median"] == 31.0
     split = over_peer_line(got)[3]
     assert "median 31 GB/s" in split and "draft_target 1.95x where it read slower, 2.00x faster" in split, split
-    r["memory_gbs_by_prompt"] = r["memory_gbs_by_prompt"][:2]  # probes that do not pair with the prompts: no split
+    r["memory_gbs_by_prompt"] = [[30.0, 32.0], [55.0, None], [28.0, 30.0]]  # a probe that failed: no split
+    assert "slower_memory" not in over_peer_by_prompt(r)["draft_target"]
+    r["memory_gbs_by_prompt"] = [[30.0, 32.0], [55.0, 57.0]]  # probes that do not pair with the prompts: no split
     assert "slower_memory" not in over_peer_by_prompt(r)["draft_target"]
     r["peers"]["llama_cpp_server"]["plain"]["interleaved"] = False  # totals from other minutes: no pairs to give
     assert over_peer_by_prompt(r) == {} and over_peer_line({}) == []
