@@ -879,13 +879,15 @@ def over_peer_by_prompt(report: dict) -> dict[str, dict[str, float]]:
         ours = e.get("per_prompt_tokens_per_s") or []
         pairs = [(a / b, i) for i, (a, b) in enumerate(zip(ours, peer)) if a and b]
         r = [x for x, _ in pairs]
-        if r:
-            out[m] = {"median": statistics.median(r), "min": min(r), "max": max(r), "prompts": len(r)}
-            slow = [x for x, i in pairs if mid is not None and mem[i] <= mid]
-            fast = [x for x, i in pairs if mid is not None and mem[i] > mid]
-            if slow and fast:  # the prompts read in the slower and the faster half of the memory's minutes
-                out[m].update(slower_memory=statistics.median(slow), faster_memory=statistics.median(fast),
-                              memory_gbs_median=mid)
+        if not r:
+            continue
+        out[m] = {"median": statistics.median(r), "min": min(r), "max": max(r), "prompts": len(r)}
+        if mid is None:
+            continue
+        slow, fast = [x for x, i in pairs if mem[i] <= mid], [x for x, i in pairs if mem[i] > mid]
+        if slow and fast:  # the prompts read in the slower and the faster half of the memory's minutes
+            out[m].update(slower_memory=statistics.median(slow), faster_memory=statistics.median(fast),
+                          memory_gbs_median=mid)
     return out
 
 
@@ -900,8 +902,8 @@ def over_peer_line(ratios: dict[str, dict[str, float]]) -> list[str]:
     split = {m: r for m, r in ratios.items() if "slower_memory" in r}
     if split:
         mid = next(iter(split.values()))["memory_gbs_median"]
-        lines += ["", f"The same split by the memory's read speed around each prompt (probes before and after it, "
-                  f"median {mid:g} GB/s): " + ", ".join(
+        lines += ["", "The same figures split by the memory's read speed around each prompt (probes before and "
+                  f"after it, median {mid:g} GB/s): " + ", ".join(
                       f"{m} {r['slower_memory']:.2f}x where it read slower, {r['faster_memory']:.2f}x faster"
                       for m, r in split.items())
                   + " (llama-server's plain decoding reads the weights at the memory's speed, where a verification "
