@@ -629,7 +629,7 @@ def test_posted_responses_arrive_in_order_and_decoding_never_waits_for_them(bund
     sched = Scheduler(bundle, 2)
     sched.cancel_check_s = 0.0  # a check at every step too: 50 ms each, were it made on the decode thread
     for f, p in zip(slow, prompts):
-        sched.submit(_parse(parser, p, 24, stream=True), PostedResponder(f, outbox))
+        sched.submit(_parse(parser, p, 24, stream=True), PostedResponder(f, outbox, gap_s=0.0))  # every piece alone
     t0 = time.monotonic()
     sched.tick()  # takes both requests in
     while sched.waiting or sched.pool.busy:
@@ -641,6 +641,79 @@ def test_posted_responses_arrive_in_order_and_decoding_never_waits_for_them(bund
     assert len(ref[0].pieces) > 1 and slow[0].pieces == ref[0].pieces  # every piece, in order
     for f, r in zip(slow, ref):
         assert f.err is None and f.final == r.final
+
+
+class TimedFake(Fake):
+    """A Fake that notes when each send reached it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[float, list[str], bool]] = []
+
+    def send(self, texts, results, final):
+        self.calls.append((time.monotonic(), list(texts), final))
+        super().send(texts, results, final)
+
+
+def test_streamed_pieces_closer_than_the_gap_go_out_joined_in_order_and_the_final_takes_what_is_held():
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    outbox, f = Outbox(), TimedFake()
+    p = PostedResponder(f, outbox, gap_s=0.5)
+    for t in "abc":
+        p.send([t], None, final=False)
+    p.send(["d"], ["perf"], final=True)
+    outbox.close()
+    assert [(c[1], c[2]) for c in f.calls] == [(["a"], False), (["bcd"], True)] and f.results == ["perf"]
+
+
+def test_a_held_piece_goes_out_a_gap_after_the_last_send_with_nothing_sent_after_it():
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    outbox, f = Outbox(), TimedFake()
+    p = PostedResponder(f, outbox, gap_s=0.1)
+    p.send(["a"], None, final=False)
+    p.send(["b"], None, final=False)
+    time.sleep(0.5)
+    assert [c[1] for c in f.calls] == [["a"], ["b"]] and 0.09 <= f.calls[1][0] - f.calls[0][0] < 0.4
+    p.send(["c"], None, final=False)  # a gap after the held one went: at once
+    time.sleep(0.05)
+    assert [c[1] for c in f.calls] == [["a"], ["b"], ["c"]]
+    p.send([], None, final=True)  # a final without text (a row that ends on a held-back character)
+    outbox.close()
+    assert f.final == [] and f.pieces == ["a", "b", "c"]
+
+
+def test_an_error_or_a_closing_outbox_sends_the_held_piece_first():
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    outbox, f, g = Outbox(), TimedFake(), TimedFake()
+    p, q = PostedResponder(f, outbox, gap_s=5.0), PostedResponder(g, outbox, gap_s=5.0)
+    for r in (p, q):
+        r.send(["a"], None, final=False)
+        r.send(["b"], None, final=False)
+    p.error("cancelled", cancelled=True)
+    outbox.close()  # q's held piece goes out now, not 5 s on
+    assert f.pieces == ["a", "b"] and f.was_cancelled and g.pieces == ["a", "b"] and g.final is None
+
+
+def test_streams_through_the_outbox_join_to_their_solo_text_at_the_default_gap(bundle, parser):
+    from pipeline.triton.replies import Outbox, PostedResponder
+
+    prompt = "Explain how rain forms over the ocean."
+    ref = Fake()
+    sched = Scheduler(bundle, 1)
+    sched.submit(_parse(parser, prompt, 32, stream=True), ref)
+    _drain(sched, [ref])
+    outbox, f = Outbox(), TimedFake()
+    sched = Scheduler(bundle, 1)
+    sched.submit(_parse(parser, prompt, 32, stream=True), PostedResponder(f, outbox))
+    _drain_posted(sched, [f])
+    outbox.close()
+    assert len(ref.pieces) > 1 and f.err is None
+    assert "".join(f.pieces + f.final) == "".join(ref.pieces + ref.final)
+    gaps = [b[0] - a[0] for a, b in zip(f.calls, f.calls[1:-1])]  # between pieces (the final goes when it comes)
+    assert all(g >= 0.019 for g in gaps), gaps
 
 
 def test_a_posted_send_that_fails_counts_as_a_client_gone_and_stops_its_row(bundle, parser):
