@@ -23,10 +23,10 @@ from pipeline.triton.parse import Parsed
 CANCEL_CHECK_S = 0.02
 # A streamed piece goes out at most this often per request; pieces that come sooner are held and joined to the next
 # (the first at once, a held one within this of the last send). Each piece is a round trip through Triton's python
-# backend, the server and the client's gRPC stream, on the cores that decode: SmolLM2-135M streamed 11% (baseline)
-# and 17% (suffix) slower than it answered unstreamed, the flagship's baseline 5.6%, while llama-server's SSE cost
-# it nothing; held to 20 ms apart, SmolLM2 streamed within 1-3% of unstreamed (2026-12-07, 2-core Zen 4). 20 ms is
-# under a frame of a 50 Hz screen, and a step of the flagship (30 ms) never waits on it.
+# backend, the server and the client's gRPC stream, on the cores that decode: SmolLM2-135M's baseline streamed 16%
+# slower than it answered unstreamed (129 pieces a request) and 7-9% with pieces held to 20 ms apart (40), while
+# llama-server's SSE cost it nothing (experiments/serving_log.md, 2026-12-07, 2-core Zen 4). 20 ms is under a frame of
+# a 50 Hz screen, and a step of the flagship (30 ms) never waits on it.
 STREAM_GAP_S = 0.02
 STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
 
