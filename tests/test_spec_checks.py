@@ -125,6 +125,8 @@ REFUSED = [
     (TORCH, {"triton": {"instance_count": 0}}, "triton.instance_count", "must be 1 or more"),
     (TORCH, {"triton": {"max_queue_delay_us": -1}}, "triton.max_queue_delay_us", "must be 0 or more"),
     (TORCH, {"triton": {"startup_timeout_s": 0}}, "triton.startup_timeout_s", "must be positive"),
+    *[(TORCH, {"triton": {"stream_interval_ms": bad}}, "triton.stream_interval_ms", "from 0 (every step's text")
+      for bad in (-1, 10_001)],
     (TORCH, {"triton": {"models": []}}, "triton.models", "must list ensemble, tensorrt_llm_bls or both"),
     (TORCH, {"triton": {"models": ["ensemble", "ensemble"]}}, "triton.models", "each once"),
     (TORCH, {"triton": {"models": ["ensemble", "preprocessing"]}}, "triton.models", "must list ensemble"),

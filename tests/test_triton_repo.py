@@ -44,6 +44,17 @@ def test_bls_is_decoupled_python_model_with_the_engine_limits_and_an_explicit_ba
     assert c.parameters["default_method"].string_value == "baseline"
 
 
+def test_the_stream_interval_reaches_each_served_models_parameters(written, tiny_root):
+    s, path = written
+    assert s.triton.stream_interval_ms == 50
+    for c in _configs(path).values():
+        assert c.parameters["stream_interval_ms"].string_value == "50"
+    every_step = specmod.parse({"name": "x", "triton": {"stream_interval_ms": 0}}, tiny_root)
+    assert repomod.bls_config(every_step, tiny_root).parameters["stream_interval_ms"].string_value == "0"
+    quarter = specmod.parse({"name": "x", "triton": {"stream_interval_ms": 12.5}}, tiny_root)
+    assert repomod.bls_config(quarter, tiny_root).parameters["stream_interval_ms"].string_value == "12.5"
+
+
 def test_ensemble_and_bls_are_the_same_model_with_the_same_io_and_transaction_policy(written, tiny_root):
     s, path = written
     cfgs = _configs(path)

@@ -22,10 +22,11 @@ PROMPT = "Explain how rain forms over the ocean."
 UNUSED_END = 0  # <unk>: the random model never stops early, so budgets are exact
 
 
-def _spec(root, name: str, **sections) -> specmod.Spec:
+def _spec(root, name: str, triton: dict | None = None, **sections) -> specmod.Spec:
     grpc, http, metrics = srvmod.free_ports(3)
     ports = {"grpc_port": grpc, "http_port": http, "metrics_port": metrics}
-    return specmod.load(write_spec(root, name=name, triton={**ports, "startup_timeout_s": 240}, **sections))
+    return specmod.load(write_spec(root, name=name, triton={**ports, "startup_timeout_s": 240, **(triton or {})},
+                                   **sections))
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,9 @@ def served(tiny_root, tiny_engine):
     from pipeline.engine import build_target
     from pipeline.train.draft import build_draft
 
-    # The target doubles as its own draft: draft_target is served too, and accepts every draft token.
-    s = _spec(tiny_root, "srv", draft={"source": "models/target"})
+    # The target doubles as its own draft: draft_target is served too, and accepts every draft token. Every step's
+    # text goes out as its own piece (stream_interval_ms 0), where the default would join a tiny model's pieces.
+    s = _spec(tiny_root, "srv", draft={"source": "models/target"}, triton={"stream_interval_ms": 0})
     build_target(s, log=lambda *a: None)
     build_draft(s, log=lambda *a: None)
     write_repo(s, log=lambda *a: None)
@@ -100,6 +102,22 @@ def test_streamed_pieces_concatenate_to_the_unary_answer(served):
     assert "".join(pieces) == streamed["text"] == unary["text"]
     assert streamed["num_output_tokens"] == 16
     assert 0 < streamed["ttft_s"] <= streamed["latency_s"]
+
+
+def test_the_specs_stream_interval_reaches_the_served_model_every_steps_text_its_own_piece_at_0(served, bundle):
+    s, srv = served
+    assert s.triton.stream_interval_ms == 0
+    pieces = []
+    r = generate(srv.grpc_url, "tensorrt_llm_bls", PROMPT, 16, method="baseline", stream=True, on_piece=pieces.append,
+                 end_id=UNUSED_END)
+    _, _, tokens = _local(bundle, PROMPT, 16)
+    texts = [bundle.tokenizer.decode(tokens[:i], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+             for i in range(17)]
+    # a step sends what its token added unless that ends in a partial character (held for the next step)
+    grew = sum(1 for i in range(1, 17) if len(texts[i]) > len(texts[i - 1]) and not texts[i].endswith("\ufffd"))
+    assert "".join(pieces) == r["text"] == texts[16]
+    # at the default 50 ms this tiny model's 16 steps (a few ms) would come as 2-3 pieces
+    assert len(pieces) >= grew - 1 >= 8, (len(pieces), grew)
 
 
 def test_exclude_input_in_output_false_prepends_the_prompt(served):

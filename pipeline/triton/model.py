@@ -125,7 +125,7 @@ class TritonPythonModel:
         from pipeline.runtime.specconfig import SpecDecodeConfig
         from pipeline.triton.gate import NoGate, StepGate
         from pipeline.triton.parse import Limits, RequestParser
-        from pipeline.triton.replies import Outbox
+        from pipeline.triton.replies import STREAM_GAP_S, Outbox
         from pipeline.triton.scheduler import WARMUP_TOKENS, Scheduler, warmup_request
 
         self.model_name = args.get("model_name", cfg.get("name", "tensorrt_llm_bls"))
@@ -156,6 +156,7 @@ class TritonPythonModel:
             return sched
 
         self.block_tokens = int(_param(cfg, "prompt_cache_block_tokens", "64") or 64)
+        self.stream_gap_s = float(_param(cfg, "stream_interval_ms", "") or STREAM_GAP_S * 1e3) / 1e3  # spec triton.
         self.max_batch_size = int(_param(cfg, "max_rows", "0") or 0) or int(cfg.get("max_batch_size", 0)) or 1
         # Both served models map one copy of the laid-out weights (pipeline/runtime/shared.py), not one copy each.
         os.environ["PIPELINE_SHARED_WEIGHTS"] = "1" if _param(cfg, "shared_weights", "true") == "true" else "0"
@@ -224,7 +225,8 @@ class TritonPythonModel:
         from pipeline.triton.replies import PostedResponder  # as above: the project is reachable after _add_paths
 
         for request in requests:
-            out = PostedResponder(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox)
+            out = PostedResponder(TritonResponder(request.get_response_sender(), self.block_tokens), self.outbox,
+                                  self.stream_gap_s)
             get = lambda name, r=request: (lambda t: None if t is None else t.as_numpy())(  # noqa: E731
                 pb_utils.get_input_tensor_by_name(r, name))
             try:

@@ -21,13 +21,14 @@ from typing import Protocol
 from pipeline.triton.parse import Parsed
 
 CANCEL_CHECK_S = 0.02
-# A streamed piece goes out at most this often per request; pieces that come sooner are held and joined to the next
-# (the first at once, a held one within this of the last send). Each piece is a round trip through Triton's python
-# backend, the server and the client's gRPC stream, on the cores that decode: SmolLM2-135M's baseline streamed 16%
-# slower than it answered unstreamed (129 pieces a request) and 7-9% with pieces held to 20 ms apart (40), while
-# llama-server's SSE cost it nothing (experiments/serving_log.md, 2026-12-07, 2-core Zen 4). 20 ms is under a frame of
-# a 50 Hz screen, and a step of the flagship (30 ms) never waits on it.
-STREAM_GAP_S = 0.02
+# A streamed piece goes out at most this often per request (spec `triton.stream_interval_ms`, written into each served
+# model's parameters); pieces that come sooner are held and joined to the next (the first at once, a held one within
+# this of the last send). Each piece is a round trip through Triton's python backend, the server and the client's gRPC
+# stream, on the cores that decode, about 1.4 ms of a 2-core Zen 4's time: SmolLM2-135M's baseline streamed 16% slower
+# than it answered unstreamed with a piece a token (129 a request), 7% at 20 ms (27) and 3% at 50 ms (11), while
+# llama-server's SSE cost it nothing (experiments/serving_log.md, 2026-12-07). 50 ms is 20 updates a second; the
+# flagship's draft_target rounds (about 55 ms) seldom wait on it.
+STREAM_GAP_S = 0.05
 STOP_MEMORY_S = 120.0  # a `stop` may arrive before the request it names; remember it this long
 
 

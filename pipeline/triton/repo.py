@@ -151,6 +151,7 @@ def model_config(spec: Spec, engine_dir: Path, name: str = BLS):
         "shared_weights": "true",  # both served models map one copy of the weights (pipeline/runtime/shared.py)
         "prompt_cache_bytes": str(spec.prompt_cache.bytes),  # each served model's own prompt cache
         "prompt_cache_block_tokens": str(spec.prompt_cache.block_tokens),
+        "stream_interval_ms": f"{spec.triton.stream_interval_ms:g}",  # PostedResponder's gap between pieces
         "kv_cache_bytes": str(spec.kv_cache.bytes),
         "prefill_chunk": str(spec.kv_cache.prefill_chunk),
         "python_path": ":".join(python_path()),
