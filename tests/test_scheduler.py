@@ -190,6 +190,60 @@ def test_plain_and_streamed_answers_equal_their_solo_runs(bundle, parser):
     assert len(fakes[1].pieces) > 1
 
 
+class _SlowTokenizer:
+    """The tiny tokenizer without its fast half (`_tokenizer`): Replies.stream decodes windows of tokens instead."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_streamed_rows_pieces_hold_back_partial_characters_and_join_to_its_whole_text(bundle, incremental):
+    from pipeline.triton.replies import Job, Replies, Row
+
+    tok = bundle.tokenizer
+    # byte-level tokens of characters the tiny tokenizer never merged: most of them end inside a character
+    text = "Rain — naïve café, 中文 and 😀 emoji; then plain words again."
+    ids = tok.encode(text, add_special_tokens=False)
+    replies = Replies(tok if incremental else _SlowTokenizer(tok), lambda *a: None, lambda *a: None)
+    f = Fake()
+    job = Job(None, f)
+    row = Row(job, 0)
+    for i, t in enumerate(ids):
+        row.tokens.append(t)
+        replies.stream(job, row)
+        assert (row.decoder is not False) == incremental  # the fast tokenizer steps its own decoder throughout
+        assert "".join(f.pieces) == row.sent and "\ufffd" not in row.sent
+        assert text.startswith(row.sent) and len(row.sent) >= len(tok.decode(ids[:i + 1])) - 1  # at most a char held
+    assert row.sent == text == replies.decode_text(ids)
+    assert len(f.pieces) < len(ids), "tokens that end inside a character are held, not sent as U+FFFD"
+
+
+class _BrokenDecoder:
+    def step(self, tokenizer, token):
+        raise RuntimeError("cannot step")
+
+
+def test_a_streamed_row_whose_incremental_decoder_fails_goes_on_by_the_window_and_joins_to_its_text(bundle):
+    from pipeline.triton.replies import Job, Replies, Row
+
+    tok = bundle.tokenizer
+    replies, f = Replies(tok, lambda *a: None, lambda *a: None), Fake()
+    job = Job(None, f)
+    row = Row(job, 0)
+    first, rest = tok.encode("plain words", add_special_tokens=False), tok.encode(" and more", add_special_tokens=False)
+    row.tokens += first
+    replies.stream(job, row)
+    assert row.sent == "plain words" and row.decoder not in (None, False)
+    row.decoder = _BrokenDecoder()
+    for t in rest:
+        row.tokens.append(t)
+        replies.stream(job, row)
+    assert row.decoder is False and "".join(f.pieces) == row.sent == "plain words and more"
+    # an id past the vocabulary is skipped alike by both ways of decoding
+    assert replies.decode_text([*first, 10**6]) == "plain words"
+
+
 def _with_broken_row(job, row: int = 0):
     job.reqs[row].params = BrokenParams(temperature=float("nan"))  # logits / nan: no distribution
     return job

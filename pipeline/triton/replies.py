@@ -210,6 +210,7 @@ class Row:
     sent: str = ""  # text streamed so far
     prefix: int = 0  # streaming window: tokens[prefix:read] decoded to the end of `sent`
     read: int = 0
+    decoder: object = None  # the tokenizer's own incremental decoder (Replies.stream), fed tokens[:read]
     plain: bool = False  # took plain steps in the continuous batch since it last speculated
 
 
@@ -270,21 +271,54 @@ class Replies:
         return self.tok.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def stream(self, job: Job, row: Row) -> None:
-        """Send the new text of a streamed row, decoding only a window of recent tokens (a long stream
-        costs linear time, not quadratic); hold back a trailing partial UTF-8 character."""
-        before = self.decode_text(row.tokens[row.prefix:row.read])
-        piece_text = self.decode_text(row.tokens[row.prefix:])
-        if len(piece_text) <= len(before) or piece_text.endswith("\ufffd") or not piece_text.startswith(before):
+        """Send the new text of a streamed row; hold back a trailing partial UTF-8 character. A fast tokenizer's
+        own incremental decoder (`tokenizers.decoders.DecodeStream`) takes each new token once; otherwise a window of
+        recent tokens is decoded twice (either way a long stream costs linear time, not quadratic)."""
+        piece = self._increment(row) if self._incremental(row) else self._window(row)
+        if not piece:
             return
-        piece = piece_text[len(before):]
         row.sent += piece
-        row.prefix, row.read = row.read, len(row.tokens)
         try:
             job.out.send([piece], None, final=False)
         except Exception as e:  # noqa: BLE001 - the client went away: stop its work as for a cancel
             self.log("warn", f"request {job.p.request_id or '(no id)'}: could not send a piece ({type(e).__name__}: "
                      f"{e}); treating it as cancelled")
             job.cancelled = True
+
+    def _incremental(self, row: Row) -> bool:
+        """Give the row the tokenizer's incremental decoder unless it has one or fell back to the window."""
+        if row.decoder is None:
+            inner = getattr(self.tok, "_tokenizer", None)  # a transformers fast tokenizer's tokenizers.Tokenizer
+            try:
+                from tokenizers.decoders import DecodeStream
+            except ImportError:  # tokenizers before 0.21
+                DecodeStream = None  # noqa: N806
+            row.decoder = DecodeStream(skip_special_tokens=True) if inner is not None and DecodeStream else False
+        return row.decoder is not False
+
+    def _increment(self, row: Row) -> str:
+        """The text the row's new tokens complete, one step of the incremental decoder per token (its text joins
+        to `decode_text` of all of them, as the window's does: tests/test_scheduler.py)."""
+        inner, parts = self.tok._tokenizer, []
+        try:
+            for t in row.tokens[row.read:]:
+                part = row.decoder.step(inner, t)
+                if part:
+                    parts.append(part)
+        except Exception:  # noqa: BLE001 - an id the tokenizer cannot step (past its vocabulary): the window takes over
+            row.decoder = False
+            return self._window(row)
+        row.prefix = row.read = len(row.tokens)
+        return "".join(parts)
+
+    def _window(self, row: Row) -> str:
+        """The text of tokens[prefix:] past that of tokens[prefix:read], unless it ends in a partial character."""
+        before = self.decode_text(row.tokens[row.prefix:row.read])
+        piece_text = self.decode_text(row.tokens[row.prefix:])
+        if len(piece_text) <= len(before) or piece_text.endswith("\ufffd") or not piece_text.startswith(before):
+            return ""
+        row.prefix, row.read = row.read, len(row.tokens)
+        return piece_text[len(before):]
 
     def _error(self, job: Job, msg: str, cancelled: bool) -> None:
         try:
