@@ -20,6 +20,11 @@ from typing import Protocol
 
 from pipeline.triton.parse import Parsed
 
+try:  # a fast tokenizer's incremental decoder (tokenizers 0.21+, transformers' own dependency)
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # older tokenizers: Replies.stream decodes windows of tokens instead
+    DecodeStream = None
+
 CANCEL_CHECK_S = 0.02
 # A streamed piece goes out at most this often per request (spec `triton.stream_interval_ms`, written into each served
 # model's parameters); pieces that come sooner are held and joined to the next (the first at once, a held one within
@@ -289,10 +294,6 @@ class Replies:
         """Give the row the tokenizer's incremental decoder unless it has one or fell back to the window."""
         if row.decoder is None:
             inner = getattr(self.tok, "_tokenizer", None)  # a transformers fast tokenizer's tokenizers.Tokenizer
-            try:
-                from tokenizers.decoders import DecodeStream
-            except ImportError:  # tokenizers before 0.21
-                DecodeStream = None  # noqa: N806
             row.decoder = DecodeStream(skip_special_tokens=True) if inner is not None and DecodeStream else False
         return row.decoder is not False
 
