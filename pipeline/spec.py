@@ -147,10 +147,9 @@ class TritonSpec:
     # request (false; unary gRPC infer and HTTP infer/generate): the torch backend's two models, and the
     # tensorrt_llm engine era's tensorrt_llm_bls when it is ours (`tensorrt_llm.bls: pipeline`).
     decoupled: bool = True
-    # torch backend: a request's streamed pieces go out at most this often (ms); a piece that comes sooner is held and
-    # joined to the next send, or sent this long after the last (the first piece and the final response go at once).
-    # Each piece is a round trip through the stub, the server and the client on the cores that decode (about 1.4 ms
-    # of a 2-core Zen 4's time): SmolLM2-135M's streamed requests cost 7% at 20 ms, 3% at 50. 0: every step's text.
+    # torch backend: a request's streamed pieces go out at most this often (ms; 0: every step's text); what comes
+    # sooner is held and joined to the next piece. Why 50 and what a piece costs: pipeline/triton/replies.py
+    # (STREAM_GAP_S, the served model's fallback for a repository written without this key).
     stream_interval_ms: float = 50.0
     # torch backend: the models served, each its own process with its own copy of the weights (they take turns
     # at decoding steps). Both by default: the names tensorrtllm_backend's clients use.

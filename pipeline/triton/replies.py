@@ -306,10 +306,10 @@ class Replies:
                 part = row.decoder.step(inner, t)
                 if part:
                     parts.append(part)
-        except Exception:  # noqa: BLE001 - an id the tokenizer cannot step (past its vocabulary): the window takes over
-            row.decoder = False
+        except Exception:  # noqa: BLE001 - the decoder raised (it skips ids past the vocabulary, as decode does, so
+            row.decoder = False  # not for those): the window takes over from the tokens fed before this call
             return self._window(row)
-        row.prefix = row.read = len(row.tokens)
+        row.prefix, row.read = row.read, len(row.tokens)  # the window's context, should it ever take over
         return "".join(parts)
 
     def _window(self, row: Row) -> str:
