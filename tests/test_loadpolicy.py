@@ -21,6 +21,7 @@ from pipeline.runtime.loadpolicy import (
     tree_gain,
     tree_plain_from,
 )
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 from pipeline.runtime.speculative import draft_target, prompt_lookup
 from tests.test_speculative import prompts, tiny
@@ -213,6 +214,26 @@ def test_a_plain_round_chosen_by_the_policy_runs_no_draft_and_a_step_per_token()
     assert never.decisions == {0: len(r.tokens) - 1}
 
 
+@pytest.mark.parametrize("method", ["draft_target", "prompt_lookup"])
+def test_plain_rounds_give_greedy_and_sampled_rows_what_generate_gives_them_draw_for_draw(method):
+    # A plain round takes the baseline's own step: a sampled row draws from its generator as generate's does, so
+    # with the same seed the same tokens come out (a drafting round would draw differently, exact in distribution).
+    target = tiny(seed=0)
+    ps = prompts(3, 48, seed=9)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=20,
+                                                                                          seed=3)]
+    reqs = [Request(p, n, sp) for p, n, sp in zip(ps, (14, 20, 9), params)]
+    never = DraftPolicy(_memory_bound(3), 3, [0.0, 0.0, 0.0])
+    if method == "draft_target":
+        out = draft_target(target, target, reqs, 3, policy=never)
+    else:
+        out = prompt_lookup(target, reqs, 3, policy=never)
+    base = generate(target, reqs)
+    assert [r.tokens for r in out] == [r.tokens for r in base]
+    assert [len(r.tokens) for r in out] == [14, 20, 9] and sum(r.draft_proposed for r in out) == 0
+    assert set(never.decisions) == {0}
+
+
 def _bundle(tmp_path, speculation: dict | None, draft_length: str = "load") -> Bundle:
     target = tiny(seed=0)
     cfg = {"build_config": {"max_draft_len": 4, "max_input_len": 64, "max_seq_len": 256}}
@@ -231,6 +252,23 @@ def test_decode_applies_the_stored_costs_unless_the_spec_fixes_the_draft_length(
     assert sum(r.draft_proposed for r in load) == 0 and sum(r.draft_proposed for r in fixed) > 0
     unmeasured = decode(_bundle(tmp_path, None), "draft_target", reqs)  # no pick-k costs: the fixed k
     assert sum(r.draft_proposed for r in unmeasured) == sum(r.draft_proposed for r in fixed)
+
+
+def test_a_batch_the_policy_would_only_step_plainly_runs_the_baseline_loop_in_process_as_served(tmp_path):
+    # The stored costs say drafting never pays at any row count: `decode` runs generate's loop (as the scheduler gives
+    # such rows to the continuous batch) and says so; a caller's own policy or k still gets the speculative loop.
+    stored = {"table": [{"accept_pos": 0.9}] * 4, "costs_s": {"c_draft": 0.1, "c_verify": [0.01] * 5}}
+    b = _bundle(tmp_path, stored)
+    assert plain_rows(b, "draft_target", 2) == 1
+    reqs = [Request(p, 10) for p in prompts(2, 48, seed=4)]
+    base = generate(b.target, reqs)
+    routed = decode(b, "draft_target", reqs)
+    assert [r.tokens for r in routed] == [r.tokens for r in base] and all(r.speculation_off for r in routed)
+    never = DraftPolicy(_memory_bound(4), 4, [0.0] * 4)
+    for kw in ({"policy": never}, {"num_draft_tokens": 2}):
+        own = decode(b, "draft_target", reqs, **kw)
+        assert [r.tokens for r in own] == [r.tokens for r in base] and not any(r.speculation_off for r in own)
+    assert never.decisions  # the speculative loop asked its policy every round
 
 
 def test_draft_length_is_load_or_fixed_in_the_spec_and_the_config():

@@ -164,7 +164,14 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         opts.setdefault("prompt_cache", b.prompt_cache)
     m = method_named(method)
     off = b.spec.off_at(method, len(reqs), disable_at_batch)
-    if not off and hasattr(m, "batch_plain_from"):  # judged by the batch (Medusa's tree; `draft_length: load`)
+    # A batch the load policy would only step plainly runs the baseline's loop, as the scheduler serves it: Medusa's
+    # tree judged by the batch, or a chain drafter whose prior drafts nothing at these rows (it then never proposes,
+    # so its counts never move: the policy's plain steps, at the speculative loop's cost per step, 3% slower on
+    # SmolLM2). Not for a batch that may hand its rows off (`yield_to`, `resume`), brings its own policy or its own k,
+    # nor for suffix and hybrid (`policy_from_rows` 2), whose loop also keeps each answer in the suffix store.
+    chain = (getattr(m, "adaptive", False) and getattr(m, "policy_from_rows", 1) == 1 and num_draft_tokens is None
+             and not ({"policy", "resume"} & opts.keys() or opts.get("yield_to")))
+    if not off and (hasattr(m, "batch_plain_from") or chain):
         at = plain_rows(b, method, len(reqs))
         off = at is not None and len(reqs) >= at
     if opts.get("resume") and (not m.resumable or off):

@@ -472,16 +472,27 @@ def speculate(target: Transformer, reqs: list[Request], k: int, on_emit: Emit | 
                 drafts = drafts[:, :max(limit)]
         w = drafts.shape[1]
         last = torch.tensor([c[-1] for c in ctx], device=dev)
-        tokens = torch.cat([last[:, None], drafts], 1)
         cache = grow(cache, int(pos.max()) + w + 1)  # K/V taken as the rows advance
-        p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache), all_greedy)
-        best = greedy(p_logits)
-        lim = torch.tensor(limit, device=dev)
-        match = (drafts == best[:, :w]) & (torch.arange(w, device=dev) < lim[:, None])
-        n_greedy = match.to(torch.int64).cumprod(1).sum(1)
-        nxt = best.gather(1, n_greedy[:, None])[:, 0]
-        n_list, nxt_list, d_list = n_greedy.tolist(), nxt.tolist(), drafts.tolist()
-        if not all_greedy:
+        if w == 0:
+            # A plain step (the policy's, or every row's last token): the baseline's own step, none of the drafts'
+            # checks. After a step's weights streamed by each torch op costs tens of us, and the dozen the checks
+            # take had made a small model's plain steps here a few percent slower than generate's.
+            logits = target.logits(target(last[:, None], pos[:, None], cache)[:, 0], all_greedy)
+            best = greedy(logits).tolist()
+            nxt_list = [best[b] if s.done or s.req.params.greedy else next_token(logits[b], s.req.params, gens[b])
+                        for b, s in enumerate(seqs)]
+            n_list, d_list = [0] * B, [[]] * B
+        else:
+            tokens = torch.cat([last[:, None], drafts], 1)
+            p_logits = target.logits(target(tokens, pos[:, None] + torch.arange(w + 1, device=dev), cache),
+                                     all_greedy)
+            best = greedy(p_logits)
+            lim = torch.tensor(limit, device=dev)
+            match = (drafts == best[:, :w]) & (torch.arange(w, device=dev) < lim[:, None])
+            n_greedy = match.to(torch.int64).cumprod(1).sum(1)
+            nxt = best.gather(1, n_greedy[:, None])[:, 0]
+            n_list, nxt_list, d_list = n_greedy.tolist(), nxt.tolist(), drafts.tolist()
+        if w and not all_greedy:
             for b, s in enumerate(seqs):
                 if s.done or s.req.params.greedy:
                     continue
