@@ -369,11 +369,12 @@ def test_the_curve_note_says_the_load_policy_still_chooses_the_drafts_where_the_
     assert "load policy" not in fixed
 
 
-def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
+def test_the_distribution_test_sends_its_requests_one_at_a_time_with_the_prompt_cache(monkeypatch):
     """Several at once, the server's load policy decodes plainly (the flagship drafts nothing at 8 rows) and every
     method answers with baseline's own samples: the test would pass without testing the speculative rule. So the
     requests go one at a time (the most in flight is 1), each seed once per method, and the report counts the draft
-    tokens the answers were verified against."""
+    tokens the answers were verified against. Each asks for the prompt cache (the same prompt every time: no prefill
+    after the first, half the section's time)."""
     import threading
     import time
 
@@ -388,7 +389,7 @@ def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
         time.sleep(0.002)
         with lock:
             state["now"] -= 1
-            calls.append((method, seed, max_tokens, temperature))
+            calls.append((method, seed, max_tokens, temperature, kw.get("cache_prompt")))
         return {"text": "ab" if seed % 2 else "ba", "total_draft_tokens": 0 if method == "baseline" else 5}
 
     monkeypatch.setattr(validate, "_request", request)
@@ -396,7 +397,7 @@ def test_the_distribution_test_sends_its_requests_one_at_a_time(monkeypatch):
     out = validate.distribution_test("url", "prompt", ["baseline", "draft_target", "hybrid"], 6, tok, lambda m: None)
     assert state["most"] == 1
     assert [c[:2] for c in calls] == [(m, s) for m in ("baseline", "draft_target", "hybrid") for s in range(1000, 1006)]
-    assert all(c[2] == validate.DIST_TOKENS and c[3] == 1.0 for c in calls)
+    assert all(c[2] == validate.DIST_TOKENS and c[3] == 1.0 and c[4] is True for c in calls)
     assert out["draft_target"]["draft_tokens"] == out["hybrid"]["draft_tokens"] == 30
     assert out["hybrid"]["same_seed_identical"] == 1.0 and out["hybrid"]["chi2"] == 0.0
     calls.clear()  # the default method's second temperature: baseline and it, sampled at that temperature
