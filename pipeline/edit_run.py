@@ -91,9 +91,10 @@ def store_exposure(ours: list[System]) -> dict[str, list[str]]:
 
 
 def run_edit(spec, url: str, model: str, methods: list[str | None], default: str | None, log=print,
-             llama: list[System] | None = None, spent: Callable[[], bool] | None = None) -> dict:
-    """The section, measured; llama-server's three modes are started here unless given. `spent`: true once
-    validate's budget_s is spent, after which no case past the first starts (the report's notes say how many ran)."""
+             llama: list[System] | None = None, spent: Callable[[], str] | None = None) -> dict:
+    """The section, measured; llama-server's three modes are started here unless given. `spent`: why no further
+    case may start ('' while one may: validate's Budget for a case), checked from the second case on (the report's
+    notes say how many ran)."""
     v = spec.validate
     cases, notes = fit_cases(load_cases(spec.path(v.edit_set), v.max_edit_cases), spec.limits.max_input_len)
     if llama is None:
@@ -105,10 +106,11 @@ def run_edit(spec, url: str, model: str, methods: list[str | None], default: str
     systems = [*ours, *llama]
     rows: dict[str, list] = {s.label: [] for s in systems}
     for i, case in enumerate(cases):
-        if i and spent is not None and spent():
-            notes.append(f"{i} of {len(cases)} cases ran: validate.budget_s was spent (`python -m pipeline validate "
-                         "SPEC --only side-by-side` runs them all)")
-            log(f"  validate.budget_s spent: {i} of {len(cases)} edit cases")
+        why = spent() if i and spent is not None else ""
+        if why:
+            notes.append(f"{i} of {len(cases)} cases ran: {why} (`python -m pipeline validate SPEC --only "
+                         "side-by-side` runs them all)")
+            log(f"  {why}: {i} of {len(cases)} edit cases")
             cases = cases[:i]
             break
         other = cases[(i + 1) % len(cases)]["original"] if len(cases) > 1 else "def unrelated():\n    pass\n"

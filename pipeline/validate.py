@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import client, curve_targets, peer_curve, peers
@@ -114,7 +116,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
     phases: dict[str, float] = {}
     lap = _lap_clock(phases)
-    spent = budget_clock(v.budget_s)
+    spent = budget_clock(v.budget_s, main_job_deadline())
     for m in methods:
         _request(url, chat_text(tok, warm), 8, m)
     report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
@@ -142,37 +144,56 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     report["peers"].update(peers.safe_llama_server_peer(spec, prompts, new, log, warm=warm, plain=llama))
     report["over_llama_plain_by_prompt"] = over_peer_by_prompt(report)
     lap("llama_cpp_server")
+    # Past here a section starts only where it would end within validate.budget_s and the main job's deadline,
+    # each expected at SECTION_SHARE of the exactness pass's seconds on this machine; the report names what it left.
+    exact_s = phases["exactness"]
     # 3b. Concurrency curve.
     report["curve_tokens"] = curve_new = curve_tokens(v)
     default = repo.default_method(spec)
-    report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log, default)
-    report["crossover"] = crossover(report["batch_curve"], methods)
-    # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
-    report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
-    report["vs_llama_server_at_concurrency"] = {
-        m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
-    if default in methods and "baseline" in methods:
-        report["curve_targets"] = curve_targets.summarize(
-            report["batch_curve"], default, report["vs_llama_server_at_concurrency"].get(default),
-            curve_targets.ceilings(spec.engine_dir / "draft" / "config.json", default, v.concurrency))
     report["disable_at_batch"] = spec.speculation.disable_at_batch
     if "draft_target" in report["methods"]:
         report["methods"]["draft_target"]["lookup_min_ngram"] = spec.speculation.draft_lookup_min_ngram
-    # 3c. Temperatures: exact methods vs Medusa typical (lossy).
-    report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
+    why = spent(SECTION_SHARE["curve"] * exact_s)
+    if why:
+        report.update(batch_curve=[], crossover={}, vs_llama_server_at_concurrency={}, temperatures=[],
+                      curve_left_out=why)
+        report["trimmed"].append(f"the concurrency curve and the temperatures left out: {why}")
+        log(f"  concurrency curve and temperatures left out: {why}")
+    else:
+        report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log, default)
+        report["crossover"] = crossover(report["batch_curve"], methods)
+        # llama-server -np N at each level, the same GGUF, beside ours (pipeline/peer_curve.py).
+        report["batch_curve"] += peer_curve.peer_curve(spec, texts, v.concurrency, curve_new, log)
+        report["vs_llama_server_at_concurrency"] = {
+            m: peer_curve.ratios_at_concurrency(report["batch_curve"], m) for m in methods}
+        if default in methods and "baseline" in methods:
+            report["curve_targets"] = curve_targets.summarize(
+                report["batch_curve"], default, report["vs_llama_server_at_concurrency"].get(default),
+                curve_targets.ceilings(spec.engine_dir / "draft" / "config.json", default, v.concurrency))
+        # 3c. Temperatures: exact methods vs Medusa typical (lossy).
+        report["temperatures"] = temperatures(url, texts[:3], methods, v.temperatures, min(new, 64))
     lap("batch_curve_and_temperatures")
     # 1b. Distribution test through the server with seeds (sampled exact methods vs baseline).
-    report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok, log)
-    if default in methods and default != "baseline" and spent():
-        report["trimmed"].append(f"the default method's distribution test at T={DIST_LOW_T} left out: "
-                                 f"validate.budget_s ({v.budget_s:g} s) spent")
-    elif default in methods and default != "baseline":  # the default method at a second temperature too (issue 49)
+    why = spent(SECTION_SHARE["distribution"] * exact_s)
+    if why:
+        report.update(distribution={}, distribution_left_out=why)
+        report["trimmed"].append(f"the distribution test left out: {why}")
+        log(f"  distribution test left out: {why}")
+    else:
+        report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok,
+                                                   log)
+    low_why = spent(SECTION_SHARE["distribution_low"] * exact_s)
+    if why or default not in methods or default == "baseline":
+        pass
+    elif low_why:
+        report["trimmed"].append(f"the default method's distribution test at T={DIST_LOW_T} left out: {low_why}")
+    else:  # the default method at a second temperature too (issue 49)
         low = distribution_test(url, chat_text(tok, warm), ["baseline", default], v.distribution_samples, tok, log,
                                 DIST_LOW_T)
         report["distribution"][f"{default} at T={DIST_LOW_T}"] = low[default]
     lap("distribution")
     # 5. Side by side with llama-server through the OpenAI endpoint: long contexts (issue 48), edits (issue 49).
-    side_by_side(spec, tok, report, log, lap, spent)
+    side_by_side(spec, tok, report, log, lap, spent, exact_s)
     report["advice"] = advice(report, methods)
     report["environment"] = environment(spec)
     report["phase_seconds"] = phases
@@ -182,10 +203,12 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     return report
 
 
-def side_by_side(spec: Spec, tok, report: dict, log, lap, spent=lambda: False) -> None:
+def side_by_side(spec: Spec, tok, report: dict, log, lap, spent: Callable[..., str] = lambda need_s=0.0: "",
+                 exact_s: float = 0.0) -> None:
     """report's `context` and `edit` (reports/<name>/context.json, edit.json): through our OpenAI endpoint (started
     here unless it runs, and stopped again) against llama-server. A section that fails is a note naming why; one that
-    would start after validate.budget_s is spent (`spent()`) is left out and named in the report's `trimmed`."""
+    `spent` (a Budget) would not let start, expected at SECTION_SHARE of the exactness pass's `exact_s`, is left out
+    and named in the report's `trimmed`."""
     from pipeline import context_run, edit_run  # lazy: as the other sections' imports
 
     v = spec.validate
@@ -194,8 +217,10 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent=lambda: False) -
     if not spec.openai.enabled:
         report["context"] = report["edit"] = {"error": "openai.enabled is false: these sections need the endpoint"}
         return
-    if spent():
-        _left_out(report, v.budget_s, *[k for k, on in (("context", v.context_sizes), ("edit", v.edit_set)) if on])
+    first = "context" if v.context_sizes else "edit"
+    why = spent(SECTION_SHARE["context" if first == "context" else "edit_case"] * exact_s)
+    if why:
+        _left_out(report, why, *[k for k, on in (("context", v.context_sizes), ("edit", v.edit_set)) if on])
         return
     url, started = openai_api.base_url(spec), False
     try:
@@ -203,13 +228,15 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent=lambda: False) -
             openai_api.start(spec, log=log)
             started = True
         methods, default = served(url, spec.name)
+        edit_s = SECTION_SHARE["edit_case"] * exact_s
         for key, run in (("context", lambda: context_run.run_context(spec, System("ours", url, spec.name), tok, log)),
                          ("edit", lambda: edit_run.run_edit(spec, url, spec.name, methods, default, log,
-                                                            spent=spent))):
+                                                            spent=lambda: spent(edit_s)))):
             if not (v.context_sizes if key == "context" else v.edit_set):
                 continue
-            if spent():
-                _left_out(report, v.budget_s, key)
+            why = spent(SECTION_SHARE["context"] * exact_s if key == "context" else edit_s)
+            if why:
+                _left_out(report, why, key)
                 continue
             try:
                 out = run()
@@ -228,19 +255,61 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent=lambda: False) -
             openai_api.stop(spec)
 
 
-def budget_clock(budget_s: float):
-    """spent(): whether `budget_s` seconds (validate.budget_s; 0: never) have passed since this call."""
-    t0 = time.perf_counter()
-    return lambda: budget_s > 0 and time.perf_counter() - t0 >= budget_s
+DEADLINE_ENV = "PIPELINE_MAIN_JOB_DEADLINE"  # Unix seconds: `make all` sets its own start + MAIN_JOB_S (Makefile)
+END_RESERVE_S = 30.0  # after the last section: the reports written, the server stopped, make's exit
+# What a section takes against the same run's exactness pass (E, its phase seconds), so a section is started only
+# where it ends before the main job's deadline on this machine: the flagship's main jobs took curve and
+# temperatures 1.02-1.19 E, the distribution test 0.28-0.47 E, context 1.17-1.28 E and an edit case 0.42-0.46 E
+# (2-core Zen 4, Zen 3 without AVX-512 and a Xeon, 2026-12-06 to 12-07: experiments/serving_log.md); with room.
+SECTION_SHARE = {"curve": 1.25, "distribution": 0.5, "distribution_low": 0.3, "context": 1.35, "edit_case": 0.5}
 
 
-def _left_out(report: dict, budget_s: float, *keys: str) -> None:
-    """Sections not started because validate.budget_s was spent: a note in each, named in `trimmed`."""
+def main_job_deadline() -> float | None:
+    """The main job's deadline (Unix seconds) where `make all` set one in DEADLINE_ENV, else None."""
+    raw = os.environ.get(DEADLINE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{DEADLINE_ENV}={raw!r} is not a time in Unix seconds; unset it, or set it as the "
+                         "Makefile does (`date +%s` plus the main job's seconds)") from None
+
+
+@dataclass
+class Budget:
+    """When validate's sections stop starting: `budget_s` seconds after validate began (validate.budget_s; 0: no
+    limit), and a section that would end past `deadline` (the main job's, Unix seconds; None: none) less
+    END_RESERVE_S. Called with a section's expected seconds, it says why that section cannot start ('' if it can)."""
+
+    budget_s: float
+    deadline: float | None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, need_s: float = 0.0) -> str:
+        if self.budget_s > 0 and time.perf_counter() - self.t0 >= self.budget_s:
+            return f"validate.budget_s ({self.budget_s:g} s) was spent"
+        if self.deadline is not None:
+            left = self.deadline - END_RESERVE_S - time.time()
+            if need_s > left:
+                return (f"it would end past the main job's deadline (about {need_s:.0f} s needed, {max(left, 0):.0f} s "
+                        f"left; {DEADLINE_ENV}, from `make all`)")
+        return ""
+
+
+def budget_clock(budget_s: float, deadline: float | None = None) -> Budget:
+    """The clock of validate.budget_s from now, with the main job's deadline where one is set."""
+    return Budget(budget_s, deadline)
+
+
+def _left_out(report: dict, why: str, *keys: str) -> None:
+    """Sections not started because the budget was spent (`why`, a Budget's answer): a note in each, named in
+    `trimmed`."""
     for key in keys:
-        report[key] = {"error": f"left out, validate.budget_s ({budget_s:g} s) was spent before it started; "
-                                "`python -m pipeline validate SPEC --only side-by-side` measures it alone"}
+        report[key] = {"error": f"left out: {why}; `python -m pipeline validate SPEC --only side-by-side` "
+                                "measures it alone"}
     report.setdefault("trimmed", []).append(f"the {' and '.join(keys)} section{'s' if len(keys) > 1 else ''} left "
-                                            f"out: validate.budget_s ({budget_s:g} s) spent")
+                                            f"out: {why}")
 
 
 def run_side_by_side(spec: Spec, log=print) -> dict:
@@ -817,8 +886,10 @@ def plots(report: dict, out: Path) -> None:
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("aggregate tokens/s")
     per = f" ({report['curve_tokens']}-token requests)" if report.get("curve_tokens") else ""
-    ax.set_title(f"{report['spec']}: tokens/s by concurrency{per}")
-    ax.legend(fontsize="small")
+    ax.set_title(f"{report['spec']}: tokens/s by concurrency{per}" + (" (left out)" if report.get("curve_left_out")
+                                                                          else ""))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "batch_curve.png", dpi=100)
     plt.close(fig)
@@ -934,46 +1005,9 @@ def curve_setting(disable_at_batch: int, draft_length: str | None) -> str:
             f"{disable_at_batch}`, 0 = never) does not apply; {how}.")
 
 
-def markdown(r: dict) -> str:
-    lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
-             "", r["acceptance_definition"], "",
-             *([f"Trimmed to fit the main job's time budget: {'; '.join(r['trimmed'])}.", ""] if r.get("trimmed")
-               else []),
-             *([_draft_line(r["draft"]), ""] if r.get("draft") else []),
-             "| method | tokens/s | speedup | acceptance | mean accepted len | greedy identical | p50 ms | p95 ms |"
-             " TTFT p50 ms |", "|---|---|---|---|---|---|---|---|---|"]
-    for m, e in r["methods"].items():
-        lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
-                     f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} | "
-                     f"{e['latency_ms']['p50']:.0f} | {e['latency_ms']['p95']:.0f} | {e['ttft_ms']['p50']:.0f} |")
-    for name, p in r["peers"].items():
-        tps = p.get("tokens_per_s")
-        short = f" ({p['prompts']} prompts x {p['new_tokens']} tokens)" if "new_tokens" in p else ""
-        who = name if name.startswith("llama_cpp") else f"transformers {name}{short}"
-        cell = f"{tps:.1f}" if tps else f"n/a ({p.get('note', '')})"
-        if name == "llama_cpp_server" and tps:
-            lines += peers_rows(p)
-        else:
-            lines.append(f"| {who} | {cell} | | | | | | | |")
-    for m, e in r["methods"].items():
-        for d in e["divergences"]:
-            lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
-                         f"(margin {d.get('top2_margin', float('nan')):.3f})")
-    n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
-    if n:
-        lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
-                  "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
-    lines += over_peer_line(r.get("over_llama_plain_by_prompt") or {})
-    lines += plain_from_line(r.get("plain_from") or {})
-    if r.get("first_prompt"):
-        lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "
-                  + "; ".join(f"{m} {e['first_tokens_per_s']:.1f} then {e['again_tokens_per_s']:.1f} tokens/s "
-                              f"({e['again_over_first']:.2f}x; the median prompt {e['median_over_first']:.2f}x)"
-                              for m, e in r["first_prompt"].items()) + "."]
-    if r["suspicious"]:
-        lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
-    per = f", requests of {r['curve_tokens']} new tokens" if r.get("curve_tokens") else ""
-    lines += ["", f"## Concurrency curve (aggregate tokens/s{per})", ""]
+def curve_markdown(r: dict) -> list[str]:
+    """The concurrency curve's table and notes, then the temperatures' (validate.md)."""
+    lines: list[str] = []
     levels = sorted({e["concurrency"] for e in r["batch_curve"] if e.get("concurrency") is not None})
     ms = list(r["methods"])
     peer = [m for m in [peer_curve.PEER_METHOD] if any(e["method"] == m for e in r["batch_curve"])]
@@ -1014,8 +1048,56 @@ def markdown(r: dict) -> str:
         sp = f"{e['speedup']:.2f}x" if e["speedup"] else ""
         lines.append(f"| {e['temperature']} | {e['method']}{' (lossy)' if e['lossy'] else ''} | "
                      f"{e['tokens_per_s']:.1f} | {sp} | {e['mean_accepted_len']:.2f} |")
+    return lines
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Validation: {r['spec']} (gRPC {r['grpc_url']}, {r['prompts']} prompts x {r['new_tokens']} tokens)",
+             "", r["acceptance_definition"], "",
+             *([f"Trimmed to fit the main job's time budget: {'; '.join(r['trimmed'])}.", ""] if r.get("trimmed")
+               else []),
+             *([_draft_line(r["draft"]), ""] if r.get("draft") else []),
+             "| method | tokens/s | speedup | acceptance | mean accepted len | greedy identical | p50 ms | p95 ms |"
+             " TTFT p50 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for m, e in r["methods"].items():
+        lines.append(f"| {m} | {e['tokens_per_s']:.1f} | {e['speedup']:.2f}x | {e['acceptance_rate']:.2f} | "
+                     f"{e['mean_accepted_len']:.2f} | {e['greedy_identical']}/{e['greedy_total']} | "
+                     f"{e['latency_ms']['p50']:.0f} | {e['latency_ms']['p95']:.0f} | {e['ttft_ms']['p50']:.0f} |")
+    for name, p in r["peers"].items():
+        tps = p.get("tokens_per_s")
+        short = f" ({p['prompts']} prompts x {p['new_tokens']} tokens)" if "new_tokens" in p else ""
+        who = name if name.startswith("llama_cpp") else f"transformers {name}{short}"
+        cell = f"{tps:.1f}" if tps else f"n/a ({p.get('note', '')})"
+        if name == "llama_cpp_server" and tps:
+            lines += peers_rows(p)
+        else:
+            lines.append(f"| {who} | {cell} | | | | | | | |")
+    for m, e in r["methods"].items():
+        for d in e["divergences"]:
+            lines.append(f"\n- {m}, prompt {d['prompt']}: {d.get('classification')} at token {d.get('position')} "
+                         f"(margin {d.get('top2_margin', float('nan')):.3f})")
+    n = r["methods"].get("draft_target", {}).get("lookup_min_ngram")
+    if n:
+        lines += ["", f"draft_target takes the prompt-lookup continuation when the context's last {n}+ tokens occurred "
+                  "earlier (`speculation.draft_lookup_min_ngram`), the draft's tokens otherwise."]
+    lines += over_peer_line(r.get("over_llama_plain_by_prompt") or {})
+    lines += plain_from_line(r.get("plain_from") or {})
+    if r.get("first_prompt"):
+        lines += ["", "First prompt run again after the pass (its first run came first after ready and the warm-up): "
+                  + "; ".join(f"{m} {e['first_tokens_per_s']:.1f} then {e['again_tokens_per_s']:.1f} tokens/s "
+                              f"({e['again_over_first']:.2f}x; the median prompt {e['median_over_first']:.2f}x)"
+                              for m, e in r["first_prompt"].items()) + "."]
+    if r["suspicious"]:
+        lines += ["", "Suspicious: " + "; ".join(r["suspicious"])]
+    per = f", requests of {r['curve_tokens']} new tokens" if r.get("curve_tokens") else ""
+    lines += ["", f"## Concurrency curve (aggregate tokens/s{per})", ""]
+    left = r.get("curve_left_out")
+    lines += ([f"Left out: {left}; `make validate` (no main-job deadline) measures it.", "", "## Temperatures", "",
+               f"Left out with the curve: {left}."] if left else curve_markdown(r))
     lines += ["", f"## Distribution test (first two sampled tokens of {DIST_TOKENS}-token answers, T=1 unless named, "
               "seeded, vs baseline at the same T)", ""]
+    if r.get("distribution_left_out"):
+        lines.append(f"Left out: {r['distribution_left_out']}; `make validate` (no main-job deadline) runs it.")
     for m, d in r["distribution"].items():
         lines.append(f"- {m}: chi2 {d['chi2']:.1f} on {d['dof']} dof, p = {d['p_value']:.3g} "
                      f"({'consistent' if d['consistent'] else 'DIFFERENT'}); {d['same_seed_identical']:.0%} of "

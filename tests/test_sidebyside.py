@@ -5,6 +5,7 @@ own OpenAI endpoint on a tiny model (llama-server cannot run on a non-GGUF targe
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -288,16 +289,17 @@ def test_a_spent_validate_budget_stops_edit_cases_after_the_first_and_leaves_uns
     tok = load_tokenizer(s.engine_dir / "target")
     lines: list[str] = []
     report: dict = {"trimmed": []}
-    validate.side_by_side(s, tok, report, lines.append, lambda name: None,
-                          lambda: any(ln.startswith("  edit 1/3") for ln in lines))  # spent once case 1 is done
+    budget = validate.Budget(60.0, t0=time.perf_counter() - 61)  # 60 s spent
+    validate.side_by_side(s, tok, report, lines.append, lambda name: None,  # spent once case 1 is done
+                          lambda need_s=0.0: budget(need_s) if any(ln.startswith("  edit 1/3") for ln in lines) else "")
     assert [c["id"] for c in report["edit"]["cases"]] == [cases[0]["id"]]
     assert all(len(r) == 1 for r in json.loads((s.report_dir / "edit.json").read_text())["runs"].values())
-    assert "1 of 3 cases ran: validate.budget_s was spent" in " ".join(report["edit"]["notes"])
-    assert "  validate.budget_s spent: 1 of 3 edit cases" in lines
+    assert "1 of 3 cases ran: validate.budget_s (60 s) was spent" in " ".join(report["edit"]["notes"])
+    assert "  validate.budget_s (60 s) was spent: 1 of 3 edit cases" in lines
 
     spent: dict = {"trimmed": []}
-    validate.side_by_side(s, tok, spent, lines.append, lambda name: None, lambda: True)
-    assert spent["edit"]["error"].startswith("left out, validate.budget_s (60 s) was spent before it started")
+    validate.side_by_side(s, tok, spent, lines.append, lambda name: None, budget)
+    assert spent["edit"]["error"].startswith("left out: validate.budget_s (60 s) was spent; ")
     assert "context" not in spent  # a section the spec turns off is not named as left out
-    assert spent["trimmed"] == ["the edit section left out: validate.budget_s (60 s) spent"]
-    assert "Not measured: left out, validate.budget_s (60 s)" in "\n".join(validate.side_by_side_markdown(spent))
+    assert spent["trimmed"] == ["the edit section left out: validate.budget_s (60 s) was spent"]
+    assert "Not measured: left out: validate.budget_s (60 s)" in "\n".join(validate.side_by_side_markdown(spent))

@@ -171,6 +171,95 @@ def test_validate_writes_the_report_from_server_responses(tiny_all, stand_in_ser
     assert "First prompt run again after the pass" in (s.report_dir / "validate.md").read_text()
 
 
+@pytest.mark.server
+def test_a_main_job_deadline_leaves_out_the_sections_that_would_end_past_it_and_the_report_names_them(
+        tiny_all, stand_in_server, monkeypatch):
+    """`make all` on a machine slower than the spec was trimmed for: past the exactness pass, the peers and the
+    acceptance (the core figures), a section that would end past the main job's deadline does not start; the
+    report, validate.md and the log say which and why, and the figures that ran are whole."""
+    import time
+
+    from pipeline.triton.repo import write_repo
+    from pipeline.validate import DEADLINE_ENV, END_RESERVE_S, MIN_BUDGET_PROMPTS, run_validate
+
+    s = tiny_all
+    write_repo(s, log=lambda *a: None)
+    monkeypatch.setenv(DEADLINE_ENV, str(time.time() + END_RESERVE_S))  # spent as soon as anything has run
+    lines: list[str] = []
+    report = run_validate(s, log=lines.append)
+    methods = report["methods"]
+    assert all(m["greedy_identical"] == m["greedy_total"] == MIN_BUDGET_PROMPTS for m in methods.values())
+    assert report["peers"]["llama_cpp_server"]["plain"]["tokens_per_s"] > 0 and report["acceptance_per_position"]
+    assert report["batch_curve"] == [] and report["temperatures"] == [] and report["crossover"] == {}
+    assert report["distribution"] == {}
+    why = "it would end past the main job's deadline"
+    assert report["curve_left_out"].startswith(why) and report["distribution_left_out"].startswith(why)
+    assert DEADLINE_ENV in report["curve_left_out"]
+    trimmed = " ".join(report["trimmed"])
+    assert f"the concurrency curve and the temperatures left out: {why}" in trimmed
+    assert f"the distribution test left out: {why}" in trimmed
+    assert any(ln.startswith(f"  concurrency curve and temperatures left out: {why}") for ln in lines)
+    assert "curve_targets" not in report and report["advice"]["recommended_method"] in methods
+    md = (s.report_dir / "validate.md").read_text()
+    assert f"Left out: {why}" in md and "Left out with the curve" in md and "| concurrency |" not in md
+    assert (s.report_dir / "batch_curve.png").stat().st_size > 1000
+    assert not stand_in_server()[MIN_BUDGET_PROMPTS + 1:], "llama-server -np N ran though the curve was left out"
+
+
+def test_a_section_starts_only_where_it_would_end_before_the_main_jobs_deadline(monkeypatch):
+    """Budget(need_s): '' while a section of need_s seconds ends END_RESERVE_S before the deadline; otherwise why
+    not, naming where the deadline came from. validate.budget_s still applies on its own."""
+    import time
+
+    from pipeline.validate import DEADLINE_ENV, END_RESERVE_S, Budget, main_job_deadline
+
+    soon = Budget(0.0, time.time() + END_RESERVE_S + 100)
+    assert soon() == "" and soon(90) == ""
+    assert soon(200).startswith("it would end past the main job's deadline (about 200 s needed, ")
+    assert DEADLINE_ENV in soon(200)
+    assert Budget(0.0)(1e9) == ""  # no deadline: nothing is left out for time
+    assert Budget(60.0, t0=time.perf_counter() - 61)() == "validate.budget_s (60 s) was spent"
+    assert Budget(60.0, time.time() + 1e6)(5) == ""
+    monkeypatch.delenv(DEADLINE_ENV, raising=False)
+    assert main_job_deadline() is None
+    monkeypatch.setenv(DEADLINE_ENV, "")  # MAIN_JOB_S=0: make exports it empty
+    assert main_job_deadline() is None
+    monkeypatch.setenv(DEADLINE_ENV, "1796646127")
+    assert main_job_deadline() == 1796646127.0
+    monkeypatch.setenv(DEADLINE_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{DEADLINE_ENV}='soon' is not a time in Unix seconds"):
+        main_job_deadline()
+
+
+def test_make_all_gives_its_steps_a_deadline_main_job_s_from_its_start_and_no_other_target_one():
+    """The Makefile's `all` exports PIPELINE_MAIN_JOB_DEADLINE (its start + MAIN_JOB_S) to what it runs, the
+    sub-makes' validate included; MAIN_JOB_S=0 exports none, and `make validate` alone has none."""
+    import shutil
+    import subprocess
+    import time
+
+    from pipeline.validate import DEADLINE_ENV
+
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    # the probe fails, so make stops before `all`'s own steps; `-o setup`: the venv is not touched
+    probe = ["--eval", f'probe: ; @echo "[$${DEADLINE_ENV}]"; exit 3']
+
+    def seen(*args: str) -> str:
+        out = subprocess.run(["make", "-s", "-o", "setup", *probe, *args], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode != 0 and "probe" in out.stderr, (out.returncode, out.stderr)
+        return out.stdout.strip().splitlines()[-1]
+
+    t = time.time()
+    got = seen("--eval", "all: probe", "all")
+    assert got.startswith("[") and abs(float(got[1:-1]) - (t + 1800)) < 30, got
+    got = seen("--eval", "all: probe", "MAIN_JOB_S=600", "all")
+    assert abs(float(got[1:-1]) - (t + 600)) < 30, got
+    assert seen("--eval", "all: probe", "MAIN_JOB_S=0", "all") == "[]"
+    assert seen("probe") == "[]"
+
+
 def test_divergence_reports_position_tokens_and_margin(tiny_engine):
     from pipeline.runtime.decode import load_bundle
     from pipeline.runtime.generate import Request, generate
@@ -289,12 +378,12 @@ def test_the_validate_budget_is_spent_only_once_its_seconds_have_passed():
 
     from pipeline.validate import budget_clock
 
-    assert not budget_clock(0.0)()
+    assert budget_clock(0.0)() == ""
     slow = budget_clock(3600.0)
-    assert not slow()
+    assert slow() == ""
     fast = budget_clock(0.01)
     time.sleep(0.02)
-    assert fast()
+    assert fast() == "validate.budget_s (0.01 s) was spent"
 
 
 def test_transformers_peers_run_a_quarter_of_the_prompts_and_at_most_32_tokens_each():
