@@ -284,8 +284,9 @@ class ValidateSpec:
     # second distribution temperature, then the side-by-side context and edit sections, each checked before it starts
     # (a started context section runs whole; a started edit section runs no case past the first once it is spent). On
     # a machine slower than the spec was trimmed for, the main job keeps its 30 minutes; `validate --only
-    # side-by-side` runs the rest. The report names what was left out. Under `make all` the main job's own deadline
-    # (validate.main_job_deadline) also holds back the concurrency curve and the distribution tests.
+    # side-by-side` runs the rest. The report names what was left out. The concurrency curve and the T = 1
+    # distribution test are checked too (they start while it is unspent), and under `make all` each of these sections
+    # starts only where it would end before the main job's deadline (validate.Budget, main_job_deadline).
     budget_s: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])  # ours and llama-server -np N
     # New tokens per request of the concurrency curve (0: max_new_tokens, the answers the other sections time). A
