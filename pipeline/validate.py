@@ -217,10 +217,11 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent: Callable[..., s
     if not spec.openai.enabled:
         report["context"] = report["edit"] = {"error": "openai.enabled is false: these sections need the endpoint"}
         return
-    first = "context" if v.context_sizes else "edit"
-    why = spent(SECTION_SHARE["context" if first == "context" else "edit_case"] * exact_s)
+    need = {"context": SECTION_SHARE["context"] * exact_s, "edit": SECTION_SHARE["edit_case"] * exact_s}
+    on = [k for k, x in (("context", v.context_sizes), ("edit", v.edit_set)) if x]
+    why = spent(min(need[k] for k in on))  # not even the shorter one: the endpoint is not started at all
     if why:
-        _left_out(report, why, *[k for k, on in (("context", v.context_sizes), ("edit", v.edit_set)) if on])
+        _left_out(report, why, *on)
         return
     url, started = openai_api.base_url(spec), False
     try:
@@ -228,13 +229,12 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent: Callable[..., s
             openai_api.start(spec, log=log)
             started = True
         methods, default = served(url, spec.name)
-        edit_s = SECTION_SHARE["edit_case"] * exact_s
         for key, run in (("context", lambda: context_run.run_context(spec, System("ours", url, spec.name), tok, log)),
                          ("edit", lambda: edit_run.run_edit(spec, url, spec.name, methods, default, log,
-                                                            spent=lambda: spent(edit_s)))):
+                                                            spent=lambda: spent(need["edit"])))):
             if not (v.context_sizes if key == "context" else v.edit_set):
                 continue
-            why = spent(SECTION_SHARE["context"] * exact_s if key == "context" else edit_s)
+            why = spent(need[key])
             if why:
                 _left_out(report, why, key)
                 continue
@@ -293,7 +293,7 @@ class Budget:
             left = self.deadline - END_RESERVE_S - time.time()
             if need_s > left:
                 return (f"it would end past the main job's deadline (about {need_s:.0f} s needed, {max(left, 0):.0f} s "
-                        f"left; {DEADLINE_ENV}, from `make all`)")
+                        f"left by {DEADLINE_ENV} from `make all`)")
         return ""
 
 

@@ -303,3 +303,16 @@ def test_a_spent_validate_budget_stops_edit_cases_after_the_first_and_leaves_uns
     assert "context" not in spent  # a section the spec turns off is not named as left out
     assert spent["trimmed"] == ["the edit section left out: validate.budget_s (60 s) was spent"]
     assert "Not measured: left out: validate.budget_s (60 s)" in "\n".join(validate.side_by_side_markdown(spent))
+
+    # under the main job's deadline each section is weighed alone: the context section (1.35 of the exactness pass's
+    # 100 s) would end past it and is left out, the edit section (0.5 a case) still runs all its cases
+    monkeypatch.setattr(s.validate, "context_sizes", [256])
+    mixed: dict = {"trimmed": []}
+    deadline = validate.Budget(0.0, time.time() + validate.END_RESERVE_S + 90)
+    validate.side_by_side(s, tok, mixed, lines.append, lambda name: None, deadline, 100.0)
+    assert mixed["context"]["error"].startswith("left out: it would end past the main job's deadline (about 135 s "
+                                                "needed, "), mixed["context"]
+    assert [c["id"] for c in mixed["edit"]["cases"]] == [c["id"] for c in cases]
+    (note,) = mixed["trimmed"]  # the seconds left depend on how long the endpoint took to start
+    assert note.startswith("the context section left out: it would end past the main job's deadline (about 135 s "
+                           "needed, ") and note.endswith(" s left by PIPELINE_MAIN_JOB_DEADLINE from `make all`)"), note
