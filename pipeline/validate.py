@@ -116,7 +116,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     log(f"validate {spec.name}: methods {methods}, {len(prompts)} prompts x {new} tokens over gRPC at {url}")
     phases: dict[str, float] = {}
     lap = _lap_clock(phases)
-    spent = budget_clock(v.budget_s, main_job_deadline())
+    spent = Budget(v.budget_s, main_job_deadline())
     for m in methods:
         _request(url, chat_text(tok, warm), 8, m)
     report: dict = {"spec": spec.name, "grpc_url": url, "new_tokens": new, "prompts": len(prompts),
@@ -157,8 +157,7 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     if why:
         report.update(batch_curve=[], crossover={}, vs_llama_server_at_concurrency={}, temperatures=[],
                       curve_left_out=why)
-        report["trimmed"].append(f"the concurrency curve and the temperatures left out: {why}")
-        log(f"  concurrency curve and temperatures left out: {why}")
+        _trim(report, log, "the concurrency curve and the temperatures", why)
     else:
         report["batch_curve"] = batch_curve(url, texts, methods, v.concurrency, curve_new, log, default)
         report["crossover"] = crossover(report["batch_curve"], methods)
@@ -177,20 +176,18 @@ def _validate_served(spec: Spec, url: str, log) -> dict:
     why = spent(SECTION_SHARE["distribution"] * exact_s)
     if why:
         report.update(distribution={}, distribution_left_out=why)
-        report["trimmed"].append(f"the distribution test left out: {why}")
-        log(f"  distribution test left out: {why}")
+        _trim(report, log, "the distribution test", why)
     else:
         report["distribution"] = distribution_test(url, chat_text(tok, warm), methods, v.distribution_samples, tok,
                                                    log)
-    low_why = spent(SECTION_SHARE["distribution_low"] * exact_s)
-    if why or default not in methods or default == "baseline":
-        pass
-    elif low_why:
-        report["trimmed"].append(f"the default method's distribution test at T={DIST_LOW_T} left out: {low_why}")
-    else:  # the default method at a second temperature too (issue 49)
-        low = distribution_test(url, chat_text(tok, warm), ["baseline", default], v.distribution_samples, tok, log,
-                                DIST_LOW_T)
-        report["distribution"][f"{default} at T={DIST_LOW_T}"] = low[default]
+        if default in methods and default != "baseline":  # the default method at a second temperature (issue 49)
+            why = spent(SECTION_SHARE["distribution_low"] * exact_s)
+            if why:
+                _trim(report, log, f"the default method's distribution test at T={DIST_LOW_T}", why)
+            else:
+                low = distribution_test(url, chat_text(tok, warm), ["baseline", default], v.distribution_samples,
+                                        tok, log, DIST_LOW_T)
+                report["distribution"][f"{default} at T={DIST_LOW_T}"] = low[default]
     lap("distribution")
     # 5. Side by side with llama-server through the OpenAI endpoint: long contexts (issue 48), edits (issue 49).
     side_by_side(spec, tok, report, log, lap, spent, exact_s)
@@ -258,9 +255,10 @@ def side_by_side(spec: Spec, tok, report: dict, log, lap, spent: Callable[..., s
 DEADLINE_ENV = "PIPELINE_MAIN_JOB_DEADLINE"  # Unix seconds: `make all` sets its own start + MAIN_JOB_S (Makefile)
 END_RESERVE_S = 30.0  # after the last section: the reports written, the server stopped, make's exit
 # What a section takes against the same run's exactness pass (E, its phase seconds), so a section is started only
-# where it ends before the main job's deadline on this machine: the flagship's main jobs took curve and
-# temperatures 1.02-1.19 E, the distribution test 0.28-0.47 E, context 1.17-1.28 E and an edit case 0.42-0.46 E
-# (2-core Zen 4, Zen 3 without AVX-512 and a Xeon, 2026-12-06 to 12-07: experiments/serving_log.md); with room.
+# where it ends before the main job's deadline on this machine. The flagship's main jobs (experiments/serving_log.md)
+# took: curve and temperatures 1.02 E (2-core Xeon, 2026-12-06), 1.09-1.19 E (Zen 4), 1.11-1.23 E (Zen 3 without
+# AVX-512); the distribution test with the prompt cache 0.47 E (Zen 4) and 0.28 E (Zen 3); context 0.78 E (Xeon) and
+# 1.17-1.28 E (Zen 4); an edit case 0.38-0.45 E (Zen 4). Each share is the largest seen, with room.
 SECTION_SHARE = {"curve": 1.25, "distribution": 0.5, "distribution_low": 0.3, "context": 1.35, "edit_case": 0.5}
 
 
@@ -297,9 +295,10 @@ class Budget:
         return ""
 
 
-def budget_clock(budget_s: float, deadline: float | None = None) -> Budget:
-    """The clock of validate.budget_s from now, with the main job's deadline where one is set."""
-    return Budget(budget_s, deadline)
+def _trim(report: dict, log, what: str, why: str) -> None:
+    """A section of validate's own not started (`why`, a Budget's answer): named in `trimmed` and the log."""
+    report["trimmed"].append(f"{what} left out: {why}")
+    log(f"  {what} left out: {why}")
 
 
 def _left_out(report: dict, why: str, *keys: str) -> None:

@@ -198,7 +198,7 @@ def test_a_main_job_deadline_leaves_out_the_sections_that_would_end_past_it_and_
     trimmed = " ".join(report["trimmed"])
     assert f"the concurrency curve and the temperatures left out: {why}" in trimmed
     assert f"the distribution test left out: {why}" in trimmed
-    assert any(ln.startswith(f"  concurrency curve and temperatures left out: {why}") for ln in lines)
+    assert any(ln.startswith(f"  the concurrency curve and the temperatures left out: {why}") for ln in lines)
     assert "curve_targets" not in report and report["advice"]["recommended_method"] in methods
     md = (s.report_dir / "validate.md").read_text()
     assert f"Left out: {why}" in md and "Left out with the curve" in md and "| concurrency |" not in md
@@ -376,12 +376,12 @@ def test_the_validate_budget_is_spent_only_once_its_seconds_have_passed():
     """validate.budget_s: 0 never runs out; otherwise the clock starts when validate does."""
     import time
 
-    from pipeline.validate import budget_clock
+    from pipeline.validate import Budget
 
-    assert budget_clock(0.0)() == ""
-    slow = budget_clock(3600.0)
+    assert Budget(0.0)() == ""
+    slow = Budget(3600.0)
     assert slow() == ""
-    fast = budget_clock(0.01)
+    fast = Budget(0.01)
     time.sleep(0.02)
     assert fast() == "validate.budget_s (0.01 s) was spent"
 
