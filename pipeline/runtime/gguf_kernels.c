@@ -295,6 +295,14 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
 // up in int16 (|sum| <= 8 * 3810 = 30480 < 32767, so exact) before one vpmaddwd widens them, where the per-4-column
 // vi_dp paid a vpmaddwd and an add each. Same integers, same float steps: the bits of the AVX-512 build. On Zen 3
 // (L2-resident, one thread) 8 token rows of a Q4_K panel took 0.85x the time of the vi_dp tile, Q6_K 0.85x.
+// GG_SPREAD: each record's lines are prefetched a few at a time as its sub-blocks are read, not all at its start. On
+// Zen 3 (2 cores, AVX2 only) the burst of 37 (Q4_K) or 53 (Q6_K) prefetches at a record's start held the one-token
+// step at 0.75-0.80 of the bandwidth probes; spread, the 1.5B's step took 0.86x the time (0.887 spread by sub-block,
+// then 0.966 of that by line; step_stages.py --against, 10 paired rounds each), 0.91-0.98 of the probes
+// (experiments/kernel_log.md, 2026-12-07 14:30). The AVX-512 passes keep the burst: measured on Zen 4, they already
+// read at 0.90-0.98 of the probes.
+#define GG_LINES4 (GG_SB_Q4K / 64)
+#define GG_LINES6 (GG_SB_Q6K / 64)
 static inline __m256i gg_mb(__m256i w, const int8_t *x4) {
     return _mm256_maddubs_epi16(w, _mm256_broadcastd_epi32(_mm_loadu_si32((const void *)x4)));
 }
@@ -312,8 +320,6 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
         for (int i = 0; i < G; i++) acc[hh][i] = gg_set1(0.f);
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q4K, *sc = rec + 2048;
-        if (h0 == 0)
-            for (int off = 0; off < GG_SB_Q4K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int hh = 0; hh < H; hh++)
             for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 8; j++) {
@@ -322,6 +328,9 @@ static inline __attribute__((always_inline)) void gg_pass_q4k(const gx_t *X, con
             // touched once a sub-block)
             __m256i t[2][GG_MAXG];
             for (int c = 0; c < 4; c++) {
+                if (h0 == 0)  // the record's 37 lines, spread over its 32 (j, c) steps (GG_SPREAD)
+                    for (int l = GG_LINES4 * (4 * j + c) / 32; l < GG_LINES4 * (4 * j + c + 1) / 32; l++)
+                        _mm_prefetch((const char *)rec + GG_PF + 64 * l, PF_HINT);
                 vi_t lo[2], hi[2];  // line c: low nibbles pair with columns 8c..8c+3, high ones with 8c+4..8c+7
                 for (int hh = 0; hh < H; hh++) a8_nibbles(rec + 64 * (4 * j + c) + 32 * (h0 + hh), &lo[hh], &hi[hh]);
                 const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 8 * j + 2 * c) * 4 * G;
@@ -381,11 +390,12 @@ static inline __attribute__((always_inline)) void gg_pass_q6k(const gx_t *X, con
         for (int i = 0; i < G; i++) acc[hh][i] = gg_set1(0.f);
     for (int s = 0; s < nsb; s++) {
         const uint8_t *rec = panel + (int64_t)s * GG_SB_Q6K, *hb = rec + 2048, *sc = rec + 3072;
-        if (h0 == 0)
-            for (int off = 0; off < GG_SB_Q6K; off += 64) _mm_prefetch((const char *)rec + GG_PF + off, PF_HINT);
         for (int hh = 0; hh < H; hh++)
             for (int i = 0; i < G; i++) a[hh][i] = gg_set1(0.f);
         for (int j = 0; j < 16; j++) {
+            if (h0 == 0)  // the record's 53 lines, spread over its 16 sub-blocks (GG_SPREAD)
+                for (int l = GG_LINES6 * j / 16; l < GG_LINES6 * (j + 1) / 16; l++)
+                    _mm_prefetch((const char *)rec + GG_PF + 64 * l, PF_HINT);
             const int b = 16 * s + j;
             const int8_t *xg = X->qi + (int64_t)s0 * K + (int64_t)(64 * s + 4 * j) * 4 * G;
             for (int hh = 0; hh < H; hh++) {
