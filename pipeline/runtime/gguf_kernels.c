@@ -297,9 +297,9 @@ static inline __attribute__((always_inline)) void gg_tile_q6k(const gx_t *X, con
 // (L2-resident, one thread) 8 token rows of a Q4_K panel took 0.85x the time of the vi_dp tile, Q6_K 0.85x.
 // GG_SPREAD: each record's lines are prefetched a few at a time as its sub-blocks are read, not all at its start. On
 // Zen 3 (2 cores, AVX2 only) the burst of 37 (Q4_K) or 53 (Q6_K) prefetches at a record's start held the one-token
-// step at 0.75-0.80 of the bandwidth probes; spread, the 1.5B's step took 0.86x the time (0.887 spread by sub-block,
-// then 0.966 of that by line; step_stages.py --against, 10 paired rounds each), 0.91-0.98 of the probes
-// (experiments/kernel_log.md, 2026-12-07 14:30). The AVX-512 passes keep the burst: measured on Zen 4, they already
+// step at 0.75-0.84 of the bandwidth probes; spread, the 1.5B's step took 0.86x the time (0.887 spread by sub-block,
+// then 0.966 of that by line; step_stages.py --against, 10 paired rounds each), 0.92-0.98 of the probes
+// (experiments/kernel_log.md, 2026-12-07 14:05). The AVX-512 passes keep the burst: measured on Zen 4, they already
 // read at 0.90-0.98 of the probes.
 #define GG_LINES4 (GG_SB_Q4K / 64)
 #define GG_LINES6 (GG_SB_Q6K / 64)
