@@ -151,6 +151,31 @@ def test_a_row_whose_probes_keep_missing_steps_plainly_most_rounds():
     assert 0 < len(probes) <= len(widths) / 8 and set(probes) == {PROBE_WIDTH}
 
 
+def _costly_verify(k: int = 6) -> DraftPolicy:
+    """One row on a 2-core Zen 3's stored costs (AVX2: a 2-token verify 1.30 one-token steps) and its prior."""
+    costs = Costs({1: 0.0088}, {1: [0.0318, 0.0413, 0.0474, 0.0549, 0.0643, 0.0726, 0.0836]})
+    return DraftPolicy(costs, k, [0.851, 0.761, 0.657, 0.619, 0.541, 0.533])
+
+
+def test_where_one_draft_cannot_pay_a_plain_row_probes_with_the_narrowest_width_that_can_and_drafts_again():
+    """One draft at the prior's rate expects less than MIN_GAIN on these costs, so a probe of PROBE_WIDTH could never
+    be chosen: a row kept plain by its first misses stayed plain for good. It probes with two drafts instead, and once
+    they land drafts long. Where one draft pays (the flagship-like costs) the probe stays PROBE_WIDTH."""
+    from pipeline.runtime.loadpolicy import PROBE_WIDTH, probe_width
+
+    pol = _costly_verify()
+    one = (1 + pol.prior[0]) / (pol.costs.draft(1) + pol.costs.verify(1, 2)) * pol.costs.verify(1, 1)
+    assert one < MIN_GAIN and pol.probe == 2
+    assert _flagship_like().probe == PROBE_WIDTH == 1
+    acc, prop = [0], [4]  # its first four rounds missed at the first position
+    widths = _rounds(pol, acc, prop, 80, hit=True)
+    assert widths[0] == 0 and 2 in widths
+    assert max(_rounds(pol, acc, prop, 10, hit=True)) >= 4, "once its probes land it drafts long"
+    stuck = DraftPolicy(pol.costs, 6, pol.prior, probe=PROBE_WIDTH)
+    assert _rounds(stuck, [0], [4], 80, hit=True) == [0] * 80
+    assert probe_width(pol.costs, [0.1] * 6, 6) == PROBE_WIDTH  # nothing pays: the policy is plain from its prior
+
+
 def test_a_row_that_takes_every_draft_is_expected_to_go_deeper_than_the_prior():
     """The rates chain each position's rate given the ones before: a row accepting all its drafts of 4 is expected to
     take a 5th more often than the prior's average row, and drafts to k (blended position by position it kept to 4)."""

@@ -43,6 +43,11 @@ PRIOR_WEIGHT = 4  # rounds of pick-k's measured acceptance a row starts from bef
 # rounds, a probe of at most PROBE_WIDTH drafts, and after ever more plain rounds while its probes keep missing.
 IDLE_DECAY = 0.95
 PROBE_WIDTH = 1  # a row that stepped plainly last round drafts at most this many: a missed probe costs little
+# ... unless that many can never pay: where a 2-token verify costs much more than a plain step, one draft at the
+# prior's rate expects less than MIN_GAIN, and a row that went plain never probed again. On a 2-core Zen 3 (AVX2) a
+# 2-token verify cost 1.30 one-token steps, one draft at the prior's 0.851 expected 1.18x, and the served draft_target
+# stepped plainly for most of 5 of validate's 8 answers, which fixed drafts sped up 1.31-1.43x
+# (experiments/policy_replay.py). The probe is then the narrowest width that pays at the prior (`probe_width`).
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
 
@@ -143,6 +148,18 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
     return best[2], best[0]
 
 
+def probe_width(costs: Costs, prior: list[float], k_max: int) -> int:
+    """How many drafts a row that stepped plainly may probe with: PROBE_WIDTH, or where that many cannot reach
+    MIN_GAIN at the prior's rates (one row), the narrowest width up to k_max that does (none: PROBE_WIDTH; such a
+    policy drafts nothing from its prior anyway, `plain_from`)."""
+    rates = row_rates(prior, [], [], k_max)
+    plain = 1.0 / costs.verify(1, 1)
+    for w in range(PROBE_WIDTH, k_max + 1):
+        if (1.0 + sum(rates[:w])) / (w * costs.draft(1) + costs.verify(1, w + 1)) >= MIN_GAIN * plain:
+            return w
+    return PROBE_WIDTH
+
+
 @dataclass
 class DraftPolicy:
     """The per-round choice for one speculative batch (`speculate(..., policy=)`): `lengths` is called between
@@ -156,6 +173,11 @@ class DraftPolicy:
     # per batch row: its counts (accepted, proposed per position) as last seen, and as the policy weighs them
     seen: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     weighed: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
+    probe: int = 0  # drafts a row that stepped plainly may probe with (`probe_width`; 0: from the costs and prior)
+
+    def __post_init__(self) -> None:
+        if self.probe < 1:
+            self.probe = probe_width(self.costs, self.prior, self.k_max)
 
     def _weigh(self, b: int, acc: list[int], prop: list[int]) -> tuple[list[float], list[float]]:
         """Row b's counts as the policy weighs them: at each position it was not given a draft for last round they
@@ -176,7 +198,7 @@ class DraftPolicy:
         rates: list[list[float] | None] = []
         for b, (done, _, acc, prop) in enumerate(rows):
             rates.append(None if done else row_rates(self.prior, *self._weigh(b, acc, prop), self.k_max))
-        room = [min(rem, PROBE_WIDTH + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
+        room = [min(rem, self.probe + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
         ks, _ = choose(rates, room, self.k_max, self.costs)
         self.widths = dict(enumerate(ks))
         w = max(ks, default=0)
