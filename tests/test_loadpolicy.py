@@ -176,6 +176,41 @@ def test_where_one_draft_cannot_pay_a_plain_row_probes_with_the_narrowest_width_
     assert probe_width(pol.costs, [0.1] * 6, 6) == PROBE_WIDTH  # nothing pays: the policy is plain from its prior
 
 
+def _zen4_like(stops_early: bool) -> DraftPolicy:
+    """A draft step 0.24 of a target step, a verify of n tokens 1 + 0.08 (n - 1) steps, the flagship's prior: four
+    drafts expect 1.705x plain steps and six 1.699x."""
+    costs = Costs({1: 0.24}, {1: [1.0 + 0.08 * n for n in range(8)]})
+    return DraftPolicy(costs, 6, [0.851, 0.761, 0.657, 0.619, 0.541, 0.533], stops_early=stops_early)
+
+
+def test_a_lone_row_whose_drafter_stops_on_its_confidence_takes_the_widest_width_near_the_best():
+    """Within WIDER_WITHIN of the best width's expected rate the widest is taken, for one row whose drafter stops at
+    its first doubted token (the model charges every width its full drafts); a drafter that always drafts the width,
+    and a batch of two rows, keep the best width."""
+    from pipeline.runtime.loadpolicy import WIDER_WITHIN
+
+    rates = row_rates(_zen4_like(False).prior, [], [], 6)
+    best, rate = choose([rates], [1000], 6, _zen4_like(False).costs)
+    wide, wide_rate = choose([rates], [1000], 6, _zen4_like(False).costs, wider=WIDER_WITHIN)
+    assert best == [4] and wide == [6] and (1 - WIDER_WITHIN) * rate <= wide_rate < rate
+    assert _zen4_like(True).lengths([(False, 1000, [], [])]) == [6]
+    assert _zen4_like(False).lengths([(False, 1000, [], [])]) == [4]
+    assert _zen4_like(True).lengths([(False, 1000, [], [])] * 2) == _zen4_like(False).lengths(
+        [(False, 1000, [], [])] * 2)
+    plain = DraftPolicy(_costly_verify().costs, 6, [0.5] * 6, stops_early=True)  # nothing pays: still plain
+    assert plain.lengths([(False, 1000, [], [])]) == [0]
+
+
+def test_the_policy_knows_a_model_drafter_stops_on_confidence_from_the_spec(tmp_path):
+    from pipeline.runtime.loadpolicy import policy_for
+
+    stored = {"table": [{"accept_pos": 0.9}] * 4, "costs_s": {"c_draft": 0.001, "c_verify": [0.01] * 5}}
+    b = _bundle(tmp_path, stored)
+    assert not policy_for(b, "draft_target", 4).stops_early
+    b = b.use(SpecDecodeConfig(max_draft_len=4, num_draft_tokens=4, draft_length="load", draft_confidence=0.7))
+    assert policy_for(b, "draft_target", 4).stops_early and not policy_for(b, "prompt_lookup", 4).stops_early
+
+
 def test_a_row_that_takes_every_draft_is_expected_to_go_deeper_than_the_prior():
     """The rates chain each position's rate given the ones before: a row accepting all its drafts of 4 is expected to
     take a 5th more often than the prior's average row, and drafts to k (blended position by position it kept to 4)."""

@@ -188,4 +188,6 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
         num_draft_tokens, "num_draft_tokens", "send a smaller k, or omit it for the deployment's default")
     if getattr(m, "adaptive", False) and b.spec.draft_length == "load" and "policy" not in opts:
         opts["policy"] = policy_for(b, method, k)  # per round and row from the load (loadpolicy.py); None: k
+        if opts["policy"] is not None and "draft_confidence" in opts:  # a request's own confidence stop
+            opts["policy"].stops_early = opts["policy"].stops_early and float(opts["draft_confidence"] or 0) > 0
     return m.run(b, reqs, k, on_emit, **opts)

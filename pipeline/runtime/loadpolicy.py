@@ -48,6 +48,14 @@ PROBE_WIDTH = 1  # a row that stepped plainly last round drafts at most this man
 # 2-token verify cost 1.30 one-token steps, one draft at the prior's 0.851 expected 1.18x, and the served draft_target
 # stepped plainly for most of 5 of validate's 8 answers, which fixed drafts sped up 1.31-1.43x
 # (experiments/policy_replay.py). The probe is then the narrowest width that pays at the prior (`probe_width`).
+# One row whose drafter stops at its first doubted token (draft_confidence): the widest width that expects within this
+# fraction of the best width's rate is taken. The model charges a width w drafts and a (w + 1)-token verify, but such
+# a round drafts only as far as the draft is sure, and the rates are per position averages that miss how acceptance
+# comes in runs (a predictable stretch is predictable deep): replayed on the flagship's recorded draft runs
+# (experiments/policy_replay.py, validate's 8 prompts and 12 tuning prompts), at Zen 4-like costs the policy ran
+# 1.79x plain steps where drafting k = 6 every round ran 1.89-1.95x, and with this 1.87-1.88x; at Zen 3's stored
+# costs 1.25-1.30x, with it 1.29-1.31x (a fixed k 1.35-1.38x). A row the draft never predicts: unchanged.
+WIDER_WITHIN = 0.05
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
 
@@ -124,15 +132,17 @@ def row_rates(prior: list[float], accepted: list[int], proposed: list[int], k: i
 
 
 def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, costs: Costs,
-           rows: int | None = None, gain: float | None = None) -> tuple[list[int], float]:
+           rows: int | None = None, gain: float | None = None, wider: float = 0.0) -> tuple[list[int], float]:
     """Per-row draft lengths for one round and the expected tokens/s they give. `rates[b]` is row b's acceptance
     by position (None: the row is finished), `remaining[b]` the tokens it may still emit, `rows` the batch's
     physical rows (default len(rates)). Ties go to the shorter draft, and a width that drafts must expect `gain`
-    times the plain step's rate (default `MIN_GAIN`, `MIN_GAIN_ROWS` from two rows)."""
+    times the plain step's rate (default `MIN_GAIN`, `MIN_GAIN_ROWS` from two rows). `wider` > 0: where the best
+    width drafts, the widest that expects within that fraction of its rate is taken instead (`WIDER_WITHIN`)."""
     B = rows or len(rates)
     best: tuple[float, int, list[int]] = (-1.0, 0, [0] * len(rates))
     plain = sum(1.0 for r in rates if r is not None) / costs.verify(B, 1)
     gain = (MIN_GAIN if B < 2 else MIN_GAIN_ROWS) if gain is None else gain
+    drafting: list[tuple[float, int, list[int]]] = []
     for w in range(k_max + 1):
         ks = [0 if r is None else max(0, min(w, rem - 1)) for r, rem in zip(rates, remaining)]
         top = max(ks, default=0)
@@ -143,8 +153,12 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
         rate = e / t
         if top and rate < gain * plain:
             continue
+        if top:
+            drafting.append((rate, w, ks))
         if rate > best[0] * (1 + 1e-9):
             best = (rate, w, ks)
+    if wider > 0 and best[1]:
+        best = max((c for c in drafting if c[0] >= (1 - wider) * best[0]), key=lambda c: c[1])
     return best[2], best[0]
 
 
@@ -174,6 +188,7 @@ class DraftPolicy:
     seen: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     weighed: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)
     probe: int = 0  # drafts a row that stepped plainly may probe with (`probe_width`; 0: from the costs and prior)
+    stops_early: bool = False  # the drafter stops a row at its first doubted token (draft_confidence): WIDER_WITHIN
 
     def __post_init__(self) -> None:
         if self.probe < 1:
@@ -199,7 +214,8 @@ class DraftPolicy:
         for b, (done, _, acc, prop) in enumerate(rows):
             rates.append(None if done else row_rates(self.prior, *self._weigh(b, acc, prop), self.k_max))
         room = [min(rem, self.probe + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
-        ks, _ = choose(rates, room, self.k_max, self.costs)
+        wider = WIDER_WITHIN if self.stops_early and len(rows) == 1 else 0.0
+        ks, _ = choose(rates, room, self.k_max, self.costs, wider=wider)
         self.widths = dict(enumerate(ks))
         w = max(ks, default=0)
         self.decisions[w] = self.decisions.get(w, 0) + 1
@@ -285,4 +301,7 @@ MODEL_DRAFTERS = ("draft_target", "hybrid")  # methods whose rounds run a draft 
 
 def policy_for(b, method: str, k: int) -> DraftPolicy | None:
     """`decode`'s policy for a batch of `method` on the loaded bundle `b` (its draft engine's stored costs)."""
-    return policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS)
+    pol = policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS)
+    if pol is not None and method in MODEL_DRAFTERS:
+        pol.stops_early = getattr(b.spec, "draft_confidence", 0.0) > 0  # the model drafter's confidence stop
+    return pol
