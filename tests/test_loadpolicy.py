@@ -176,6 +176,20 @@ def test_where_one_draft_cannot_pay_a_plain_row_probes_with_the_narrowest_width_
     assert probe_width(pol.costs, [0.1] * 6, 6) == PROBE_WIDTH  # nothing pays: the policy is plain from its prior
 
 
+def test_a_probe_that_pays_just_at_the_prior_is_widened_to_one_that_pays_by_probe_slack():
+    """The same CPU's costs stored in a slow minute: one draft expects 1.22x at the prior, just over MIN_GAIN, which a
+    row coming back from plain steps reaches only slowly (its rates return to the prior from below); two drafts pay by
+    PROBE_SLACK. Where only the margin itself is reached, the narrowest width that reaches it."""
+    from pipeline.runtime.loadpolicy import PROBE_SLACK, probe_width
+
+    costs = Costs({1: 0.0122}, {1: [0.0434, 0.0535, 0.0598, 0.0724, 0.0730, 0.0823, 0.1007]})
+    prior = [0.851, 0.761, 0.657, 0.619, 0.541, 0.533]
+    one = (1 + prior[0]) / (costs.draft(1) + costs.verify(1, 2)) * costs.verify(1, 1)
+    assert MIN_GAIN <= one < MIN_GAIN * PROBE_SLACK and probe_width(costs, prior, 6) == 2
+    flat = Costs({1: 0.0122}, {1: [0.0434, 0.0535, 0.0800, 0.1000, 0.1200, 0.1400, 0.1600]})  # only one draft pays
+    assert probe_width(flat, prior, 6) == 1
+
+
 def _zen4_like(stops_early: bool) -> DraftPolicy:
     """A draft step 0.24 of a target step, a verify of n tokens 1 + 0.08 (n - 1) steps, the flagship's prior: four
     drafts expect 1.705x plain steps and six 1.699x."""

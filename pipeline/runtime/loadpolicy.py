@@ -47,7 +47,12 @@ PROBE_WIDTH = 1  # a row that stepped plainly last round drafts at most this man
 # prior's rate expects less than MIN_GAIN, and a row that went plain never probed again. On a 2-core Zen 3 (AVX2) a
 # 2-token verify cost 1.30 one-token steps, one draft at the prior's 0.851 expected 1.18x, and the served draft_target
 # stepped plainly for most of 5 of validate's 8 answers, which fixed drafts sped up 1.31-1.43x
-# (experiments/policy_replay.py). The probe is then the narrowest width that pays at the prior (`probe_width`).
+# (experiments/policy_replay.py). The probe is then the narrowest width that pays at the prior (`probe_width`), by
+# PROBE_SLACK more than the margin: a row that went plain comes back to the prior's rates only as its counts fade, from
+# below, so a width that pays just at the prior waits long (stored costs from a slow minute of the same Zen 3, where
+# one draft expected 1.22x: one tuning prompt of 12 stayed plain, 1.03x where drafts ran 1.25-1.57x; probing with two
+# drafts 1.32x).
+PROBE_SLACK = 1.05
 # One row whose drafter stops at its first doubted token (draft_confidence): the widest width that expects within this
 # fraction of the best width's rate is taken. The model charges a width w drafts and a (w + 1)-token verify, but such
 # a round drafts only as far as the draft is sure, and the rates are per position averages that miss how acceptance
@@ -163,15 +168,20 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
 
 
 def probe_width(costs: Costs, prior: list[float], k_max: int) -> int:
-    """How many drafts a row that stepped plainly may probe with: PROBE_WIDTH, or where that many cannot reach
-    MIN_GAIN at the prior's rates (one row), the narrowest width up to k_max that does (none: PROBE_WIDTH; such a
-    policy drafts nothing from its prior anyway, `plain_from`)."""
+    """How many drafts a row that stepped plainly may probe with: PROBE_WIDTH where that many expect PROBE_SLACK
+    times MIN_GAIN at the prior's rates (one row), else the narrowest width up to k_max that does, else the
+    narrowest that reaches MIN_GAIN, else PROBE_WIDTH (nothing pays: the policy drafts nothing from its prior,
+    `plain_from`)."""
     rates = row_rates(prior, [], [], k_max)
     plain = 1.0 / costs.verify(1, 1)
+    paying = []
     for w in range(PROBE_WIDTH, k_max + 1):
-        if (1.0 + sum(rates[:w])) / (w * costs.draft(1) + costs.verify(1, w + 1)) >= MIN_GAIN * plain:
+        gain = (1.0 + sum(rates[:w])) / (w * costs.draft(1) + costs.verify(1, w + 1)) / plain
+        if gain >= MIN_GAIN * PROBE_SLACK:
             return w
-    return PROBE_WIDTH
+        if gain >= MIN_GAIN:
+            paying.append(w)
+    return paying[0] if paying else PROBE_WIDTH
 
 
 @dataclass
