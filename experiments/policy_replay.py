@@ -22,8 +22,8 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +35,7 @@ from pipeline.runtime.generate import Request
 from pipeline.sources import read_prompts
 
 
-@dataclass
-class Record:
+class Record(NamedTuple):
     """One prompt: the target's greedy answer, and at each position t the draft's proposal's run of tokens that the
     answer has next (`run[t]`) and how many it proposes before its confidence stops it (`conf[t]`)."""
 
@@ -154,7 +153,7 @@ def main() -> None:
         conf = float(s.speculation.draft_confidence or 0.0)
         recs = [record(b, chat_ids(b.tokenizer, text), a.tokens, k, conf) for text in texts]
         if saved is not None:
-            saved.write_text(json.dumps({"catch": catch, "records": [asdict(r) for r in recs]}))
+            saved.write_text(json.dumps({"catch": catch, "records": [r._asdict() for r in recs]}))
     print("draft forward + logits by tokens: " + ", ".join(f"{g}: {v * 1e3:.1f} ms" for g, v in catch.items()))
     for i, r in enumerate(recs):
         print(f"prompt {i}: {len(r.answer)} tokens, draft's run over positions: mean {statistics.mean(r.run):.2f}")
