@@ -100,7 +100,6 @@ def replay(rec: Record, lengths, costs: loadpolicy.Costs, catch: dict[int, float
     stats_acc: list[int] = []
     stats_prop: list[int] = []
     t, fed, secs, plain = 1, 0, 0.0, 0  # the prefill emitted answer[0]; the draft holds `fed` answer tokens
-    xs = sorted(catch)
     while t < len(rec.answer):
         w = lengths([(False, new - t, stats_acc, stats_prop)])[0]
         if w == 0:
@@ -109,10 +108,8 @@ def replay(rec: Record, lengths, costs: loadpolicy.Costs, catch: dict[int, float
             plain += 1
             continue
         g = t - fed  # tokens the draft has not seen: the newest always, more after plain rounds
-        lo = max(x for x in xs if x <= g) if g >= xs[0] else xs[0]
-        hi = min((x for x in xs if x >= g), default=xs[-1])
-        cu = catch[lo] if hi == lo else catch[lo] + (catch[hi] - catch[lo]) * (g - lo) / (hi - lo)
-        cu *= costs.draft(1) / catch[xs[0]]  # timed here, relative to one draft step; stored costs' scale
+        # timed here (piecewise linear in g, as Costs reads rows), scaled to the stored draft step
+        cu = loadpolicy._interp(catch, g) * costs.draft(1) / catch[min(catch)]
         proposed = min(w, rec.conf[t], new - t - 1)
         n = min(rec.run[t], proposed)
         secs += cu - costs.draft(1) + proposed * costs.draft(1) + costs.verify(1, proposed + 1)

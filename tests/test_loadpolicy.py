@@ -223,6 +223,7 @@ def test_the_policy_knows_a_model_drafter_stops_on_confidence_from_the_spec(tmp_
     assert not policy_for(b, "draft_target", 4).stops_early
     b = b.use(SpecDecodeConfig(max_draft_len=4, num_draft_tokens=4, draft_length="load", draft_confidence=0.7))
     assert policy_for(b, "draft_target", 4).stops_early and not policy_for(b, "prompt_lookup", 4).stops_early
+    assert not policy_for(b, "draft_target", 4, confidence=0.0).stops_early  # a request that turns the stop off
 
 
 def test_a_row_that_takes_every_draft_is_expected_to_go_deeper_than_the_prior():

@@ -187,7 +187,6 @@ def decode(b: Bundle, method: str, reqs: list[Request], on_emit: Emit | None = N
     k = b.spec.k_for(method) if num_draft_tokens is None else b.spec.check_k(
         num_draft_tokens, "num_draft_tokens", "send a smaller k, or omit it for the deployment's default")
     if getattr(m, "adaptive", False) and b.spec.draft_length == "load" and "policy" not in opts:
-        opts["policy"] = policy_for(b, method, k)  # per round and row from the load (loadpolicy.py); None: k
-        if opts["policy"] is not None and "draft_confidence" in opts:  # a request's own confidence stop
-            opts["policy"].stops_early = opts["policy"].stops_early and float(opts["draft_confidence"] or 0) > 0
+        # per round and row from the load (loadpolicy.py); None: k
+        opts["policy"] = policy_for(b, method, k, opts.get("draft_confidence"))
     return m.run(b, reqs, k, on_emit, **opts)

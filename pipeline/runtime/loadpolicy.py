@@ -46,12 +46,12 @@ PROBE_WIDTH = 1  # a row that stepped plainly last round drafts at most this man
 # ... unless that many can never pay: where a 2-token verify costs much more than a plain step, one draft at the
 # prior's rate expects less than MIN_GAIN, and a row that went plain never probed again. On a 2-core Zen 3 (AVX2) a
 # 2-token verify cost 1.30 one-token steps, one draft at the prior's 0.851 expected 1.18x, and the served draft_target
-# stepped plainly for most of 5 of validate's 8 answers, which fixed drafts sped up 1.31-1.43x
-# (experiments/policy_replay.py). The probe is then the narrowest width that pays at the prior (`probe_width`), by
-# PROBE_SLACK more than the margin: a row that went plain comes back to the prior's rates only as its counts fade, from
-# below, so a width that pays just at the prior waits long (stored costs from a slow minute of the same Zen 3, where
-# one draft expected 1.22x: one tuning prompt of 12 stayed plain, 1.03x where drafts ran 1.25-1.57x; probing with two
-# drafts 1.32x).
+# stepped plainly for most of 5 of validate's 8 answers, which fixed drafts of 2-4 ran at 1.19-1.51x the baseline
+# (in process; experiments/policy_replay.py replays it). The probe is then the narrowest width that pays at the
+# prior (`probe_width`), by PROBE_SLACK more than the margin: a row that went plain comes back to the prior's rates
+# only as its counts fade, from below, so a width that pays just at the prior waits long (stored costs from a slow
+# minute of the same Zen 3, where one draft expected 1.22x: one tuning prompt of 12 stayed plain, 1.03x plain steps
+# in the replay, 1.48x with probes of two).
 PROBE_SLACK = 1.05
 # One row whose drafter stops at its first doubted token (draft_confidence): the widest width that expects within this
 # fraction of the best width's rate is taken. The model charges a width w drafts and a (w + 1)-token verify, but such
@@ -59,7 +59,8 @@ PROBE_SLACK = 1.05
 # comes in runs (a predictable stretch is predictable deep): replayed on the flagship's recorded draft runs
 # (experiments/policy_replay.py, validate's 8 prompts and 12 tuning prompts), at Zen 4-like costs the policy ran
 # 1.79x plain steps where drafting k = 6 every round ran 1.89-1.95x, and with this 1.87-1.88x; at Zen 3's stored
-# costs 1.25-1.30x, with it 1.29-1.31x (a fixed k 1.35-1.38x). A row the draft never predicts: unchanged.
+# costs 1.25-1.30x, with it 1.29-1.31x (a fixed k 1.35-1.38x). A row the draft never predicts: 0.89-0.90x plain
+# steps, as without it.
 WIDER_WITHIN = 0.05
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
@@ -158,7 +159,7 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
         rate = e / t
         if top and rate < gain * plain:
             continue
-        if top:
+        if top and wider > 0:
             drafting.append((rate, w, ks))
         if rate > best[0] * (1 + 1e-9):
             best = (rate, w, ks)
@@ -168,20 +169,16 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
 
 
 def probe_width(costs: Costs, prior: list[float], k_max: int) -> int:
-    """How many drafts a row that stepped plainly may probe with: PROBE_WIDTH where that many expect PROBE_SLACK
-    times MIN_GAIN at the prior's rates (one row), else the narrowest width up to k_max that does, else the
-    narrowest that reaches MIN_GAIN, else PROBE_WIDTH (nothing pays: the policy drafts nothing from its prior,
-    `plain_from`)."""
+    """How many drafts a row that stepped plainly may probe with: the narrowest width from PROBE_WIDTH up that
+    `choose` drafts at one row at the prior's rates by PROBE_SLACK times MIN_GAIN, else by MIN_GAIN, else PROBE_WIDTH
+    (nothing pays: the policy drafts nothing from its prior, `plain_from`)."""
     rates = row_rates(prior, [], [], k_max)
-    plain = 1.0 / costs.verify(1, 1)
-    paying = []
-    for w in range(PROBE_WIDTH, k_max + 1):
-        gain = (1.0 + sum(rates[:w])) / (w * costs.draft(1) + costs.verify(1, w + 1)) / plain
-        if gain >= MIN_GAIN * PROBE_SLACK:
-            return w
-        if gain >= MIN_GAIN:
-            paying.append(w)
-    return paying[0] if paying else PROBE_WIDTH
+    for gain in (MIN_GAIN * PROBE_SLACK, MIN_GAIN):
+        for w in range(PROBE_WIDTH, k_max + 1):
+            ks, _ = choose([rates], [w + 1], k_max, costs, gain=gain)
+            if ks[0]:
+                return ks[0]
+    return PROBE_WIDTH
 
 
 @dataclass
@@ -309,9 +306,11 @@ def tree_plain_from(tree: dict | None, nodes: int, max_rows: int) -> int | None:
 MODEL_DRAFTERS = ("draft_target", "hybrid")  # methods whose rounds run a draft model (the others draft for free)
 
 
-def policy_for(b, method: str, k: int) -> DraftPolicy | None:
-    """`decode`'s policy for a batch of `method` on the loaded bundle `b` (its draft engine's stored costs)."""
+def policy_for(b, method: str, k: int, confidence: float | None = None) -> DraftPolicy | None:
+    """`decode`'s policy for a batch of `method` on the loaded bundle `b` (its draft engine's stored costs);
+    `confidence`: the batch's draft_confidence (default the spec's), whose stop a model drafter's rows make."""
     pol = policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS)
     if pol is not None and method in MODEL_DRAFTERS:
-        pol.stops_early = getattr(b.spec, "draft_confidence", 0.0) > 0  # the model drafter's confidence stop
+        c = getattr(b.spec, "draft_confidence", 0.0) if confidence is None else confidence
+        pol.stops_early = float(c or 0.0) > 0
     return pol
