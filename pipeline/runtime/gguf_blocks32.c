@@ -23,7 +23,7 @@
 // mode. The AVX2 build runs full panels through gg32_both (both 8-row halves in one pass, every line of a record
 // prefetched): on a 2-core Zen 3, SmolLM2-135M's one-token step took 5.0 ms where the half-by-half passes, one line
 // of six prefetched a record and the scalar activation quantizer had taken 6.9 (experiments/kernel_log.md,
-// 2026-12-07 18:20).
+// 2026-12-07 18:10).
 
 static inline int gg_rec32(int type) {
     switch (type) {
@@ -120,7 +120,7 @@ static inline vi_t gg32_dp8(vi_t acc, vi_t u, const int8_t *x4) {
 // change. The first group's pass prefetches every line of a record (the half passes had prefetched one line of six
 // and left the rest to the hardware, which on Zen 3 does not keep two cores fed: the k-quants' GG_SPREAD). 40 random
 // Q4_1 layers of 3072 x 576 (53 MB), 2 threads, Zen 3, best of 7, three alternations: 1 token row 2.5-3.0 ms against
-// 3.6-4.2 before; 3 rows 2.3-3.0 against 4.7-5.6; 8 rows (two groups of 4) 5.0-6.6 against 7.7-9.5.
+// 3.6-4.2 before; 3 rows 2.3-3.0 against 4.7-5.6; 8 rows (two groups of 4) 5.0-6.6 against 7.7-10.0.
 #define GG32_BOTH 4
 static inline __attribute__((always_inline)) void gg32_both(const gx_t *X, const uint8_t *panel, float *yp, int N,
                                                             int K, int left, int s0, const int G, const int type) {
