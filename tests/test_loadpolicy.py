@@ -215,6 +215,33 @@ def test_a_lone_row_whose_drafter_stops_on_its_confidence_takes_the_widest_width
     assert plain.lengths([(False, 1000, [], [])]) == [0]
 
 
+def _zen3_fast() -> Costs:
+    """One row's costs as pick-k stored them on a 2-core Zen 3 in its fast memory minutes (run zg3, seconds): the
+    best width expects 1.19x plain steps at pick-k's acceptance, between MIN_GAIN_CONFIDENT and MIN_GAIN."""
+    return Costs({1: 0.0088}, {1: [0.0294, 0.0376, 0.0474, 0.0543, 0.0612, 0.0679, 0.0778, 0.0865, 0.1137]})
+
+
+ZEN3_PRIOR = [0.851, 0.761, 0.657, 0.619, 0.541, 0.533]
+
+
+def test_a_lone_row_whose_drafter_stops_on_its_confidence_drafts_from_a_smaller_margin():
+    """The model charges a width its full drafts, where a drafter that stops at its first doubted token drafts less
+    when unsure: such a lone row drafts where the best width expects MIN_GAIN_CONFIDENT, a drafter that always drafts
+    the width still needs MIN_GAIN, and from two rows MIN_GAIN_ROWS holds for both."""
+    from pipeline.runtime.loadpolicy import MIN_GAIN_CONFIDENT
+
+    c = _zen3_fast()
+    rates = row_rates(ZEN3_PRIOR, [], [], 6)
+    _, rate = choose([rates], [1000], 6, c, gain=1.0)
+    assert MIN_GAIN_CONFIDENT * 1.05 < rate * c.verify(1, 1) < MIN_GAIN  # the case this margin is for
+    sure, plain = DraftPolicy(c, 6, ZEN3_PRIOR, stops_early=True), DraftPolicy(c, 6, ZEN3_PRIOR)
+    assert sure.lengths([(False, 1000, [], [])])[0] > 0 and plain.lengths([(False, 1000, [], [])]) == [0]
+    assert plain_from(sure, 4) == 2 and plain_from(plain, 4) == 1
+    assert sure.lengths([(False, 1000, [], [])] * 2) == [0, 0]
+    never = DraftPolicy(c, 6, [0.3] * 6, stops_early=True)  # a draft that cannot pay even so
+    assert never.lengths([(False, 1000, [], [])]) == [0] and plain_from(never, 4) == 1
+
+
 def test_the_policy_knows_a_model_drafter_stops_on_confidence_from_the_spec(tmp_path):
     from pipeline.runtime.loadpolicy import policy_for
 

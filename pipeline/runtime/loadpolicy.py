@@ -62,6 +62,13 @@ PROBE_SLACK = 1.05
 # costs 1.25-1.30x, with it 1.29-1.31x (a fixed k 1.35-1.38x). A row the draft never predicts: 0.89-0.90x plain
 # steps, as without it.
 WIDER_WITHIN = 0.05
+# ... and such a row drafts where a width expects MIN_GAIN_CONFIDENT times a plain step's rate, not MIN_GAIN: the model
+# charges every round its full width where the confidence stop drafts less when the draft is unsure, so it
+# underrates such a drafter. On a 2-core Zen 3 in its fast memory minutes (run zg3, 2026-12-07) pick-k's best width
+# expected 1.19x, under MIN_GAIN, and the served draft_target stepped plainly through all 8 of validate's answers
+# (1.57x llama-server plain against the baseline's 1.51x); replayed on stored costs of the same CPU, drafting with
+# the stop ran 1.35-1.48x plain steps where the model expected 1.12-1.24x (experiments/serving_log.md).
+MIN_GAIN_CONFIDENT = 1.1
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
 
@@ -168,12 +175,13 @@ def choose(rates: list[list[float] | None], remaining: list[int], k_max: int, co
     return best[2], best[0]
 
 
-def probe_width(costs: Costs, prior: list[float], k_max: int) -> int:
+def probe_width(costs: Costs, prior: list[float], k_max: int, margin: float = MIN_GAIN) -> int:
     """How many drafts a row that stepped plainly may probe with: the narrowest width from PROBE_WIDTH up that
-    `choose` drafts at one row at the prior's rates by PROBE_SLACK times MIN_GAIN, else by MIN_GAIN, else PROBE_WIDTH
-    (nothing pays: the policy drafts nothing from its prior, `plain_from`)."""
+    `choose` drafts at one row at the prior's rates by PROBE_SLACK times `margin` (the lone row's: MIN_GAIN, or
+    MIN_GAIN_CONFIDENT), else by `margin`, else PROBE_WIDTH (nothing pays: the policy drafts nothing from its prior,
+    `plain_from`)."""
     rates = row_rates(prior, [], [], k_max)
-    for gain in (MIN_GAIN * PROBE_SLACK, MIN_GAIN):
+    for gain in (margin * PROBE_SLACK, margin):
         for w in range(PROBE_WIDTH, k_max + 1):
             ks, _ = choose([rates], [w + 1], k_max, costs, gain=gain)
             if ks[0]:
@@ -221,8 +229,9 @@ class DraftPolicy:
         for b, (done, _, acc, prop) in enumerate(rows):
             rates.append(None if done else row_rates(self.prior, *self._weigh(b, acc, prop), self.k_max))
         room = [min(rem, self.probe + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
-        wider = WIDER_WITHIN if self.stops_early and len(rows) == 1 else 0.0
-        ks, _ = choose(rates, room, self.k_max, self.costs, wider=wider)
+        lone = self.stops_early and len(rows) == 1
+        ks, _ = choose(rates, room, self.k_max, self.costs, gain=MIN_GAIN_CONFIDENT if lone else None,
+                       wider=WIDER_WITHIN if lone else 0.0)
         self.widths = dict(enumerate(ks))
         w = max(ks, default=0)
         self.decisions[w] = self.decisions.get(w, 0) + 1
@@ -239,7 +248,8 @@ def plain_from(policy: DraftPolicy | None, max_rows: int, start: int = 1) -> int
         return None
     rates = row_rates(policy.prior, [], [], policy.k_max)
     for b in range(start, max_rows + 1):
-        ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs)
+        gain = MIN_GAIN_CONFIDENT if policy.stops_early and b == 1 else None
+        ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs, gain=gain)
         if max(ks, default=0) == 0:
             return b
     return None
@@ -313,4 +323,6 @@ def policy_for(b, method: str, k: int, confidence: float | None = None) -> Draft
     if pol is not None and method in MODEL_DRAFTERS:
         c = getattr(b.spec, "draft_confidence", 0.0) if confidence is None else confidence
         pol.stops_early = float(c or 0.0) > 0
+        if pol.stops_early:
+            pol.probe = probe_width(pol.costs, pol.prior, pol.k_max, MIN_GAIN_CONFIDENT)
     return pol
