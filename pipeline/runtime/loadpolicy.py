@@ -207,7 +207,14 @@ class DraftPolicy:
 
     def __post_init__(self) -> None:
         if self.probe < 1:
-            self.probe = probe_width(self.costs, self.prior, self.k_max)
+            self.probe = probe_width(self.costs, self.prior, self.k_max, self.margin(1))
+
+    def margin(self, rows: int) -> float:
+        """What a width must expect over a plain step's rate at `rows` rows: MIN_GAIN_CONFIDENT for a lone row whose
+        drafter stops on its confidence, else MIN_GAIN at one row and MIN_GAIN_ROWS from two."""
+        if rows >= 2:
+            return MIN_GAIN_ROWS
+        return MIN_GAIN_CONFIDENT if self.stops_early else MIN_GAIN
 
     def _weigh(self, b: int, acc: list[int], prop: list[int]) -> tuple[list[float], list[float]]:
         """Row b's counts as the policy weighs them: at each position it was not given a draft for last round they
@@ -229,9 +236,8 @@ class DraftPolicy:
         for b, (done, _, acc, prop) in enumerate(rows):
             rates.append(None if done else row_rates(self.prior, *self._weigh(b, acc, prop), self.k_max))
         room = [min(rem, self.probe + 1) if self.widths.get(b) == 0 else rem for b, (_, rem, _, _) in enumerate(rows)]
-        lone = self.stops_early and len(rows) == 1
-        ks, _ = choose(rates, room, self.k_max, self.costs, gain=MIN_GAIN_CONFIDENT if lone else None,
-                       wider=WIDER_WITHIN if lone else 0.0)
+        wider = WIDER_WITHIN if self.stops_early and len(rows) == 1 else 0.0
+        ks, _ = choose(rates, room, self.k_max, self.costs, gain=self.margin(len(rows)), wider=wider)
         self.widths = dict(enumerate(ks))
         w = max(ks, default=0)
         self.decisions[w] = self.decisions.get(w, 0) + 1
@@ -248,8 +254,7 @@ def plain_from(policy: DraftPolicy | None, max_rows: int, start: int = 1) -> int
         return None
     rates = row_rates(policy.prior, [], [], policy.k_max)
     for b in range(start, max_rows + 1):
-        gain = MIN_GAIN_CONFIDENT if policy.stops_early and b == 1 else None
-        ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs, gain=gain)
+        ks, _ = choose([rates] * b, [1 << 30] * b, policy.k_max, policy.costs, gain=policy.margin(b))
         if max(ks, default=0) == 0:
             return b
     return None
@@ -267,7 +272,8 @@ def ceiling(policy: DraftPolicy | None, rows: int) -> tuple[int, float] | None:
     return max(ks, default=0), rate * policy.costs.verify(rows, 1) / rows
 
 
-def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) -> DraftPolicy | None:
+def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True,
+                stops_early: bool = False) -> DraftPolicy | None:
     """The policy from the draft engine's stored `speculation` block (pick-k's costs and acceptance); None when
     pick-k stored no costs (the fixed k then runs every round, as before). `model_draft=False` (a model-free drafter:
     prompt lookup, suffix): drafting costs nothing beside the target's step, and pick-k's acceptance (the draft
@@ -279,7 +285,7 @@ def policy_from(speculation: dict | None, k_max: int, model_draft: bool = True) 
     prior = [float(r["accept_pos"]) for r in table] if model_draft and table else list(FALLBACK_RATES)
     if not model_draft:
         costs = Costs({r: 0.0 for r in costs.c_verify}, costs.c_verify)
-    return DraftPolicy(costs, k_max, prior)
+    return DraftPolicy(costs, k_max, prior, stops_early=stops_early)
 
 
 def tree_gain(tree: dict | None, nodes: int, rows: int) -> float | None:
@@ -319,10 +325,6 @@ MODEL_DRAFTERS = ("draft_target", "hybrid")  # methods whose rounds run a draft 
 def policy_for(b, method: str, k: int, confidence: float | None = None) -> DraftPolicy | None:
     """`decode`'s policy for a batch of `method` on the loaded bundle `b` (its draft engine's stored costs);
     `confidence`: the batch's draft_confidence (default the spec's), whose stop a model drafter's rows make."""
-    pol = policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS)
-    if pol is not None and method in MODEL_DRAFTERS:
-        c = getattr(b.spec, "draft_confidence", 0.0) if confidence is None else confidence
-        pol.stops_early = float(c or 0.0) > 0
-        if pol.stops_early:
-            pol.probe = probe_width(pol.costs, pol.prior, pol.k_max, MIN_GAIN_CONFIDENT)
-    return pol
+    c = getattr(b.spec, "draft_confidence", 0.0) if confidence is None else confidence
+    return policy_from((b.draft_config or {}).get("speculation"), k, method in MODEL_DRAFTERS,
+                       stops_early=method in MODEL_DRAFTERS and float(c or 0.0) > 0)
