@@ -69,12 +69,7 @@ static void gg_quant32_row(const float *x, int K, int8_t *q, float *dx, float *x
         }
         const __m256 inv = _mm256_set1_ps(127.0f / mx);
         __m256i sum = _mm256_setzero_si256();
-        for (int u = 0; u < 4; u++) {
-            const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * u), inv));
-            sum = _mm256_add_epi32(sum, qi);
-            const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-            _mm_storel_epi64((__m128i *)(q + 32 * j + 8 * u), _mm_packs_epi16(w16, w16));
-        }
+        for (int u = 0; u < 4; u++) sum = _mm256_add_epi32(sum, gg_q8x8(xb + 8 * u, inv, q + 32 * j + 8 * u));
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));

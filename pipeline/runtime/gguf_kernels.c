@@ -147,6 +147,15 @@ static inline int64_t gg_panel_bytes(int type, int K);
 // One row x [K] -> q, dx, xs, o (the header's activation rule), in AVX2 in both builds, so they round alike (the
 // product x * RN(127 / max) and its round-to-nearest-even conversion are single IEEE steps in any width). Vector, not
 // scalar: quantizing a row ran alone while the other threads waited, 3.4 ns a column (30 us of a 16-row K = 8960 call).
+// 8 values x times inv, rounded to nearest even, stored as int8 at q (the activation rule's one step); returns them
+// as int32 for the caller's sums. Both quantizers (gg_quant_row, gguf_blocks32.c's gg_quant32_row) take it.
+static inline __m256i gg_q8x8(const float *x, __m256 inv, int8_t *q) {
+    const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv));  // MXCSR round to nearest even
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(w16, w16));
+    return qi;
+}
+
 static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs, int32_t *o) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fmax = _mm256_set1_ps(3.4028235e38f);
     for (int s = 0; s < K / 256; s++) {
@@ -171,13 +180,8 @@ static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs,
         const __m256 inv = _mm256_set1_ps(127.0f / mx);
         for (int b = 0; b < 8; b++) {
             __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int u = 0; u < 4; u++) {
-                const __m256 v = _mm256_loadu_ps(xb + 32 * b + 8 * u);
-                const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));  // MXCSR round to nearest even = rint
-                sum[u / 2] = _mm256_add_epi32(sum[u / 2], qi);
-                const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-                _mm_storel_epi64((__m128i *)(qb + 32 * b + 8 * u), _mm_packs_epi16(w16, w16));
-            }
+            for (int u = 0; u < 4; u++)
+                sum[u / 2] = _mm256_add_epi32(sum[u / 2], gg_q8x8(xb + 32 * b + 8 * u, inv, qb + 32 * b + 8 * u));
             int32_t lanes[2][8], tot[2] = {0, 0};
             _mm256_storeu_si256((__m256i *)lanes[0], sum[0]);
             _mm256_storeu_si256((__m256i *)lanes[1], sum[1]);
