@@ -66,8 +66,9 @@ WIDER_WITHIN = 0.05
 # charges every round its full width where the confidence stop drafts less when the draft is unsure, so it
 # underrates such a drafter. On a 2-core Zen 3 in its fast memory minutes (run zg3, 2026-12-07) pick-k's best width
 # expected 1.19x, under MIN_GAIN, and the served draft_target stepped plainly through all 8 of validate's answers
-# (1.57x llama-server plain against the baseline's 1.51x); replayed on stored costs of the same CPU, drafting with
-# the stop ran 1.35-1.48x plain steps where the model expected 1.12-1.24x (experiments/serving_log.md).
+# (1.57x llama-server plain against the baseline's 1.51x); replayed on zg2's stored costs (same CPU), k = 6 with the
+# stop ran 1.44-1.48x plain steps where the model expected 1.24x for k = 6 (experiments/serving_log.md); in process
+# on zg3's engines draft_target ran 0.988x the baseline with MIN_GAIN and 1.231x with this margin.
 MIN_GAIN_CONFIDENT = 1.1
 FALLBACK_RATES = (0.7, 0.5, 0.35, 0.25, 0.18, 0.13, 0.09, 0.07)  # prior when nothing was measured (no pick-k run)
 ROWS_MEASURED = (1, 2, 4, 8)  # batch sizes pick-k times (`speedpick.measure_costs_by_rows`)
