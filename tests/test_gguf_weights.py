@@ -170,6 +170,37 @@ def test_matmul_equals_the_documented_arithmetic_bit_for_bit_on_every_build(thre
         kernels.set_threads(prev)
 
 
+@pytest.mark.parametrize("qtype", [gw.Q4_K, gw.Q6_K])
+def test_the_integer_sums_stay_exact_at_their_largest(qtype, path):
+    """Each sub-block's integer sum i_j is exact before its float steps (the AVX2 build adds vpmaddubsw pair sums in
+    int16, 8 of them for Q4_K and 2 for Q6_K, before vpmaddwd widens them): every scale at its largest (Q4_K 63,
+    Q6_K -128), every q at 15 / 63 or 0, and activations of one sign with |x8| = 127 in every column reach the bounds
+    the header gives. Bit for bit against the reference (float64 integers, which cannot wrap), and against fp64 on the
+    exact weights: a sum that wrapped would be off by 2^16 of its unit."""
+    K, rng = 512, np.random.default_rng(3)
+    rows = []
+    for i in range(16):
+        raw = rng.integers(0, 256, size=(K // 256, gw.GGUF_BLOCK[qtype]), dtype=np.uint8)
+        if qtype == gw.Q4_K:
+            raw[:, 0:2], raw[:, 2:4] = _f16(1.0), _f16(0.5 if i % 2 else 0.0)
+            raw[:, 4:16] = 0xFF  # every 6-bit scale and min 63
+            raw[:, 16:] = 0xFF if i < 8 else 0  # every q 15, or 0
+        else:
+            raw[:, 208:210] = _f16(1.0)
+            raw[:, 192:208] = 0x80  # every scale -128
+            raw[:, :192] = 0xFF if i < 8 else 0  # every q 63, or 0 (weights 31 and -32 times d sc)
+        rows.append(raw.reshape(-1))
+    lin = layer([(qtype, np.stack(rows))], K)
+    x = torch.cat([torch.ones(1, K), -torch.ones(1, K), torch.ones(1, K).index_fill_(1, torch.arange(0, K, 2), -1)])
+    exact = x.double() @ lin.weight.double().T  # |x| = 1 quantizes exactly: x8 = 127, dx = 1 / 127
+    ref = gw.reference_matmul(x, lin.fields(), lin.out_features)
+    assert (ref.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+    for build in BUILDS:
+        path(build)
+        assert torch.equal(kernels.linear(x, lin), ref), build
+        assert torch.equal(kernels.linear(x.repeat(3, 1), lin), ref.repeat(3, 1)), build  # the many-row passes too
+
+
 def test_matmul_is_the_dequantized_matmul_within_the_activation_rounding(path):
     """The kernels multiply the weights the GGUF stands for by int8 activations with one scale per 256 columns:
     against fp64 on the fp32 weights the result is off by the activation rounding only (half a step of max|x| / 127
