@@ -80,11 +80,25 @@ def test_greedy_logits_keep_the_full_heads_argmax_and_its_bits_on_every_row_they
     screen = head_screen.build(head)
     assert screen is not None and screen.layer.qweight.numel() < 0.75 * head.qweight.numel()
     computed = []
-    for R in range(1, head_screen.MAX_ROWS + 1):
+    for R in range(1, head_screen.max_rows() + 1):
         rows = [4005] + [(37 * R + 101 * i) % N for i in range(R - 1)]  # one aimed at the last, partial panel
         computed.append(_check(head, screen, _aimed(head, rows, seed=R)).sum(-1))
     # The screen did its work on every row count: most rows ruled out, never the argmax (the asserts in _check).
     assert all(c.max() < N * head_screen.MAX_PANEL_SHARE and c.min() >= 8 for c in computed)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_past_its_builds_row_limit_the_screen_reads_the_whole_head(build, path):
+    """The AVX2 passes are compute-bound from 3 token rows, where the screen's second read stops paying (Zen 3): it
+    serves up to 3 rows there and up to 6 on the AVX-512 tiles; past that every logit is the full head's."""
+    path(build)
+    assert head_screen.max_rows() == (head_screen.MAX_ROWS_AVX2 if build == "avx2" else head_screen.MAX_ROWS)
+    head = _head(gw.Q6_K, 4008, 512)
+    screen = head_screen.build(head)
+    R = head_screen.max_rows()
+    x = _aimed(head, [(37 * R + 101 * i) % 4008 for i in range(R + 1)], seed=R)
+    assert not torch.isfinite(head_screen.logits(head, screen, x[:R])).all()  # screened: most rows ruled out
+    assert torch.equal(head_screen.logits(head, screen, x), head(x).float())  # one row more: the whole head
 
 
 @pytest.mark.parametrize("build", BUILDS)

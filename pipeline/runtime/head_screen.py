@@ -22,10 +22,11 @@ independent), -inf everywhere else. Its argmax, the first largest value, is the 
 equal or beat the best is among those computed. On the flagship's answers a token leaves about 5 panels to compute.
 
 It only serves greedy picks: sampling and the training's recorded logits read the full head
-(`Transformer.logits(..., greedy=False)`), and so do more than MAX_ROWS token rows (the screen's arithmetic then
-costs more than its bytes save), hidden states that are not finite, and tokens that leave more than MAX_PANEL_SHARE
-of the panels. Built at load (`Transformer.attach_head_screen`, 6.6 s for the flagship's head on 2 cores) and
-kept beside the engine for the next process and load (`build`'s cache_dir).
+(`Transformer.logits(..., greedy=False)`), and so do more than `max_rows()` token rows (the screen's arithmetic then
+costs more than its bytes save: 6 on the AVX-512 tiles, 3 on the AVX2 passes), hidden states that are not
+finite, and tokens that leave more than MAX_PANEL_SHARE of the panels. Built at load
+(`Transformer.attach_head_screen`, 6.6 s for the flagship's head on 2 cores) and kept beside the engine for the
+next process and load (`build`'s cache_dir).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ log = logging.getLogger(__name__)
 SCREENED = (Q6_K, Q8_0, Q5_0, Q5_1)  # head types of 5.5 bits a weight or more in their panels: the screen's 4.6 pay
 MAX_PANEL_SHARE = 1 / 8  # past this share of the panels, the full head is the cheaper read
 MAX_ROWS = 6  # token rows the screen serves: at 8 the two reads' arithmetic costs more than the bytes saved
+# The AVX2 passes, compute-bound from 3 token rows: on Zen 3 (2 cores) the screen took 0.65-0.72x the full Q6_K head's
+# time at 1-2 rows, 0.92-0.95x at 3, 1.01-1.03x at 4 and 1.09-1.16x at 5-6 (the flagship's answer states, 40 calls
+# each, interleaved; experiments/kernel_log.md, 2026-12-07 22:15). The AVX-512 tiles keep MAX_ROWS (Zen 4: 1.12-1.20x
+# faster at 1-6 rows).
+MAX_ROWS_AVX2 = 3
 SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 roundings of 2^-24 each: 6e-6 at K 1536)
 
 
@@ -204,13 +210,18 @@ def q4k_blocks(W: Tensor) -> tuple[np.ndarray, Tensor]:
     return out.reshape(N, nsb * 144).numpy(), (D[..., None] * q.float() - M[..., None]).reshape(N, K)
 
 
+def max_rows() -> int:
+    """Token rows the screen serves on the kernel build in use (MAX_ROWS, MAX_ROWS_AVX2)."""
+    return MAX_ROWS_AVX2 if kernels.path() == "avx2" else MAX_ROWS
+
+
 def logits(head: GGUFLinear, screen: HeadScreen, x: Tensor) -> Tensor:
     """Greedy-exact logits of token rows x [..., K] (module docstring): fp32 [..., N], the head kernel's own values
     on every row that could be a row's argmax, -inf elsewhere; the full head where the screen cannot help."""
     lib = kernels._load()
     xr = x.reshape(-1, x.shape[-1]).float().contiguous()
     R, K = xr.shape
-    if lib is None or xr.device.type != "cpu" or not 0 < R <= MAX_ROWS:
+    if lib is None or xr.device.type != "cpu" or not 0 < R <= max_rows():
         return head(x).float()  # no kernels, or more rows than the screen pays for
     N = screen.wn.numel()
     s = torch.empty(R, N)
