@@ -9,7 +9,11 @@ costs (pick-k's, what the policy itself believes) plus the draft's catch-up on t
 
     round of width w = catch_up(g) + (w - 1) * c_draft + c_verify(w + 1)      a plain round = c_verify(1)
 
-    PYTHONPATH=. .venv/bin/python experiments/policy_replay.py build/qwen_coder.yaml [--prompts 8] [--tokens 128]
+    PYTHONPATH=. .venv/bin/python experiments/policy_replay.py build/qwen_coder.yaml [--prompts 8] [--tokens 128] \
+        [--records FILE] [--confidence 0.5,0.7,0.9]
+
+Each position's record keeps every proposed token's top probability too, so `--confidence` replays the policy with
+other draft_confidence values than the spec's (records written before 2026-12-07 22:30 lack them: record again).
 
 Recording takes a draft step per proposed token (about a minute for 8 x 128 tokens on the flagship); the replay is
 instant. It prints, per rule, the median over prompts of the replayed tokens/s over plain steps, and the prompts
@@ -42,6 +46,7 @@ class Record(NamedTuple):
     answer: list[int]
     run: list[int]
     conf: list[int]
+    top: list[list[float]] = []  # each proposed token's top probability, position by position (--confidence)
 
 
 @torch.inference_mode()
@@ -53,16 +58,17 @@ def record(b, prompt: list[int], new: int, k: int, confidence: float) -> Record:
     P = len(prompt)
     m(torch.tensor([prompt[:-1]]), torch.arange(P - 1)[None], cache)
     ctx = prompt + answer
-    run, conf = [], []
+    run, conf, tops = [], [], []
     for t in range(len(answer)):
         pos = P + t - 1  # the newest context token (answer[t - 1], or the prompt's last) and its position
         h = m(torch.tensor([[ctx[pos]]]), torch.tensor([[pos]]), cache)[:, 0]
-        drafts, stop = [], k
+        drafts, stop, probs = [], k, []
         for i in range(k):
             d, top = kernels.argmax_prob(m.logits(h), with_prob=True)
             if ids is not None:
                 d = ids[d]
             drafts.append(int(d[0]))
+            probs.append(float(top[0]))
             if stop == k and float(top[0]) < confidence:
                 stop = i + 1
             if i + 1 < k:
@@ -72,7 +78,16 @@ def record(b, prompt: list[int], new: int, k: int, confidence: float) -> Record:
             n += 1
         run.append(n)
         conf.append(stop)
-    return Record(answer, run, conf)
+        tops.append(probs)
+    return Record(answer, run, conf, tops)
+
+
+def stops_at(rec: Record, confidence: float) -> Record:
+    """The record as a drafter stopping below `confidence` would have proposed (from its recorded probabilities)."""
+    if not rec.top:
+        raise SystemExit("--confidence needs records with the draft's probabilities: record them again")
+    conf = [next((i + 1 for i, p in enumerate(ps) if p < confidence), len(ps)) for ps in rec.top]
+    return rec._replace(conf=conf)
 
 
 @torch.inference_mode()
@@ -131,6 +146,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-file", help="prompts to record (default: the spec's validate prompts)")
     ap.add_argument("--records", help="a JSON file: read the records from it if it exists, else write them there")
+    ap.add_argument("--confidence", help="draft_confidence values to replay the policy with (e.g. 0.5,0.7,0.9), "
+                                         "from the recorded probabilities")
     a = ap.parse_args()
     s = specmod.load(a.spec)
     setup_threads(s)
@@ -159,15 +176,19 @@ def main() -> None:
 
     rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths), ("fixed k", lambda: fixed(k))]
     rules += [(f"fixed {w}", lambda w=w: fixed(w)) for w in range(1, k)]
+    for c in [float(v) for v in a.confidence.split(",")] if a.confidence else []:
+        rules.append((f"policy, confidence {c}", lambda c=c: loadpolicy.policy_for(b, "draft_target", k, c).lengths))
     plain_s = [pol0.costs.verify(1, 1) * (len(r.answer) - 1) for r in recs]
     for name, make in rules:
+        conf_c = name.partition("confidence ")[2]
+        runs = [stops_at(r, float(conf_c)) for r in recs] if conf_c else recs
         gains, stuck = [], []
-        for i, r in enumerate(recs):
+        for i, r in enumerate(runs):
             secs, plain = replay(r, make(), pol0.costs, catch, a.tokens)
             gains.append(plain_s[i] / secs)
             if plain > (len(r.answer) - 1) / 2:
                 stuck.append(i)
-        print(f"{name:10s} median {statistics.median(gains):.3f}x plain steps (per prompt "
+        print(f"{name:24s} median {statistics.median(gains):.3f}x plain steps (per prompt "
               f"{', '.join(f'{g:.2f}' for g in gains)})" + (f"; mostly plain on prompts {stuck}" if stuck else ""))
 
 
