@@ -46,7 +46,7 @@ class Record(NamedTuple):
     answer: list[int]
     run: list[int]
     conf: list[int]
-    top: list[list[float]] = []  # each proposed token's top probability, position by position (--confidence)
+    top: list[list[float]] = []  # each proposed token's top probability, position by position (`stops_at`)
 
 
 @torch.inference_mode()
@@ -58,32 +58,29 @@ def record(b, prompt: list[int], new: int, k: int, confidence: float) -> Record:
     P = len(prompt)
     m(torch.tensor([prompt[:-1]]), torch.arange(P - 1)[None], cache)
     ctx = prompt + answer
-    run, conf, tops = [], [], []
+    run, tops = [], []
     for t in range(len(answer)):
         pos = P + t - 1  # the newest context token (answer[t - 1], or the prompt's last) and its position
         h = m(torch.tensor([[ctx[pos]]]), torch.tensor([[pos]]), cache)[:, 0]
-        drafts, stop, probs = [], k, []
+        drafts, probs = [], []
         for i in range(k):
             d, top = kernels.argmax_prob(m.logits(h), with_prob=True)
             if ids is not None:
                 d = ids[d]
             drafts.append(int(d[0]))
             probs.append(float(top[0]))
-            if stop == k and float(top[0]) < confidence:
-                stop = i + 1
             if i + 1 < k:
                 h = m(d[:, None], torch.tensor([[pos + 1 + i]]), cache)[:, 0]
         n = 0
         while n < k and t + n < len(answer) and drafts[n] == answer[t + n]:
             n += 1
         run.append(n)
-        conf.append(stop)
         tops.append(probs)
-    return Record(answer, run, conf, tops)
+    return stops_at(Record(answer, run, [], tops), confidence)
 
 
 def stops_at(rec: Record, confidence: float) -> Record:
-    """The record as a drafter stopping below `confidence` would have proposed (from its recorded probabilities)."""
+    """The record with `conf` as a drafter stopping after its first token below `confidence` proposes (0: never)."""
     if not rec.top:
         raise SystemExit("--confidence needs records with the draft's probabilities: record them again")
     conf = [next((i + 1 for i, p in enumerate(ps) if p < confidence), len(ps)) for ps in rec.top]
@@ -174,14 +171,15 @@ def main() -> None:
     def fixed(w: int):
         return lambda rows: [w]
 
-    rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths), ("fixed k", lambda: fixed(k))]
-    rules += [(f"fixed {w}", lambda w=w: fixed(w)) for w in range(1, k)]
+    # (name, the rule, the records it drafts on: the spec's stop, or another threshold's from the probabilities)
+    rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths, recs),
+             ("fixed k", lambda: fixed(k), recs)]
+    rules += [(f"fixed {w}", lambda w=w: fixed(w), recs) for w in range(1, k)]
     for c in [float(v) for v in a.confidence.split(",")] if a.confidence else []:
-        rules.append((f"policy, confidence {c}", lambda c=c: loadpolicy.policy_for(b, "draft_target", k, c).lengths))
+        rules.append((f"policy, confidence {c}", lambda c=c: loadpolicy.policy_for(b, "draft_target", k, c).lengths,
+                      [stops_at(r, c) for r in recs]))
     plain_s = [pol0.costs.verify(1, 1) * (len(r.answer) - 1) for r in recs]
-    for name, make in rules:
-        conf_c = name.partition("confidence ")[2]
-        runs = [stops_at(r, float(conf_c)) for r in recs] if conf_c else recs
+    for name, make, runs in rules:
         gains, stuck = [], []
         for i, r in enumerate(runs):
             secs, plain = replay(r, make(), pol0.costs, catch, a.tokens)

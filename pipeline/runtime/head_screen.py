@@ -64,7 +64,7 @@ MAX_PANEL_SHARE = 1 / 8  # past this share of the panels, the full head is the c
 MAX_ROWS = 6  # token rows the screen serves: at 8 the two reads' arithmetic costs more than the bytes saved
 # The AVX2 passes, compute-bound from 3 token rows: on Zen 3 (2 cores) the screen took 0.65-0.72x the full Q6_K head's
 # time at 1-2 rows, 0.92-0.95x at 3, 1.01-1.03x at 4 and 1.09-1.16x at 5-6 (the flagship's answer states, 40 calls
-# each, interleaved; experiments/kernel_log.md, 2026-12-07 22:15). The AVX-512 tiles keep MAX_ROWS (Zen 4: 1.12-1.20x
+# each, interleaved; experiments/kernel_log.md, 2026-12-07 21:28). The AVX-512 tiles keep MAX_ROWS (Zen 4: 1.12-1.20x
 # faster at 1-6 rows).
 MAX_ROWS_AVX2 = 3
 SUM_TOL = 1e-4  # both kernels' fp32 rounding, relative to |W_j| |a| (K / 16 roundings of 2^-24 each: 6e-6 at K 1536)

@@ -769,7 +769,7 @@ typedef struct {
 // passes do (GG_PF, GG_SPREAD): on Zen 3 (2 cores) the hardware prefetcher alone held the draft's W4A8 step at 0.73 of
 // the bandwidth probes; with them a step took 0.923x the time, 0.85 of the probes (q/k/v 0.90x, o 0.91x, gate/up
 // 0.92x, down 0.94x; step_stages.py --model draft --against, 8 paired rounds, experiments/kernel_log.md 2026-12-07
-// 21:30). The AVX-512 passes issue none: on Zen 4 they read at 0.95 of the probes without. Bits unchanged.
+// 21:28). The AVX-512 passes issue none: on Zen 4 they read at 0.95 of the probes without. Bits unchanged.
 #define A8_PF 8192
 
 // Below this max |x| a group counts as zero: 127 / m would overflow near the smallest normal floats.
@@ -1643,7 +1643,7 @@ static void sh_share(void *ctx, int t) {
     gg_amx_release();
     _mm_setcsr(csr);
 }
-#define SH_FIRST 8       // at most this many first panels (one per row: MAX_ROWS in head_screen.py is 6, its AVX2 limit 3)
+#define SH_FIRST 8       // at most this many first panels (one per row: head_screen.py serves at most 6 rows)
 #define SH_POOL_FROM 32  // marked panels from which the pool shares them
 int64_t screen_head(const float *x, int B, int K, int act_group, double tol, const gg_desc_t *sdesc, int type,
                     const uint8_t *w, int N, float *s, const float *wn, const float *dn, const float *pwn,
