@@ -15,6 +15,10 @@ costs (pick-k's, what the policy itself believes) plus the draft's catch-up on t
 Each position's record keeps every proposed token's top probability too, so `--confidence` replays the policy with
 other draft_confidence values than the spec's (records written before 2026-12-07 22:30 lack them: record again).
 
+`--what-if 0.8:1,1:0.8` replays the spec's policy on scaled costs, each pair a factor on the draft step and one on
+what a verification costs beyond its first token (the plain step unchanged): what a cheaper draft or cheaper extra
+verify rows would give on the same positions, the policy deciding on the scaled costs.
+
 Recording takes a draft step per proposed token (about a minute for 8 x 128 tokens on the flagship); the replay is
 instant. It prints, per rule, the median over prompts of the replayed tokens/s over plain steps, and the prompts
 where the rule stepped plainly for most of the answer.
@@ -23,6 +27,7 @@ where the rule stepped plainly for most of the answer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -87,6 +92,13 @@ def stops_at(rec: Record, confidence: float) -> Record:
     return rec._replace(conf=conf)
 
 
+def scaled(costs: loadpolicy.Costs, draft: float, verify_extra: float) -> loadpolicy.Costs:
+    """`costs` with every draft step times `draft` and each verification's cost beyond its rows' plain step times
+    `verify_extra` (`--what-if`)."""
+    return loadpolicy.Costs({r: c * draft for r, c in costs.c_draft.items()},
+                            {r: [v[0] + (x - v[0]) * verify_extra for x in v] for r, v in costs.c_verify.items()})
+
+
 @torch.inference_mode()
 def catch_up_costs(m, upto: int = 32) -> dict[int, float]:
     """Seconds of one draft forward of g tokens plus its logits at one position (g = 1, 2, 4, ... upto)."""
@@ -145,6 +157,8 @@ def main() -> None:
     ap.add_argument("--records", help="a JSON file: read the records from it if it exists, else write them there")
     ap.add_argument("--confidence", help="draft_confidence values to replay the policy with (e.g. 0.5,0.7,0.9), "
                                          "from the recorded probabilities")
+    ap.add_argument("--what-if", help="draft:verify_extra factor pairs to replay the policy on scaled costs "
+                                      "(e.g. 0.8:1,1:0.8)")
     a = ap.parse_args()
     s = specmod.load(a.spec)
     setup_threads(s)
@@ -178,11 +192,18 @@ def main() -> None:
     for c in [float(v) for v in a.confidence.split(",")] if a.confidence else []:
         rules.append((f"policy, confidence {c}", lambda c=c: loadpolicy.policy_for(b, "draft_target", k, c).lengths,
                       [stops_at(r, c) for r in recs]))
+    rules = [(name, make, runs, pol0.costs) for name, make, runs in rules]
+    for pair in a.what_if.split(",") if a.what_if else []:
+        fd, fv = (float(v) for v in pair.split(":"))
+        costs = scaled(pol0.costs, fd, fv)
+        make = lambda costs=costs: dataclasses.replace(  # noqa: E731  (a fresh policy deciding on the scaled costs)
+            loadpolicy.policy_for(b, "draft_target", k), costs=costs, probe=0).lengths
+        rules.append((f"policy, draft x{fd:g}, verify extra x{fv:g}", make, recs, costs))
     plain_s = [pol0.costs.verify(1, 1) * (len(r.answer) - 1) for r in recs]
-    for name, make, runs in rules:
+    for name, make, runs, costs in rules:
         gains, stuck = [], []
         for i, r in enumerate(runs):
-            secs, plain = replay(r, make(), pol0.costs, catch, a.tokens)
+            secs, plain = replay(r, make(), costs, catch, a.tokens)
             gains.append(plain_s[i] / secs)
             if plain > (len(r.answer) - 1) / 2:
                 stuck.append(i)
