@@ -185,20 +185,27 @@ def main() -> None:
     def fixed(w: int):
         return lambda rows: [w]
 
-    # (name, the rule, the records it drafts on: the spec's stop, or another threshold's from the probabilities)
-    rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths, recs),
-             ("fixed k", lambda: fixed(k), recs)]
-    rules += [(f"fixed {w}", lambda w=w: fixed(w), recs) for w in range(1, k)]
+    def on(costs: loadpolicy.Costs):  # a fresh policy (it counts per prompt) deciding on `costs`
+        return lambda: dataclasses.replace(loadpolicy.policy_for(b, "draft_target", k), costs=costs, probe=0).lengths
+
+    # (name, the rule, the records it drafts on, the costs it is charged): the spec's stop or another threshold's
+    # from the probabilities; the stored costs or scaled ones (--what-if)
+    stored = pol0.costs
+    rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths, recs, stored),
+             ("fixed k", lambda: fixed(k), recs, stored)]
+    rules += [(f"fixed {w}", lambda w=w: fixed(w), recs, stored) for w in range(1, k)]
     for c in [float(v) for v in a.confidence.split(",")] if a.confidence else []:
         rules.append((f"policy, confidence {c}", lambda c=c: loadpolicy.policy_for(b, "draft_target", k, c).lengths,
-                      [stops_at(r, c) for r in recs]))
-    rules = [(name, make, runs, pol0.costs) for name, make, runs in rules]
+                      [stops_at(r, c) for r in recs], stored))
     for pair in a.what_if.split(",") if a.what_if else []:
-        fd, fv = (float(v) for v in pair.split(":"))
-        costs = scaled(pol0.costs, fd, fv)
-        make = lambda costs=costs: dataclasses.replace(  # noqa: E731  (a fresh policy deciding on the scaled costs)
-            loadpolicy.policy_for(b, "draft_target", k), costs=costs, probe=0).lengths
-        rules.append((f"policy, draft x{fd:g}, verify extra x{fv:g}", make, recs, costs))
+        try:
+            fd, fv = (float(v) for v in pair.split(":"))
+        except ValueError:
+            raise SystemExit(f"--what-if: {pair!r} is not DRAFT:VERIFY_EXTRA (two factors, e.g. 0.8:1)") from None
+        if fd <= 0 or fv < 0:
+            raise SystemExit(f"--what-if: {pair!r}: the draft's factor must be above 0 and the verify's at least 0")
+        costs = scaled(stored, fd, fv)
+        rules.append((f"policy, draft x{fd:g}, verify extra x{fv:g}", on(costs), recs, costs))
     plain_s = [pol0.costs.verify(1, 1) * (len(r.answer) - 1) for r in recs]
     for name, make, runs, costs in rules:
         gains, stuck = [], []
