@@ -191,7 +191,7 @@ def main() -> None:
     # (name, the rule, the records it drafts on, the costs it is charged): the spec's stop or another threshold's
     # from the probabilities; the stored costs or scaled ones (--what-if)
     stored = pol0.costs
-    rules = [("policy", lambda: loadpolicy.policy_for(b, "draft_target", k).lengths, recs, stored),
+    rules = [("policy", on(stored), recs, stored),
              ("fixed k", lambda: fixed(k), recs, stored)]
     rules += [(f"fixed {w}", lambda w=w: fixed(w), recs, stored) for w in range(1, k)]
     for c in [float(v) for v in a.confidence.split(",")] if a.confidence else []:
@@ -206,7 +206,7 @@ def main() -> None:
             raise SystemExit(f"--what-if: {pair!r}: the draft's factor must be above 0 and the verify's at least 0")
         costs = scaled(stored, fd, fv)
         rules.append((f"policy, draft x{fd:g}, verify extra x{fv:g}", on(costs), recs, costs))
-    plain_s = [pol0.costs.verify(1, 1) * (len(r.answer) - 1) for r in recs]
+    plain_s = [stored.verify(1, 1) * (len(r.answer) - 1) for r in recs]
     for name, make, runs, costs in rules:
         gains, stuck = [], []
         for i, r in enumerate(runs):

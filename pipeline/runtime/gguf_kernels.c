@@ -144,9 +144,6 @@ static inline int gg_record(int type) { return type == GG_Q4K ? GG_SB_Q4K : GG_S
 // Bytes of one panel (16 rows, all K columns) of a part of this type.
 static inline int64_t gg_panel_bytes(int type, int K);
 
-// One row x [K] -> q, dx, xs, o (the header's activation rule), in AVX2 in both builds, so they round alike (the
-// product x * RN(127 / max) and its round-to-nearest-even conversion are single IEEE steps in any width). Vector, not
-// scalar: quantizing a row ran alone while the other threads waited, 3.4 ns a column (30 us of a 16-row K = 8960 call).
 // 8 values x times inv, rounded to nearest even, stored as int8 at q (the activation rule's one step); returns them
 // as int32 for the caller's sums. Both quantizers (gg_quant_row, gguf_blocks32.c's gg_quant32_row) take it.
 static inline __m256i gg_q8x8(const float *x, __m256 inv, int8_t *q) {
@@ -156,6 +153,9 @@ static inline __m256i gg_q8x8(const float *x, __m256 inv, int8_t *q) {
     return qi;
 }
 
+// One row x [K] -> q, dx, xs, o (the header's activation rule), in AVX2 in both builds, so they round alike (the
+// product x * RN(127 / max) and its round-to-nearest-even conversion are single IEEE steps in any width). Vector, not
+// scalar: quantizing a row ran alone while the other threads waited, 3.4 ns a column (30 us of a 16-row K = 8960 call).
 static void gg_quant_row(const float *x, int K, int8_t *q, float *dx, float *xs, int32_t *o) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), fmax = _mm256_set1_ps(3.4028235e38f);
     for (int s = 0; s < K / 256; s++) {
