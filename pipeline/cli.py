@@ -8,10 +8,9 @@ import json
 import sys
 import time
 
-from pipeline import readme
+from pipeline import door, readme
 from pipeline import spec as specmod
 from pipeline.common import chat_ids, setup_threads
-from pipeline.triton import door
 from pipeline.trtllm.runner import engine_command
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.triton import door
+from pipeline import door
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_perf_metrics", "use_draft_logits")
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_input_tokens",

@@ -7,7 +7,11 @@ repository (pipeline/trtllm/engine_repo.py) both declare these tensors; the Open
 
 from __future__ import annotations
 
-from pipeline.trtllm.era import ERA
+# The pinned era's (tensorrtllm_backend v0.18) names for two request inputs, which later releases renamed seed and
+# min_tokens. The contract declares both spellings (below), so a client sends either whichever era serves it; the
+# era's tables (pipeline/trtllm/era.py) take these from here.
+SEED_INPUT = "random_seed"
+MIN_TOKENS_INPUT = "min_length"
 
 # (name, data type, dims, optional, reshape-to-scalar, ragged)
 Tensor = tuple[str, str, list[int], bool, bool, bool]
@@ -36,10 +40,10 @@ ENSEMBLE_INPUTS: list[Tensor] = [
     _t("temperature", "TYPE_FP32", [1], True),
     _t("length_penalty", "TYPE_FP32", [1], True),
     _t("repetition_penalty", "TYPE_FP32", [1], True),
-    _t(ERA.min_tokens_input, "TYPE_INT32", [1], True),
+    _t(MIN_TOKENS_INPUT, "TYPE_INT32", [1], True),
     _t("presence_penalty", "TYPE_FP32", [1], True),
     _t("frequency_penalty", "TYPE_FP32", [1], True),
-    _t(ERA.seed_input, "TYPE_UINT64", [1], True),
+    _t(SEED_INPUT, "TYPE_UINT64", [1], True),
     _t("return_log_probs", "TYPE_BOOL", [1], True),
     _t("return_context_logits", "TYPE_BOOL", [1], True),
     _t("return_generation_logits", "TYPE_BOOL", [1], True),

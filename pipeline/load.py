@@ -28,9 +28,10 @@ from typing import NamedTuple
 from pipeline import openai_client
 from pipeline import spec as specmod
 from pipeline.client import RequestError, RequestTimeout, chat_text, generate
+from pipeline.door import local_host
 from pipeline.openai_client import base_url as own_url
-from pipeline.triton.repo import client_model
-from pipeline.triton.server import local_host, metrics_url, running_pid, server_rss_mb
+from pipeline.triton.repo import client_model, served_methods
+from pipeline.triton.server import metrics_url, running_pid, server_rss_mb
 
 MAX_CONCURRENCY = 256
 MAX_DURATION_S = 3600.0
@@ -71,21 +72,6 @@ def _loopback_base_url(url: str) -> str:
         raise ValueError(f"--base-url: {url!r}; the load test only targets this machine's loopback "
                          "(http://127.0.0.1:PORT/v1)")
     return url
-
-
-def served_methods(spec: specmod.Spec) -> list[str]:
-    """The methods the spec's built engines serve (what the served model lists at start-up)."""
-    out = ["baseline"]
-    bc = json.loads((spec.engine_dir / "target" / "config.json").read_text())["build_config"]
-    if (spec.engine_dir / "draft" / "config.json").is_file():
-        out.append("draft_target")
-    if int(bc.get("max_draft_len", 0)) > 0:
-        out.append("prompt_lookup")
-    if (spec.engine_dir / "medusa" / "config.json").is_file():
-        out.append("medusa")
-    if int(bc.get("max_draft_len", 0)) > 0:  # suffix drafting (pipeline/runtime/suffix.py)
-        out += ["suffix"] + (["hybrid"] if "draft_target" in out else [])
-    return out
 
 
 def server_counters(spec: specmod.Spec, *names: str) -> dict[str, float]:

@@ -23,7 +23,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from pipeline.client import RequestError, RequestTimeout
-from pipeline.triton.server import local_host
+from pipeline.door import local_host
 
 PERF_KEYS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 

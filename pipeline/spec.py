@@ -17,7 +17,6 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from pipeline.deploy.checks import check_deploy
 from pipeline.runtime.specconfig import SpecDecodeConfig, SpeculationError
 
 
@@ -162,7 +161,7 @@ class TritonSpec:
 class OpenAISpec:
     """The OpenAI-compatible HTTP endpoint `serve` starts in front of the deployment (docs/openai.md), the one door
     meant for other machines. The API key, when wanted, comes from the PIPELINE_API_KEY environment variable, never
-    the spec; a host beyond loopback needs one (pipeline/triton/door.py)."""
+    the spec; a host beyond loopback needs one (pipeline/door.py)."""
 
     enabled: bool = True
     port: int = 8003
@@ -560,7 +559,7 @@ def validate(spec: Spec, cuda_available: bool | None = None) -> Spec:
     _validate_kv_cache(spec.kv_cache)
     _validate_trtllm_settings(spec.tensorrt_llm)
     _validate_validate(spec.validate)
-    check_deploy(spec, _check)  # deploy's own keys (pipeline/deploy/checks.py)
+    _validate_deploy(spec)
     return spec
 
 
@@ -770,6 +769,40 @@ def _validate_validate(val: ValidateSpec) -> None:
            "must be a non-empty list of positive integers")
     _check(all(t >= 0 for t in val.temperatures), "validate.temperatures", val.temperatures,
            "temperatures must be 0 or more")
+
+
+# RFC 7230 token: what an HTTP header name may be (HAProxy's req.hdr() takes it as is).
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+# RFC 1123 label: what a Kubernetes namespace may be.
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _validate_deploy(spec: Spec) -> None:
+    """deploy: replicas, names, the proxy's port (a port of its own) and how the parallel plan lands on nodes."""
+    d = spec.deploy
+    _check(d.replicas >= 1, "deploy.replicas", d.replicas, "must be 1 or more serving pods")
+    _check(bool(d.image.strip()) and not any(c.isspace() for c in d.image), "deploy.image", d.image,
+           "name the pipeline's image, e.g. registry.example.com/spec-pipeline:1 (docs/deploy.md builds it)")
+    _check(bool(DNS_LABEL.fullmatch(d.namespace)) and len(d.namespace) <= 63, "deploy.namespace", d.namespace,
+           "must be a DNS label: lower-case letters, digits and '-', at most 63 characters")
+    _check(bool(HEADER_NAME.fullmatch(d.session_header)), "deploy.session_header", d.session_header,
+           "must be an HTTP header name such as X-Session-Id (letters, digits, '-')")
+    _check(1 <= d.proxy_port <= 65535, "deploy.proxy_port", d.proxy_port, "must be a TCP port between 1 and 65535")
+    tr = spec.triton
+    taken = {"triton.http_port": tr.http_port, "triton.grpc_port": tr.grpc_port,
+             "triton.metrics_port": tr.metrics_port}
+    if spec.openai.enabled:
+        taken["openai.port"] = spec.openai.port
+    clash = next((k for k, v in taken.items() if v == d.proxy_port), None)
+    _check(clash is None, "deploy.proxy_port", d.proxy_port,
+           f"is also {clash}: give the proxy a port of its own (it runs beside the replicas on one host too)")
+    _check(d.gpus_per_node >= 1, "deploy.gpus_per_node", d.gpus_per_node, "must be 1 or more GPUs per node")
+    _check(d.storage >= 2**30, "deploy.storage", d.storage, "must be at least 1GiB for the engines' volume")
+    if spec.backend == "tensorrt_llm":
+        world = spec.parallel.tp * spec.parallel.pp
+        _check(world <= d.gpus_per_node or world % d.gpus_per_node == 0, "deploy.gpus_per_node", d.gpus_per_node,
+               f"the parallel plan's tp*pp = {world} GPUs must fill whole nodes when it spans several: set "
+               f"gpus_per_node to a divisor of {world} (or at least {world} for one node)")
 
 
 def decode_config(spec: Spec, measured_k: int | None = None) -> SpecDecodeConfig:

@@ -1,4 +1,4 @@
-"""The deployment's doors (pipeline/triton/door.py, docs/openai.md "Exposure"): a bind beyond loopback needs the API
+"""The deployment's doors (pipeline/door.py, docs/openai.md "Exposure"): a bind beyond loopback needs the API
 key; with a key every port that can run the model asks for it; the OpenAI front bounds what clients can hold and
 answers their mistakes 4xx in OpenAI's shape. Driven on the real tritonserver and real sockets."""
 
@@ -14,9 +14,10 @@ import urllib.request
 import psutil
 import pytest
 
+from pipeline import door
 from pipeline import spec as specmod
 from pipeline.cli import main
-from pipeline.triton import door, openai_api
+from pipeline.triton import openai_api
 from pipeline.triton import server as srvmod
 from tests.conftest import write_spec
 

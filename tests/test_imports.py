@@ -111,3 +111,45 @@ def test_building_the_command_line_loads_none_of_the_heavy_packages():
     assert r.stdout.split() == [], (f"`python -m pipeline --help` imports {r.stdout.strip()}: a module the CLI "
                                     "imports at start (pipeline.cli and the modules of _extra_verbs) takes it at its "
                                     "top; import it inside the function that needs it, with a `# lazy: ...` comment")
+
+
+# The ground of the house: what every client and the spec stand on. A module here imports only the others listed
+# with it (and pipeline.runtime's light spec config, pipeline.tree for the spec), never a stage built on top of them
+# (the servers, the engine plans, load, deploy), so a client carries no server and a spec check no deployment code.
+GROUND = {
+    "pipeline/contract.py": (),
+    "pipeline/door.py": (),
+    "pipeline/client.py": ("pipeline.door",),
+    "pipeline/openai_client.py": ("pipeline.client", "pipeline.door"),
+    "pipeline/spec.py": ("pipeline.runtime.specconfig", "pipeline.tree"),
+}
+
+
+def pipeline_imports(source: str) -> set[str]:
+    """Every `pipeline.*` module a source imports, at the top or inside a function (`from pipeline import x` as
+    pipeline.x)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "pipeline"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipeline":
+            out |= ({f"pipeline.{a.name}" for a in node.names} if node.module == "pipeline" else {node.module})
+    return out
+
+
+def test_pipeline_imports_reads_top_and_function_level_imports_of_either_form():
+    src = textwrap.dedent("""
+        import json
+        from pipeline import door
+        from pipeline.client import RequestError
+        def f():
+            import pipeline.triton.server
+            from pipeline.load import served_methods  # why
+    """)
+    assert pipeline_imports(src) == {"pipeline.door", "pipeline.client", "pipeline.triton.server", "pipeline.load"}
+
+
+def test_the_ground_modules_import_no_stage_built_on_them():
+    for path, allowed in GROUND.items():
+        above = pipeline_imports((ROOT / path).read_text()) - set(allowed)
+        assert not above, f"{path} imports {sorted(above)}: move what it needs down beside it (GROUND lists the ground)"

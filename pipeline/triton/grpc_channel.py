@@ -19,8 +19,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from pipeline import door
 from pipeline.client import Reading, RequestError, RequestTimeout, infer_request, is_final, make_inputs
-from pipeline.triton import door
 
 CANCEL_TICK_S = 0.2  # how often a waiting stream asks `cancel()` (it is also asked after each response)
 CLOSE_S = 5.0  # after the final response, the wait for Triton to end the stream before cancelling it

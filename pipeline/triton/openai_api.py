@@ -11,7 +11,7 @@ against the engine's limits before Triton sees it, answers errors as OpenAI does
 sequence, and adds the request's speculative figures as the `speculative` extension field. With
 PIPELINE_API_KEY set in its environment, every /v1 request needs `Authorization: Bearer <key>`.
 
-It is the deployment's door to other machines (pipeline/triton/door.py), so it bounds what a client can hold: requests
+It is the deployment's door to other machines (pipeline/door.py), so it bounds what a client can hold: requests
 running at once (429 with Retry-After past `openai.max_concurrent`), connections (uvicorn's limit), the time to send
 headers and then the body (408), the body's size (counted as it arrives), and every client mistake (malformed JSON,
 nesting, huge integers, lone surrogates, a wrong Content-Type, a foreign Host) is answered 4xx in OpenAI's shape; a
@@ -41,14 +41,14 @@ from pathlib import Path
 
 import psutil
 
+from pipeline import door
 from pipeline.client import RequestTimeout
-from pipeline.load import served_methods
+from pipeline.door import API_KEY_ENV
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
-from pipeline.triton import door, fim
-from pipeline.triton.door import API_KEY_ENV
+from pipeline.triton import fim
 from pipeline.triton.grpc_channel import TritonChannel
-from pipeline.triton.repo import client_model, default_methods
+from pipeline.triton.repo import client_model, default_methods, served_methods
 from pipeline.triton.server import ServerError, grpc_url, log_tail, port_free
 
 MAX_BODY_BYTES = 16 * 2**20

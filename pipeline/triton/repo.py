@@ -13,6 +13,7 @@ it parses by construction.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import sysconfig
@@ -87,6 +88,21 @@ def ensemble_io() -> tuple[list[tuple[str, str, list[int]]], list[tuple[str, str
 def client_model(spec: Spec, prefer: str = ENSEMBLE) -> str:
     """The served model a client of this spec talks to: `prefer` when the spec serves it, else the one it serves."""
     return prefer if prefer in spec.triton.models else spec.triton.models[0]
+
+
+def served_methods(spec: Spec) -> list[str]:
+    """The methods the spec's built engines serve (what the served model lists at start-up)."""
+    out = ["baseline"]
+    bc = json.loads((spec.engine_dir / "target" / "config.json").read_text())["build_config"]
+    if (spec.engine_dir / "draft" / "config.json").is_file():
+        out.append("draft_target")
+    if int(bc.get("max_draft_len", 0)) > 0:
+        out.append("prompt_lookup")
+    if (spec.engine_dir / "medusa" / "config.json").is_file():
+        out.append("medusa")
+    if int(bc.get("max_draft_len", 0)) > 0:  # suffix drafting (pipeline/runtime/suffix.py)
+        out += ["suffix"] + (["hybrid"] if "draft_target" in out else [])
+    return out
 
 
 def default_methods(spec: Spec) -> list[str]:

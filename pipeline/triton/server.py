@@ -24,9 +24,10 @@ from pathlib import Path
 
 import psutil
 
+from pipeline import door
 from pipeline.common import apply_omp_env
+from pipeline.door import local_host
 from pipeline.spec import Spec
-from pipeline.triton import door
 from pipeline.triton.repo import ENSEMBLE
 
 
@@ -117,11 +118,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def local_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to `host`."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
 
 
 def grpc_url(spec: Spec) -> str:
@@ -230,7 +226,7 @@ def command(spec: Spec, backends: Path) -> list[str]:
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
         "--exit-on-error=true", "--strict-readiness=true", "--disable-auto-complete-config",
         "--exit-timeout-secs=10", "--log-verbose=0",
-        *door.triton_flags(door.api_key()),  # with a key, gRPC and HTTP ask for it (pipeline/triton/door.py)
+        *door.triton_flags(door.api_key()),  # with a key, gRPC and HTTP ask for it (pipeline/door.py)
     ]
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.contract import MIN_TOKENS_INPUT, SEED_INPUT
+
 
 @dataclass(frozen=True)
 class Era:
@@ -35,9 +37,10 @@ class Era:
     executor_worker: str = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
     # Triton > 24.06 needs these per-GPU pool settings in orchestrator (--multi-model) mode.
     orchestrator_extra_flags: bool = True
-    # Request tensor names of the tensorrt_llm model and the BLS (renamed seed / min_tokens later).
-    seed_input: str = "random_seed"
-    min_tokens_input: str = "min_length"
+    # Request tensor names of the tensorrt_llm model and the BLS (renamed seed / min_tokens later): this era's are the
+    # client contract's own (pipeline/contract.py).
+    seed_input: str = SEED_INPUT
+    min_tokens_input: str = MIN_TOKENS_INPUT
     # Preprocessing parameter that model.py reads unconditionally (renamed multimodal_model_path later).
     preprocessing_model_path_keys: tuple[str, ...] = ("visual_model_path", "multimodal_model_path")
     # trtllm-build flags.

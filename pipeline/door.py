@@ -32,6 +32,11 @@ def api_key(env: dict | None = None) -> str | None:
     return (os.environ if env is None else env).get(API_KEY_ENV) or None
 
 
+def local_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+
+
 def is_loopback(host: str) -> bool:
     """True for addresses only this machine reaches: 127.0.0.0/8, ::1, localhost."""
     if host in ("localhost", "ip6-localhost"):
