@@ -24,8 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SOURCES = ("skinny.c", "gguf_kernels.c", "gguf_blocks32.c")  # skinny.c #includes the other two
-
 
 def build_at(rev: str | None, isa: str, out_dir: Path, define: str | None = None):
     """skinny.c as it is at git revision `rev` (None: this tree), compiled with today's flags for `isa` (and
@@ -35,16 +33,17 @@ def build_at(rev: str | None, isa: str, out_dir: Path, define: str | None = None
     from pipeline.runtime import kernels
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    bf16_cache = True
-    for name in SOURCES:
+
+    def read(name: str) -> str:
         if rev is None:
-            text = (ROOT / "pipeline" / "runtime" / name).read_text()
-        else:
-            text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/runtime/{name}"], check=True,
-                                  capture_output=True, text=True).stdout
+            return (ROOT / "pipeline" / "runtime" / name).read_text()
+        return subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pipeline/runtime/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    texts = {p.name: read(p.name) for p in kernels.source_files(read)}  # skinny.c and its #includes at `rev`
+    for name, text in texts.items():
         (out_dir / name).write_text(text)
-        if name == "skinny.c":
-            bf16_cache = "const uint16_t *kc" in text  # fp32 K/V before 2026-12-05
+    bf16_cache = any("const uint16_t *kc" in t for t in texts.values())  # fp32 K/V before 2026-12-05
     so = out_dir / f"skinny-{isa}.so"
     extra = [f"-D{define}"] if define else []
     subprocess.run(["cc", *kernels.CFLAGS, *kernels.ISA_FLAGS[isa], *extra, str(out_dir / "skinny.c"), "-o", str(so)],

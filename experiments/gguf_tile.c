@@ -72,6 +72,10 @@ int main(int argc, char **argv) {
     gg_desc_t d = {1, K, {{type, N, 0, 0, w}}};
     const char *mode = argc > 7 ? argv[7] : "avx512";
     if (strcmp(mode, "avx512") != 0) {
+#if !defined(__AVX512F__)
+        fprintf(stderr, "mode %s: the AMX tiles need the AVX-512 build (this is the AVX2 one)\n", mode);
+        return 2;
+#else
         const int want = strcmp(mode, "amx") == 0 ? 1 : strcmp(mode, "amx-model") == 0 ? 2 : -1;
         if (want < 0 || (want == 1 && gguf_amx_probe() != 1)) {
             fprintf(stderr, want < 0 ? "mode: avx512, amx or amx-model\n" : "no AMX here (gguf_amx_probe %d)\n",
@@ -92,6 +96,7 @@ int main(int argc, char **argv) {
         }
         printf("%s: the same bits as the AVX-512 tiles at S = 1..20 and up to %d\n", mode, smax);
         free(ref);
+#endif
     }
 
     double peak = 0;  // int8 multiply-adds per second, best of 3

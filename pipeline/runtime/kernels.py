@@ -30,12 +30,14 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,6 +101,23 @@ def _build_dir() -> Path:
     return Path(base)
 
 
+def source_files(read: Callable[[str], str] | None = None) -> list[Path]:
+    """skinny.c and every file it #includes with quotes, in include order (one translation unit: the build's digest
+    covers them all). `read(name)` gives a file's text (default: this directory's), so a caller can read another
+    revision's set."""
+    read = read or (lambda name: SRC.with_name(name).read_text())
+    out: list[str] = []
+
+    def visit(name: str) -> None:
+        out.append(name)
+        for inc in re.findall(r'^#include "([^"]+)"', read(name), flags=re.M):
+            if inc not in out:
+                visit(inc)
+
+    visit(SRC.name)
+    return [SRC.with_name(n) for n in out]
+
+
 def _compile(isa: str) -> ctypes.CDLL | None:
     """Build (or reuse) skinny-<isa>-<hash>.so; None, logged, when that fails."""
     if isa in _libs:
@@ -109,8 +128,7 @@ def _compile(isa: str) -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc) found: the skinny kernel is off, the runtime uses torch ops")
         return None
     flags = ISA_FLAGS[isa]
-    src = SRC.read_bytes() + SRC.with_name("gguf_kernels.c").read_bytes() \
-        + SRC.with_name("gguf_blocks32.c").read_bytes()  # skinny.c #includes them
+    src = b"".join(p.read_bytes() for p in source_files())
     key = src + " ".join(CFLAGS + flags).encode() + platform.node().encode()
     tag = hashlib.sha256(key).hexdigest()[:16]
     so = _build_dir() / f"skinny-{isa}-{tag}.so"
