@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import door
 from pipeline import spec as specmod
 from pipeline.client import chat_text, generate
 from pipeline.triton import openai_api
@@ -84,6 +85,18 @@ def _raw(s, method: str, path: str, body: bytes | None = None, headers: dict | N
 def _metric(s, name: str) -> float:
     text = urllib.request.urlopen(srvmod.metrics_url(s), timeout=10).read().decode()
     return sum(float(ln.rpartition(" ")[2]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
+def test_the_methods_read_from_the_engine_files_are_those_the_loaded_engines_serve(served_deployment, client):
+    """served_methods reads the engine directory without loading a model (the front and `load` start light); it must
+    name what the served model's loaded bundle serves, and the endpoint lists exactly those."""
+    from pipeline.runtime.decode import load_bundle
+    from pipeline.triton.repo import served_methods
+
+    s = served_deployment
+    assert served_methods(s) == load_bundle(s.engine_dir).methods()
+    card = client.models.list().data[0].model_extra
+    assert [m for m in card["methods"] if m != "medusa_typical"] == served_methods(s)
 
 
 def test_serve_starts_the_endpoint_on_the_spec_host_and_lists_the_deployment(served_deployment, client):
@@ -476,7 +489,7 @@ def test_api_key_from_the_environment_is_required_when_set(served_deployment, mo
 
     s = served_deployment
     other = dataclasses.replace(s, openai=dataclasses.replace(s.openai, port=srvmod.free_port()), name=s.name)
-    monkeypatch.setenv(openai_api.API_KEY_ENV, "s3cret")
+    monkeypatch.setenv(door.API_KEY_ENV, "s3cret")
     rdir = s.report_dir / "keyed"
     monkeypatch.setattr(openai_api, "pid_file", lambda spec: rdir / "openai.pid")
     monkeypatch.setattr(openai_api, "config_file", lambda spec: rdir / "openai.json")

@@ -43,7 +43,6 @@ import psutil
 
 from pipeline import door
 from pipeline.client import RequestTimeout
-from pipeline.door import API_KEY_ENV
 from pipeline.openai_client import base_url  # noqa: F401 (the CLI and tests read it here)
 from pipeline.spec import Spec
 from pipeline.triton import fim
@@ -232,7 +231,7 @@ def start(spec: Spec, timeout: float = 120.0, log=print) -> int:
             raise ServerError(f"the OpenAI endpoint did not answer /health with 200 within {timeout:.0f}s. Last "
                               f"lines of {logp}:\n{log_tail(logp)}")
         time.sleep(0.25)
-    key = " (API key from PIPELINE_API_KEY required)" if os.environ.get(API_KEY_ENV) else ""
+    key = " (API key from PIPELINE_API_KEY required)" if door.api_key() else ""
     log(f"OpenAI endpoint ready in {time.monotonic() - t0:.1f}s: {base_url(spec)}, model {spec.name!r}{key} "
         f"(log {logp})")
     return proc.pid
@@ -830,7 +829,7 @@ def make_app(front: Front):
                            "misdirected_request")
         if not front.authorized(request.headers.get("authorization")):
             raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key this "
-                                f"endpoint was started with ({API_KEY_ENV})", None, "invalid_api_key")
+                                f"endpoint was started with ({door.API_KEY_ENV})", None, "invalid_api_key")
 
     def model_card() -> dict:
         return {"id": cfg.name, "object": "model", "created": front.created, "owned_by": "pipeline",
@@ -1110,7 +1109,7 @@ def serve(config_path: str) -> None:
     from pipeline.runtime.engine_io import load_tokenizer  # lazy: loads torch (~1.5 s); only the endpoint needs it
 
     cfg = FrontConfig(**json.loads(Path(config_path).read_text()))
-    front = Front(cfg, load_tokenizer(Path(cfg.tokenizer_dir)), os.environ.get(API_KEY_ENV))
+    front = Front(cfg, load_tokenizer(Path(cfg.tokenizer_dir)), door.api_key())
     print(f"OpenAI endpoint for {cfg.name!r} on {cfg.host}:{cfg.port} -> Triton {cfg.grpc_url} model "
           f"{cfg.triton_model}; methods {cfg.methods or '(the model says)'}, default {cfg.default_method}; "
           f"API key {'required' if front.api_key else 'not required'}", flush=True)

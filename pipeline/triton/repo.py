@@ -92,17 +92,12 @@ def client_model(spec: Spec, prefer: str = ENSEMBLE) -> str:
 
 def served_methods(spec: Spec) -> list[str]:
     """The methods the spec's built engines serve (what the served model lists at start-up)."""
-    out = ["baseline"]
     bc = json.loads((spec.engine_dir / "target" / "config.json").read_text())["build_config"]
-    if (spec.engine_dir / "draft" / "config.json").is_file():
-        out.append("draft_target")
-    if int(bc.get("max_draft_len", 0)) > 0:
-        out.append("prompt_lookup")
-    if (spec.engine_dir / "medusa" / "config.json").is_file():
-        out.append("medusa")
-    if int(bc.get("max_draft_len", 0)) > 0:  # suffix drafting (pipeline/runtime/suffix.py)
-        out += ["suffix"] + (["hybrid"] if "draft_target" in out else [])
-    return out
+    draft = (spec.engine_dir / "draft" / "config.json").is_file()
+    lookup = int(bc.get("max_draft_len", 0)) > 0  # the engine takes drafts: prompt lookup and the suffix drafter
+    medusa = (spec.engine_dir / "medusa" / "config.json").is_file()
+    return [m for m, on in (("baseline", True), ("draft_target", draft), ("prompt_lookup", lookup), ("medusa", medusa),
+                            ("suffix", lookup), ("hybrid", lookup and draft)) if on]
 
 
 def default_methods(spec: Spec) -> list[str]:

@@ -26,7 +26,6 @@ import psutil
 
 from pipeline import door
 from pipeline.common import apply_omp_env
-from pipeline.door import local_host
 from pipeline.spec import Spec
 from pipeline.triton.repo import ENSEMBLE
 
@@ -121,15 +120,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def grpc_url(spec: Spec) -> str:
-    return f"{local_host(spec.triton.host)}:{spec.triton.grpc_port}"
+    return f"{door.local_host(spec.triton.host)}:{spec.triton.grpc_port}"
 
 
 def http_url(spec: Spec) -> str:
-    return f"http://{local_host(spec.triton.host)}:{spec.triton.http_port}"
+    return f"http://{door.local_host(spec.triton.host)}:{spec.triton.http_port}"
 
 
 def metrics_url(spec: Spec) -> str:
-    return f"http://{local_host(spec.triton.host)}:{spec.triton.metrics_port}/metrics"
+    return f"http://{door.local_host(spec.triton.host)}:{spec.triton.metrics_port}/metrics"
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
